@@ -1,0 +1,3 @@
+"""Tandem: distributed speculative decoding (shared library and the `tandem` command)."""
+
+__version__ = "0.1.0"

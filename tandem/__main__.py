@@ -1,0 +1,5 @@
+import sys
+
+from tandem.cli import main
+
+sys.exit(main())

@@ -1,0 +1,32 @@
+"""Attention backends behind one interface (see ``base.AttentionBackend``)."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.attention.base import AttentionBackend, AttentionMetadata
+from tandem.attention.flash import FlashAttention
+from tandem.attention.reference import ReferenceAttention
+from tandem.attention.sdpa import SdpaAttention
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "make_backend"]
+
+
+def make_backend(name: str, dtype: torch.dtype, device: torch.device, block_size: int) -> AttentionBackend:
+    """``auto`` picks flash-attn on CUDA when it is installed, SDPA everywhere else."""
+    if name == "auto":
+        name = "sdpa"
+        if device.type == "cuda" and block_size % 256 == 0:
+            try:
+                import flash_attn  # type: ignore[import-not-found]  # noqa: F401
+
+                name = "flash"
+            except ImportError:
+                pass
+    if name == "flash":
+        return FlashAttention(block_size)
+    if name == "reference":
+        return ReferenceAttention()
+    if name == "sdpa":
+        return SdpaAttention(dtype)
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,102 @@
+"""The attention interface every backend implements, and the batch metadata it reads.
+
+A forward pass covers a ragged batch: sequence ``b`` already has
+``context_lens[b]`` tokens in the paged KV cache and brings ``query_lens[b]``
+new ones (1 when decoding, k+1 when verifying, many when prefilling). New
+tokens are flattened into one ``[num_tokens, ...]`` axis in sequence order;
+``cu_seqlens_q`` marks where each sequence starts. New K/V are written into
+the cache before attention runs, so a backend only ever reads the cache.
+
+Metadata is built once per forward (``AttentionMetadata.build``); each backend
+derives whatever it needs from it once too (``prepare``), and every layer
+reuses that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Flat variable-length description of one batch (vLLM-style ``cu_`` offsets)."""
+
+    query_lens: list[int]  # host copy, [num_seqs]
+    context_lens: list[int]  # host copy, [num_seqs]: tokens cached before this step
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32, offsets of each sequence's new tokens
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, offsets of each sequence's total tokens
+    seq_lens_k: torch.Tensor  # [num_seqs] int32, context + query length
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len_k(self) -> int:
+        return max(c + q for c, q in zip(self.context_lens, self.query_lens))
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        cu_q = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, *_cumsum(seq_lens)], dtype=torch.int32, device=device)
+        return cls(
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            seq_lens_k=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables.to(device),
+            block_size=block_size,
+        )
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+class AttentionBackend(Protocol):
+    """Causal attention of new tokens over their sequences' cached K/V."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Derive per-forward state (masks, gather indices) shared by every layer."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        state: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attend each new token to its own sequence's first ``context + i + 1`` tokens."""

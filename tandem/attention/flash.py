@@ -1,0 +1,83 @@
+"""FlashAttention-2 on CUDA, reading the paged KV cache through block tables.
+
+Decode-only batches (one new token per sequence) go through
+``flash_attn_with_kvcache``; ragged prefill/verify batches through
+``flash_attn_varlen_func`` with ``block_table``. Both align the causal mask
+bottom-right (a query sees every cached key before it), which is the
+semantics our other backends implement with explicit masks.
+
+The flash-attn module is passed in rather than imported at module level, so
+that the plumbing can be tested on a CPU against the reference backend with
+a stand-in module that has the same functions and argument contract.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from tandem.attention.base import AttentionMetadata
+
+# flash-attn's paged kernels require a page (block) size that is a multiple of this.
+FLASH_PAGE_MULTIPLE = 256
+
+
+def import_flash_attn() -> ModuleType:
+    """The installed ``flash_attn`` package, or a clear error naming the extra to install."""
+    try:
+        import flash_attn  # type: ignore[import-not-found]
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "attention backend 'flash' needs the flash-attn package on a CUDA machine: "
+            "pip install 'tandem[gpu]'"
+        ) from exc
+    return flash_attn
+
+
+class FlashAttention:
+    name = "flash"
+
+    def __init__(self, block_size: int, flash_module: ModuleType | Any | None = None) -> None:
+        if block_size % FLASH_PAGE_MULTIPLE:
+            raise ValueError(
+                f"flash-attn paged KV needs block_size to be a multiple of {FLASH_PAGE_MULTIPLE}, got {block_size}"
+            )
+        self.flash = flash_module if flash_module is not None else import_flash_attn()
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        return None
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, H, D]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        state: None,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.is_decode_only:
+            out = self.flash.flash_attn_with_kvcache(
+                query.unsqueeze(1),  # [B, 1, H, D]
+                key_cache,
+                value_cache,
+                cache_seqlens=meta.seq_lens_k,  # [B] int32, includes the token just written
+                block_table=meta.block_tables,  # [B, max_blocks] int32
+                softmax_scale=scale,
+                causal=True,
+            )  # [B, 1, H, D]
+            return out.squeeze(1)
+        return self.flash.flash_attn_varlen_func(
+            query,
+            key_cache,
+            value_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )  # [num_tokens, H, D]

@@ -1,0 +1,42 @@
+"""The `tandem` command: one subcommand per thing a person does.
+
+Each subcommand lives in its own module with a ``register(subparsers)`` that
+adds its parser and sets ``func``; flags and environment are read here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.errors import TandemError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tandem.cli import generate, models
+
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Tandem: speculative decoding with a draft model (or n-gram lookup) "
+        "proposing tokens and a target model verifying them, output identical to the target alone.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    models.register(sub)
+    generate.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TandemError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

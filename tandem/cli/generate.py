@@ -1,0 +1,125 @@
+"""`tandem generate`: generate text from a prompt, in process.
+
+Flags are validated (sampling, method, k) before any model is loaded; the
+models are resolved (catalog name, directory or GGUF) and loaded; then one
+request runs through the speculation loop. ``--json`` prints one JSON object
+on the last line: ``text``, ``token_ids`` (generated only), ``finish_reason``
+and ``stats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from tandem import model_store
+from tandem.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from tandem.errors import InvalidRequestError, ModelFileError
+from tandem.pipeline import METHODS, LocalPipeline, SpecConfig
+from tandem.sampling import SamplingParams
+from tandem.spec.generator import GenerationRequest
+from tandem.tokenizer import encode_prompt
+
+DEFAULT_TARGET = "qwen-coder-1.5b"
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads models in process."""
+    p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
+                   help="target model: catalog name, Hugging Face directory or .gguf file (default: %(default)s)")
+    p.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft/auto")
+    p.add_argument("--method", default="auto", choices=METHODS,
+                   help="proposer: none (target only), draft (draft model), ngram (prompt lookup), "
+                        "early-exit (the target's first layers), auto (draft if --draft is given, else ngram)")
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
+                   help="most draft tokens per round (default: %(default)s); 0 disables speculation")
+    p.add_argument("--fixed-k", action="store_true", help="always draft k tokens instead of adapting k per request")
+    p.add_argument("--early-exit-layers", type=int, default=None,
+                   help="layers of the target used as self-draft (default: a quarter of them)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched (default: %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="weights and activations dtype (default: bfloat16 where the CPU/GPU supports it)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 disables")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampler (reproducible runs)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt (in process)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
+    add_sampling_flags(p)
+    add_model_flags(p)
+    p.set_defaults(func=run)
+
+
+def resolve_or_prepare(spec: str, root: os.PathLike[str]) -> os.PathLike[str]:
+    """A catalog name that is not prepared yet is prepared now (with progress bars)."""
+    try:
+        return model_store.resolve_model(spec, root, progress=True)
+    except ModelFileError:
+        if spec in model_store.CATALOG:
+            print(f"preparing {spec} (first use)...", file=sys.stderr)
+            return model_store.prepare(spec, root, progress=True)
+        raise
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecConfig, EngineConfig, EngineConfig | None]:
+    """Validate every flag, then resolve the models; nothing heavy is loaded yet."""
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    spec = SpecConfig(args.method, args.k, not args.fixed_k, args.early_exit_layers, args.ngram_min, args.ngram_max)
+    spec.resolved_method(args.draft is not None)
+    if args.max_new_tokens <= 0:
+        raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device, attention_backend=args.attention)
+    draft = None
+    if args.draft is not None and spec.resolved_method(True) == "draft":
+        draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device, attention_backend=args.attention)
+    return sampling, spec, target, draft
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling, spec, target_cfg, draft_cfg = configs_from_args(args)
+    t0 = time.perf_counter()
+    pipeline = LocalPipeline.load(target_cfg, spec, draft_cfg)
+    print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
+    request = GenerationRequest(
+        prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids, k_max=spec.k, adaptive_k=spec.adaptive_k
+    )
+    result = pipeline.generator().generate([request])[0]
+    text = pipeline.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        stats = {**result.stats.as_dict(), "method": pipeline.method}
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": stats}))
+    else:
+        print(text)
+        s = result.stats
+        print(f"[{s.generated} tokens, {s.tokens_per_s:.2f} tok/s, method {pipeline.method}, "
+              f"accepted {s.accepted}/{s.drafted} drafted in {s.rounds} rounds]", file=sys.stderr)
+    return 0

@@ -1,0 +1,34 @@
+"""Domain errors shared by every role.
+
+Each maps to one gRPC status code at the service edge (see the interceptor in
+``tandem.rpc``), so the engine never needs to know about gRPC.
+"""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class of every error Tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The caller sent something we cannot serve (maps to INVALID_ARGUMENT)."""
+
+
+class UnsupportedArchitectureError(InvalidRequestError):
+    """A checkpoint's architecture is not one our engine implements."""
+
+
+class ModelFileError(TandemError):
+    """A model file is missing, truncated, or does not match its checksum."""
+
+
+class KVCacheExhaustedError(TandemError):
+    """The paged KV pool has no free block left for a request (RESOURCE_EXHAUSTED)."""
+
+
+class UnknownSequenceError(TandemError, KeyError):
+    """A call names a sequence the worker does not hold (maps to NOT_FOUND)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr with quotes
+        return str(self.args[0]) if self.args else "unknown sequence"

@@ -1,0 +1,79 @@
+"""Sampling parameters, logits processing and per-request random generators.
+
+Greedy (temperature 0) is an argmax; otherwise logits go through temperature,
+top-k and top-p, in that order, to a probability distribution. The draft and
+the target apply the very same processing, which the rejection sampler needs
+(p and q must be the processed distributions).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.errors import InvalidRequestError
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator of this request's own: seeded runs repeat exactly, whatever else is batched."""
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return torch.Generator(device=device).manual_seed(seed)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[R, V]`` float32 logits -> ``[R, V]`` float32 probabilities after temperature, top-k, top-p.
+
+    Greedy gives a one-hot at the argmax, so that the rejection sampler
+    reduces to exact matching for greedy requests.
+    """
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [R, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of ``[R, V]`` probabilities -> ``[R]`` int64."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token for each row of ``[R, V]`` logits -> ``[R]`` int64; argmax fast path for greedy."""
+    if params.is_greedy:
+        return logits.argmax(-1)
+    assert generator is not None, "sampling needs a generator"
+    return sample(probabilities(logits, params), generator)

@@ -1,0 +1,52 @@
+"""Tokenizer loading, stop tokens, and a fingerprint that says whether two tokenizers agree."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from tandem.config import ModelConfig
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's own tokenizer, through transformers' AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the token -> id map: equal fingerprints mean the same ids for the same text.
+
+    Used to refuse a draft whose vocabulary differs from the target's, and to
+    namespace shared n-gram caches.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def stop_token_ids(model_dir: Path, tokenizer: Any, config: ModelConfig) -> frozenset[int]:
+    """End-of-sequence ids from the config, generation_config.json and the tokenizer."""
+    ids = set(config.eos_token_ids)
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(int(i) for i in ids)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """Token ids of ``prompt``; with ``chat`` wrapped in the tokenizer's chat template as a user turn."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding here; 4.x a plain list
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer.encode(prompt, add_special_tokens=True))

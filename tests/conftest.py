@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_model
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_other_dir(tmp_path_factory) -> Path:
+    """Same shapes and vocabulary as tiny_qwen2, unrelated weights: a draft that rarely agrees."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-other"), "qwen2", seed=7)
+
+
+def prepared_model_dir(name: str) -> Path | None:
+    """The prepared directory of a catalog model in the default cache, or None."""
+    from tandem.model_store import default_cache_root
+
+    path = default_cache_root(os.environ) / "models" / name
+    return path if (path / "config.json").is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    path = prepared_model_dir("smollm2")
+    if path is None:
+        pytest.skip("SmolLM2 not prepared: run `tandem models prepare smollm2` (make test does)")
+    return path

@@ -1,0 +1,70 @@
+"""The paged KV pool: allocation, rollback, release, exhaustion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.errors import KVCacheExhaustedError, UnknownSequenceError
+from tandem.kv_cache import PagedKVCache
+
+
+def make_cache(num_blocks: int = 4, block_size: int = 4) -> PagedKVCache:
+    return PagedKVCache(num_layers=2, num_blocks=num_blocks, block_size=block_size, num_kv_heads=1,
+                        head_dim=2, dtype=torch.float32)
+
+
+def test_append_allocates_whole_blocks_and_maps_slots():
+    cache = make_cache()
+    slots = cache.append_slots({"a": 6})["a"]
+    assert cache.length("a") == 6
+    assert len(cache.sequence("a").block_ids) == 2
+    blocks = cache.sequence("a").block_ids
+    assert slots.tolist() == [blocks[0] * 4 + i for i in range(4)] + [blocks[1] * 4 + i for i in range(2)]
+    assert cache.num_free_blocks == 2
+
+
+def test_rollback_frees_blocks_past_the_new_end():
+    cache = make_cache()
+    cache.append_slots({"a": 10})  # 3 blocks
+    cache.rollback("a", 4)
+    assert cache.length("a") == 4 and len(cache.sequence("a").block_ids) == 1
+    assert cache.num_free_blocks == 3
+    cache.rollback("a", 0)
+    assert cache.num_free_blocks == 4
+
+
+def test_rollback_beyond_length_is_refused():
+    cache = make_cache()
+    cache.append_slots({"a": 3})
+    with pytest.raises(ValueError, match="holds 3 tokens"):
+        cache.rollback("a", 5)
+
+
+def test_exhaustion_raises_specific_error_and_changes_nothing():
+    cache = make_cache(num_blocks=2)
+    cache.append_slots({"a": 5})
+    with pytest.raises(KVCacheExhaustedError, match="needs 1 more blocks of 4 tokens, 0 of 2 are free"):
+        cache.append_slots({"a": 3, "b": 4})  # a still fits its 2 blocks; b needs a third
+    assert cache.length("a") == 5 and not cache.has_sequence("b")
+    assert cache.num_free_blocks == 0
+
+
+def test_release_returns_everything_and_unknown_ids_are_named():
+    cache = make_cache()
+    cache.append_slots({"a": 7, "b": 1})
+    cache.release("a")
+    cache.release("b")
+    assert cache.num_free_blocks == 4
+    with pytest.raises(UnknownSequenceError, match="unknown sequence 'a'"):
+        cache.release("a")
+
+
+def test_write_stores_at_the_mapped_slots():
+    cache = make_cache()
+    slots = cache.append_slots({"a": 5})["a"]
+    key = torch.arange(10, dtype=torch.float32).view(5, 1, 2)
+    cache.write(1, slots, key, -key)
+    flat = cache.key[1].view(-1, 1, 2)
+    assert torch.equal(flat[slots], key)
+    assert torch.equal(cache.value[1].view(-1, 1, 2)[slots], -key)
