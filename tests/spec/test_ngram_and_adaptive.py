@@ -1,0 +1,72 @@
+"""Prompt lookup and the adaptive-k rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.sampling import SamplingParams
+from tandem.spec.adaptive import AcceptanceTracker, CostModel, choose_k, expected_tokens
+from tandem.spec.ngram import NgramProposer, lookup_continuation
+from tandem.spec.proposal import ProposeRequest
+
+
+def lookup(tokens, k=3, min_n=1, max_n=3):
+    return lookup_continuation(np.array(tokens), k, min_n, max_n)
+
+
+def test_longest_suffix_match_wins():
+    # suffix [1, 2] occurs at 0 (followed by 9) and, as bigram [2] alone, at 5 (followed by 7)
+    assert lookup([1, 2, 9, 8, 0, 2, 7, 1, 2], k=2) == [9, 8]
+
+
+def test_most_recent_occurrence_is_used():
+    assert lookup([4, 5, 1, 4, 6, 2, 4], k=1, max_n=1) == [6]
+
+
+def test_no_match_and_short_continuations():
+    assert lookup([1, 2, 3, 4]) == []
+    assert lookup([7, 3, 7], k=5) == [3, 7]  # only what exists is proposed
+    assert lookup([5]) == []
+
+
+def test_proposer_respects_k_zero_and_validates_sizes():
+    proposer = NgramProposer(1, 2)
+    reqs = [ProposeRequest(0, [1, 2, 1], 0, SamplingParams()), ProposeRequest(1, [1, 2, 1], 2, SamplingParams())]
+    assert [p.tokens for p in proposer.propose(reqs)] == [[], [2, 1]]
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        NgramProposer(3, 2)
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_choose_k_backs_off_when_drafts_are_wrong_or_expensive():
+    cheap = CostModel(draft_step_s=0.05, verify_base_s=1.0, verify_per_token_s=0.01)
+    assert choose_k(0.9, cheap, 8) >= 4
+    assert choose_k(0.05, cheap, 8) == 0
+    costly = CostModel(draft_step_s=1.5, verify_base_s=1.0, verify_per_token_s=0.01)
+    assert choose_k(0.8, costly, 8) == 0
+
+
+def test_tracker_learns_acceptance_rate():
+    tracker = AcceptanceTracker()
+    for _ in range(50):
+        tracker.observe(4, 0)
+    assert tracker.rate < 0.1
+    tracker = AcceptanceTracker()
+    for _ in range(50):
+        tracker.observe(4, 4)
+    assert tracker.rate > 0.95
+
+
+def test_cost_model_follows_measurements():
+    costs = CostModel()
+    for _ in range(30):
+        costs.observe_draft(0.02)
+        costs.observe_verify(5, 0.2)
+    assert costs.draft_step_s == pytest.approx(0.02, rel=0.01)
+    assert costs.round_seconds(4) == pytest.approx(4 * 0.02 + 0.2, rel=0.05)

@@ -1,0 +1,158 @@
+"""The rejection sampler: defined cases, determinism, and a statistical test of losslessness.
+
+The statistical tests draw many seeded samples and compare the empirical
+distribution with the exact target distribution by a chi-square test. Each is
+run against deliberately broken acceptance rules too, which must fail it:
+otherwise the test could not tell a correct sampler from a wrong one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tandem.sampling import SamplingParams
+from tandem.spec import rejection
+from tandem.spec.rejection import Verdict, verify, verify_greedy, verify_sampled
+
+SIGNIFICANCE = 1e-3
+
+
+def one_hot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
+    logits = torch.full((len(tokens), vocab), -5.0)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+def test_greedy_perfect_match_gives_bonus():
+    assert verify_greedy(one_hot_logits([3, 4, 5, 6]), [3, 4, 5]) == Verdict(3, 6)
+
+
+def test_greedy_early_mismatch_gives_correction():
+    assert verify_greedy(one_hot_logits([3, 4, 5, 6]), [3, 9, 5]) == Verdict(1, 4)
+    assert verify_greedy(one_hot_logits([3, 4, 5, 6]), [8, 4, 5]) == Verdict(0, 3)
+
+
+def test_empty_draft_is_plain_decoding():
+    assert verify_greedy(one_hot_logits([7]), []) == Verdict(0, 7)
+    params = SamplingParams(temperature=1.0, seed=0)
+    verdict = verify(one_hot_logits([7]) * 10, [], None, params, params.make_generator())
+    assert verdict == Verdict(0, 7)
+
+
+def test_sampled_verification_is_deterministic_per_seed():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    q = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(1)), -1)
+    params = SamplingParams(temperature=1.0, seed=42)
+    runs = [verify_sampled(logits, [1, 2, 3], q, params, params.make_generator()) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+# ----- the statistical test, on the rejection sampler alone ------------------
+
+def emitted_first_token(p_logits: torch.Tensor, q: torch.Tensor, seed: int, rule) -> int:
+    """Draft one token from q, verify it against p; the token that ends up at that position."""
+    gen = torch.Generator().manual_seed(seed)
+    draft = int(torch.multinomial(q, 1, generator=gen))
+    verdict = rule(p_logits, [draft], q[None], SamplingParams(temperature=1.0), gen)
+    return draft if verdict.num_accepted == 1 else verdict.next_token
+
+
+def broken_always_accept(target_logits, draft_tokens, draft_probs, params, generator):
+    return Verdict(len(draft_tokens), 0)
+
+
+def broken_resample_from_p(target_logits, draft_tokens, draft_probs, params, generator):
+    """Rejects like the real rule but resamples from p instead of normalize(max(0, p - q))."""
+    verdict = verify_sampled(target_logits, draft_tokens, draft_probs, params, generator)
+    if verdict.num_accepted < len(draft_tokens):
+        p = torch.softmax(target_logits[verdict.num_accepted], -1)
+        return Verdict(verdict.num_accepted, int(torch.multinomial(p, 1, generator=generator)))
+    return verdict
+
+
+def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    expected = probs / probs.sum() * len(samples)
+    keep = expected >= 5  # merge rare outcomes into one bin so the chi-square approximation holds
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expect = np.append(expected[keep], expected[~keep].sum())
+    if expect[-1] == 0:
+        observed, expect = observed[:-1], expect[:-1]
+    return float(chisquare(observed, expect).pvalue)
+
+
+P_LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])  # row 1: the bonus position
+Q = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.15, 0.05])
+
+
+@pytest.mark.parametrize("rule,lossless", [
+    (verify_sampled, True),
+    (broken_always_accept, False),
+    (broken_resample_from_p, False),
+], ids=["correct", "always-accept", "resample-from-p"])
+def test_rejection_sampler_output_follows_target(rule, lossless):
+    samples = [emitted_first_token(P_LOGITS, Q, seed, rule) for seed in range(8000)]
+    pvalue = chi_square_pvalue(samples, torch.softmax(P_LOGITS[0], -1).numpy())
+    assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"
+
+
+# ----- the statistical test end to end, through draft and target models -----
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    """A target and an unrelated draft with 6 tokens, so two-token outcomes fit a chi-square table."""
+    from tests.tiny_models import save_tiny_model
+
+    kw = dict(vocab_size=6, bos_token_id=0, eos_token_id=1)
+    target = save_tiny_model(tmp_path_factory.mktemp("t6"), "qwen2", seed=3, **kw)
+    draft = save_tiny_model(tmp_path_factory.mktemp("d6"), "qwen2", seed=4, **kw)
+    return target, draft
+
+
+def exact_two_token_distribution(engine, prompt: list[int], temperature: float) -> np.ndarray:
+    """P(t2, t3) of the target alone, marginalised over t1, as a flat [vocab * vocab] array."""
+    from tandem.engine import ForwardItem
+
+    vocab = engine.config.vocab_size
+    def dist(tokens):
+        logits = engine.forward([ForwardItem("x", tokens)])[0][0]
+        engine.release("x")
+        return torch.softmax(logits / temperature, -1).double().numpy()
+    joint = np.zeros((vocab, vocab))
+    p1 = dist(prompt)
+    for t1 in range(vocab):
+        p2 = dist([*prompt, t1])
+        for t2 in range(vocab):
+            joint[t2] += p1[t1] * p2[t2] * dist([*prompt, t1, t2])
+    return joint.reshape(-1)
+
+
+@pytest.mark.parametrize("lossless", [True, False], ids=["correct", "broken-resample-from-p"])
+def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab_pair, monkeypatch, lossless):
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from tandem.spec import generator as generator_module
+    from tandem.spec.draft_model import DraftModelProposer
+    from tandem.spec.generator import GenerationRequest, SpeculativeGenerator
+
+    target_dir, draft_dir = small_vocab_pair
+    cfg = dict(dtype="float32", kv_cache_tokens=65536, block_size=4)
+    target = ModelEngine.load(EngineConfig(target_dir, **cfg))
+    draft = ModelEngine.load(EngineConfig(draft_dir, **cfg))
+    prompt, temperature, n = [0, 3, 2, 5], 1.0, 4000
+    if not lossless:
+        broken = lambda logits, tokens, probs, params, gen: (  # noqa: E731
+            broken_resample_from_p(logits, tokens, probs, params, gen) if tokens else verify(logits, tokens, probs, params, gen))
+        monkeypatch.setattr(generator_module, "verify", broken)
+    # Token 1 comes from the target's prefill, tokens 2 and 3 from speculative rounds.
+    requests = [GenerationRequest(prompt, max_new_tokens=4, sampling=SamplingParams(temperature, seed=s),
+                                  k_max=2, adaptive_k=False) for s in range(n)]
+    results = SpeculativeGenerator(target, DraftModelProposer(draft)).generate(requests)
+    assert all(r.stats.chosen_k[0] == 2 for r in results)  # tokens 2-3 come from a k=2 round (and a k=1 one after a rejection)
+    samples = [r.token_ids[1] * 6 + r.token_ids[2] for r in results]
+    pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target, prompt, temperature))
+    assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

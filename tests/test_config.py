@@ -1,0 +1,47 @@
+"""Configuration errors name what was wrong and what is accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM, Qwen2ForCausalLM") as info:
+        ModelConfig.from_hf_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    assert "GPT2LMHeadModel" in str(info.value)
+
+
+def test_unsupported_rope_type_is_named():
+    cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_parameters": {"rope_type": "yarn"}}
+    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_qwen2_always_has_attention_bias_and_rope_theta_is_read_from_v5_layout():
+    cfg = {"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "eos_token_id": [3, 4]}
+    model = ModelConfig.from_hf_dict(cfg)
+    assert model.attention_bias and model.rope_theta == 1e6 and model.eos_token_ids == (3, 4)
+    assert model.head_dim == 4
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"dtype": "int8"}, "dtype must be"),
+    ({"attention_backend": "magic"}, "attention backend"),
+    ({"block_size": 12}, "power of two"),
+    ({"kv_cache_tokens": 4}, "at least one block"),
+    ({"dtype": "float16"}, "float16 is for GPUs"),
+])
+def test_engine_config_validation(tmp_path, kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(tmp_path, **kwargs)
+
+
+def test_missing_config_json_is_named(tmp_path):
+    with pytest.raises(InvalidRequestError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path)

@@ -1,0 +1,78 @@
+"""KV rollback is exact, and a ragged batch computes what each sequence would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import ForwardItem, ModelEngine
+from tandem.errors import KVCacheExhaustedError
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def engine(request, tiny_qwen2_dir) -> ModelEngine:
+    return ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype=request.param, kv_cache_tokens=1024, block_size=4))
+
+
+def greedy_steps(engine: ModelEngine, seq, first: int, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    tokens, logits, token = [], [], first
+    for _ in range(n):
+        row = engine.forward([ForwardItem(seq, [token])])[0]
+        logits.append(row)
+        token = int(row.argmax())
+        tokens.append(token)
+    return tokens, logits
+
+
+def test_rollback_is_as_if_the_tokens_were_never_seen(engine):
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]  # 11 tokens: blocks of 4 end mid-block
+    engine.forward([ForwardItem("a", prompt[:-1])])
+    decoded, _ = greedy_steps(engine, "a", prompt[-1], 10)
+    # Forget the K/V of the last 6 decoded tokens, then decode on from there.
+    engine.rollback("a", engine.seq_len("a") - 6)
+    again, again_logits = greedy_steps(engine, "a", decoded[3], 8)
+
+    # The same calls on a cache that never saw those 6: prefill, 4 decode steps, then on.
+    engine.forward([ForwardItem("b", prompt[:-1])])
+    first_four, _ = greedy_steps(engine, "b", prompt[-1], 4)
+    assert first_four == decoded[:4]
+    expected, expected_logits = greedy_steps(engine, "b", decoded[3], 8)
+    assert again == expected
+    for got, want in zip(again_logits, expected_logits):
+        assert torch.equal(got, want)
+
+
+def test_ragged_batch_equals_each_sequence_alone(engine):
+    prompts = {"x": [5, 6, 7], "y": list(range(10, 31)), "z": [42]}
+    alone = {}
+    for seq, ids in prompts.items():
+        alone[seq] = engine.forward([ForwardItem(f"solo-{seq}", ids, num_logits=len(ids))])[0]
+        engine.release(f"solo-{seq}")
+    batched = engine.forward([ForwardItem(s, ids, num_logits=len(ids)) for s, ids in prompts.items()])
+    tol = 1e-5 if engine.dtype == torch.float32 else 0.06
+    for (seq, _), got in zip(prompts.items(), batched):
+        assert (got - alone[seq]).abs().max().item() <= tol
+    # A mixed step: one decode, one 3-token verify, one more prefill chunk, each against its own run.
+    step = {"x": [8], "y": [31, 32, 33], "z": [43, 44, 45, 46, 47]}
+    batched = engine.forward([ForwardItem(s, ids, num_logits=len(ids)) for s, ids in step.items()])
+    for (seq, ids), got in zip(step.items(), batched):
+        engine.forward([ForwardItem(f"solo-{seq}", prompts[seq], num_logits=0)])
+        want = engine.forward([ForwardItem(f"solo-{seq}", ids, num_logits=len(ids))])[0]
+        assert (got - want).abs().max().item() <= tol
+
+
+def test_exhausted_pool_raises_and_leaves_sequences_untouched(tiny_qwen2_dir):
+    engine = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=16, block_size=4))
+    engine.forward([ForwardItem("a", [1, 2, 3, 4, 5, 6])])
+    with pytest.raises(KVCacheExhaustedError, match="KV cache exhausted"):
+        engine.forward([ForwardItem("a", [7, 8]), ForwardItem("b", list(range(1, 10)))])
+    assert engine.seq_len("a") == 6 and not engine.kv_cache.has_sequence("b")
+
+
+def test_failed_forward_rolls_back_the_appended_tokens(tiny_qwen2_dir):
+    engine = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=64))
+    engine.forward([ForwardItem("a", [1, 2, 3])])
+    with pytest.raises(IndexError):
+        engine.forward([ForwardItem("a", [4]), ForwardItem("b", [10_000])])  # b: token id past the vocabulary
+    assert engine.seq_len("a") == 3 and not engine.kv_cache.has_sequence("b")
