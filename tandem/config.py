@@ -158,3 +158,65 @@ class EngineConfig:
     @property
     def num_blocks(self) -> int:
         return self.kv_cache_tokens // self.block_size
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    host: str = "0.0.0.0"
+    port: int = 0  # 0: any free port (printed once bound)
+    metrics_port: int | None = None  # Prometheus /metrics; None disables, 0 picks a free port
+    drain_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
+        if self.drain_grace_s < 0:
+            raise InvalidRequestError(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """A draft or target worker: its model, its server, and its batching budget."""
+
+    engine: EngineConfig
+    server: ServerOptions
+    model_name: str
+    token_budget: int = 2048  # most tokens in one batched forward pass
+
+    def __post_init__(self) -> None:
+        if self.token_budget <= 0:
+            raise InvalidRequestError(f"token budget must be positive, got {self.token_budget}")
+
+
+@dataclass(slots=True)
+class CoordinatorConfig:
+    """The coordinator: where its workers are, and its defaults for requests that leave things unset."""
+
+    server: ServerOptions
+    tokenizer_dir: Path  # the target model's directory: the coordinator loads only its tokenizer
+    target_addrs: list[str]
+    draft_addrs: list[str] = field(default_factory=list)
+    default_max_new_tokens: int = 256
+    default_k: int = 4
+    pipelining: bool = True
+    call_timeout_s: float = 60.0  # deadline of every internal call
+    info_poll_s: float = 1.0  # how often worker capacity is refreshed for routing
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        self.tokenizer_dir = Path(self.tokenizer_dir)
+        if not self.target_addrs:
+            raise InvalidRequestError("the coordinator needs at least one target worker address (--target-addr)")
+        for addr in [*self.target_addrs, *self.draft_addrs]:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidRequestError(f"worker address {addr!r} is not HOST:PORT")
+        if self.default_max_new_tokens <= 0:
+            raise InvalidRequestError("default max new tokens must be positive")
+        if self.default_k < 0:
+            raise InvalidRequestError(f"default k must be >= 0, got {self.default_k}")
+        if self.call_timeout_s <= 0 or self.info_poll_s <= 0:
+            raise InvalidRequestError("timeouts and poll intervals must be positive")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")

@@ -32,3 +32,22 @@ class UnknownSequenceError(TandemError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the repr with quotes
         return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class ShuttingDownError(TandemError):
+    """The server is draining after SIGTERM and takes no new work (maps to UNAVAILABLE)."""
+
+
+class WorkerUnavailableError(TandemError):
+    """A worker did not answer, or answered UNAVAILABLE (maps to UNAVAILABLE)."""
+
+
+class WorkerDeadlineError(TandemError):
+    """A worker did not answer within the call's deadline (maps to DEADLINE_EXCEEDED)."""
+
+
+class StaleSequenceError(TandemError):
+    """A call's committed length does not fit what the worker holds (maps to FAILED_PRECONDITION).
+
+    The coordinator answers it by rebuilding the sequence from its token history.
+    """

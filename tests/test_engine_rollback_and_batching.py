@@ -50,16 +50,34 @@ def test_ragged_batch_equals_each_sequence_alone(engine):
         alone[seq] = engine.forward([ForwardItem(f"solo-{seq}", ids, num_logits=len(ids))])[0]
         engine.release(f"solo-{seq}")
     batched = engine.forward([ForwardItem(s, ids, num_logits=len(ids)) for s, ids in prompts.items()])
-    tol = 1e-5 if engine.dtype == torch.float32 else 0.06
     for (seq, _), got in zip(prompts.items(), batched):
-        assert (got - alone[seq]).abs().max().item() <= tol
-    # A mixed step: one decode, one 3-token verify, one more prefill chunk, each against its own run.
-    step = {"x": [8], "y": [31, 32, 33], "z": [43, 44, 45, 46, 47]}
+        assert_same(got, alone[seq], engine.dtype)
+    # A mixed step: one decode, one 3-token verify, one long chunk, each against its own run.
+    # bf16 is bitwise equal by construction (batch-invariant attention and linear layers);
+    # fp32 matmuls (MKL) change kernels with the row count: equal within 1e-4.
+    step = {"x": [8], "y": [31, 32, 33], "z": list(range(43, 63))}
     batched = engine.forward([ForwardItem(s, ids, num_logits=len(ids)) for s, ids in step.items()])
     for (seq, ids), got in zip(step.items(), batched):
         engine.forward([ForwardItem(f"solo-{seq}", prompts[seq], num_logits=0)])
         want = engine.forward([ForwardItem(f"solo-{seq}", ids, num_logits=len(ids))])[0]
-        assert (got - want).abs().max().item() <= tol
+        assert_same(got, want, engine.dtype)
+
+
+def test_verify_rows_equal_one_token_decode_steps(engine):
+    """k+1 tokens scored at once give the logits of k+1 decode steps (bitwise in bf16)."""
+    ids = list(range(20, 60))
+    engine.forward([ForwardItem("a", ids[:30])])
+    steps = torch.cat([engine.forward([ForwardItem("a", [t])])[0] for t in ids[30:36]])
+    engine.rollback("a", 30)
+    verified = engine.forward([ForwardItem("a", ids[30:36], num_logits=6)])[0]
+    assert_same(steps, verified, engine.dtype)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max().item() <= 1e-4
 
 
 def test_exhausted_pool_raises_and_leaves_sequences_untouched(tiny_qwen2_dir):

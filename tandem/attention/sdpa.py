@@ -1,11 +1,23 @@
-"""Attention through PyTorch's ``scaled_dot_product_attention`` (any device).
+"""Attention through PyTorch's ``scaled_dot_product_attention`` (any device), batch-invariant.
 
-Each forward, ``prepare`` turns the ragged batch into a padded one, once for
-all layers: a gather index that pulls every sequence's cached K/V out of the
-block pool, the scatter index that places flat query tokens into padded rows,
-and an additive mask (0 visible / dtype-min hidden). The mask is explicit
-because SDPA's ``is_causal`` aligns top-left when queries are fewer than keys,
-which is wrong with a KV cache. Batch-1 decode needs no mask at all.
+Every sequence is computed on its own, so a token's result never depends on
+what else shares the forward pass:
+
+- short query runs (decode: 1 token, verify: k+1 tokens; up to
+  ``ROWWISE_MAX_QUERY``) go row by row: each new token attends, without a
+  mask, over exactly the keys it may see, which is the very computation a
+  one-token decode step does. The reduction over keys has the same length
+  and order whether a token is decoded alone, verified among k drafts, or
+  batched with other sequences, so bf16 results are bitwise identical
+  across those paths and speculative greedy output equals plain greedy
+  output (see also ``RowStableLinear``).
+- long runs (prefill) take one call per sequence: ``is_causal`` when the
+  sequence has no cached context, else an explicit offset-causal mask,
+  because SDPA's ``is_causal`` aligns top-left when queries are fewer than
+  keys, which is wrong with a KV cache.
+
+``prepare`` gathers each sequence's cached K/V slots and builds the masks once
+per forward; every layer reuses them.
 """
 
 from __future__ import annotations
@@ -17,13 +29,13 @@ import torch.nn.functional as F
 
 from tandem.attention.base import AttentionMetadata
 
+ROWWISE_MAX_QUERY = 16
+
 
 @dataclass(slots=True)
 class SdpaState:
-    kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (padding reads slot 0, masked)
-    query_rows: torch.Tensor | None  # [num_tokens] int64 row in the padded [num_seqs * max_q] layout; None if unpadded
-    mask: torch.Tensor | None  # [num_seqs, 1, max_q, max_kv] additive, or None when every key is visible
-    max_query_len: int
+    kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (past a sequence's end: slot 0, unread)
+    masks: dict[int, torch.Tensor]  # sequence index -> [1, 1, q, kv] additive mask, for chunked prefill only
 
 
 class SdpaAttention:
@@ -34,39 +46,22 @@ class SdpaAttention:
 
     def prepare(self, meta: AttentionMetadata) -> SdpaState:
         device = meta.slot_mapping.device
-        max_q, max_kv = meta.max_query_len, meta.max_seq_len_k
         bs = meta.block_size
-        positions = torch.arange(max_kv, device=device)  # [max_kv]
-        seq_lens = meta.seq_lens_k.to(device=device, dtype=torch.int64)  # [num_seqs]
+        positions = torch.arange(meta.max_seq_len_k, device=device)  # [max_kv]
         blocks = meta.block_tables.to(torch.int64)  # [num_seqs, max_blocks]
         block_idx = torch.clamp(positions // bs, max=blocks.shape[1] - 1)  # [max_kv]
         slots = blocks[:, block_idx] * bs + positions % bs  # [num_seqs, max_kv]
-        valid_k = positions[None, :] < seq_lens[:, None]  # [num_seqs, max_kv]
-        kv_gather = torch.where(valid_k, slots, torch.zeros_like(slots))
-
-        single_decode = meta.num_seqs == 1 and max_q == 1
-        if single_decode:
-            return SdpaState(kv_gather, None, None, max_q)
-
-        ctx = torch.tensor(meta.context_lens, device=device, dtype=torch.int64)  # [num_seqs]
-        qlens = torch.tensor(meta.query_lens, device=device, dtype=torch.int64)  # [num_seqs]
-        q_pos = torch.arange(max_q, device=device)  # [max_q]
-        # Query i of sequence b sits at absolute position ctx[b] + i and sees keys 0..ctx[b] + i.
-        visible = positions[None, None, :] <= (ctx[:, None, None] + q_pos[None, :, None])  # [B, max_q, max_kv]
-        visible &= valid_k[:, None, :]
-        # Padding query rows see key 0 only, so no row is fully masked (that would give NaN).
-        pad_rows = q_pos[None, :] >= qlens[:, None]  # [B, max_q]
-        visible |= pad_rows[:, :, None] & (positions == 0)[None, None, :]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-
-        query_rows = None
-        if meta.num_seqs > 1:
-            seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), qlens)
-            starts = meta.cu_seqlens_q[:-1].to(device=device, dtype=torch.int64)
-            index_in_seq = torch.arange(int(qlens.sum()), device=device) - starts[seq_of_token]
-            query_rows = seq_of_token * max_q + index_in_seq  # [num_tokens]
-        return SdpaState(kv_gather, query_rows, mask[:, None], max_q)
+        valid = positions[None, :] < meta.seq_lens_k.to(device=device, dtype=torch.int64)[:, None]
+        kv_gather = torch.where(valid, slots, torch.zeros_like(slots))
+        masks = {}
+        for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
+            if qlen > ROWWISE_MAX_QUERY and ctx > 0:
+                # Query i sits at position ctx + i and sees keys 0..ctx + i.
+                q_pos = torch.arange(qlen, device=device)[:, None] + ctx  # [q, 1]
+                visible = torch.arange(ctx + qlen, device=device)[None, :] <= q_pos  # [q, kv]
+                mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+                masks[b] = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[None, None]
+        return SdpaState(kv_gather, masks)
 
     def forward(
         self,
@@ -76,21 +71,29 @@ class SdpaAttention:
         meta: AttentionMetadata,
         state: SdpaState,
         scale: float,
-    ) -> torch.Tensor:
-        num_seqs = meta.num_seqs
-        num_heads, head_dim = query.shape[1], query.shape[2]
+    ) -> torch.Tensor:  # [num_tokens, H, D]
         flat_k = key_cache.view(-1, *key_cache.shape[-2:])  # [slots, Hkv, D]
         flat_v = value_cache.view(-1, *value_cache.shape[-2:])
-        keys = flat_k[state.kv_gather].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        values = flat_v[state.kv_gather].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        if state.query_rows is None:
-            q = query.view(num_seqs, -1, num_heads, head_dim)  # [B, max_q, H, D]
-        else:
-            padded = query.new_zeros(num_seqs * state.max_query_len, num_heads, head_dim)
-            padded[state.query_rows] = query
-            q = padded.view(num_seqs, state.max_query_len, num_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=state.mask, scale=scale, enable_gqa=True
-        )  # [B, H, max_q, D]
-        out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, H, D]
-        return out if state.query_rows is None else out[state.query_rows]
+        out = torch.empty_like(query)
+        token = 0
+        for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
+            total = ctx + qlen
+            gather = state.kv_gather[b, :total]
+            keys = flat_k[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
+            values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
+            rows = query[token : token + qlen]  # [q, H, D]
+            if qlen <= ROWWISE_MAX_QUERY:
+                for i in range(qlen):
+                    visible = ctx + i + 1
+                    out[token + i] = F.scaled_dot_product_attention(
+                        rows[i, :, None, :][None], keys[:, :, :visible], values[:, :, :visible],
+                        scale=scale, enable_gqa=True,
+                    )[0, :, 0]
+            else:
+                q = rows.transpose(0, 1)[None]  # [1, H, q, D]
+                mask = state.masks.get(b)
+                out[token : token + qlen] = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+                )[0].transpose(0, 1)
+            token += qlen
+        return out

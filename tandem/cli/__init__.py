@@ -13,7 +13,7 @@ from tandem.errors import TandemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import generate, models
+    from tandem.cli import generate, models, serve, up
 
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     models.register(sub)
     generate.register(sub)
+    serve.register(sub)
+    up.register(sub)
     return parser
 
 

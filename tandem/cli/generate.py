@@ -1,6 +1,8 @@
-"""`tandem generate`: generate text from a prompt, in process.
+"""`tandem generate`: generate text from a prompt, in process or through a running coordinator.
 
-Flags are validated (sampling, method, k) before any model is loaded; the
+Without --addr the models run in this process; with --addr HOST:PORT the
+request goes to a coordinator (`tandem up`, `tandem serve coordinator`) and
+the text streams back as it is generated. Flags are validated (sampling, method, k) before any model is loaded; the
 models are resolved (catalog name, directory or GGUF) and loaded; then one
 request runs through the speculation loop. ``--json`` prints one JSON object
 on the last line: ``text``, ``token_ids`` (generated only), ``finish_reason``
@@ -62,13 +64,19 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="generate text from a prompt (in process)",
+        help="generate text from a prompt (in process, or via --addr a coordinator)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
+    p.add_argument("--addr", default=None, metavar="HOST:PORT",
+                   help="send the request to a running coordinator instead of loading models here")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable; with --addr)")
+    p.add_argument("--no-pipelining", action="store_true", help="with --addr: no pipelined drafting")
+    p.add_argument("--timeout", type=float, default=600.0, help="with --addr: request deadline in seconds")
     add_sampling_flags(p)
     add_model_flags(p)
     p.set_defaults(func=run)
@@ -103,6 +111,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecCon
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.addr:
+        return run_remote(args)
     sampling, spec, target_cfg, draft_cfg = configs_from_args(args)
     t0 = time.perf_counter()
     pipeline = LocalPipeline.load(target_cfg, spec, draft_cfg)
@@ -122,4 +132,44 @@ def run(args: argparse.Namespace) -> int:
         s = result.stats
         print(f"[{s.generated} tokens, {s.tokens_per_s:.2f} tok/s, method {pipeline.method}, "
               f"accepted {s.accepted}/{s.drafted} drafted in {s.rounds} rounds]", file=sys.stderr)
+    return 0
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    """Stream from a coordinator; the server validates the request and names any bad field."""
+    import grpc
+
+    from tandem.client import TandemClient, build_request
+
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    method = "" if args.method == "auto" else args.method
+    request = build_request(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
+                            k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
+                            stop_strings=tuple(args.stop))
+    tokens: list[int] = []
+    text_parts: list[str] = []
+    last = None
+    with TandemClient(args.addr, timeout_s=args.timeout) as client:
+        try:
+            for chunk in client.stream(request):
+                tokens.extend(chunk.token_ids)
+                text_parts.append(chunk.text)
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+                last = chunk
+        except grpc.RpcError as exc:
+            print(f"tandem: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    stats = last.stats if last is not None else None
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        stats_dict = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True) if stats else {}
+        print(json.dumps({"text": "".join(text_parts), "token_ids": tokens,
+                          "finish_reason": last.finish_reason if last else "", "stats": stats_dict}))
+    else:
+        print()
+        if stats:
+            print(f"[{stats.generated_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, method {stats.method}, "
+                  f"accepted {stats.accepted}/{stats.drafted} drafted in {stats.rounds} rounds]", file=sys.stderr)
     return 0

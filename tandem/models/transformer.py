@@ -17,7 +17,7 @@ from torch import nn
 from tandem.attention.base import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
 from tandem.kv_cache import PagedKVCache
-from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowStableLinear, apply_rotary
 
 
 class Attention(nn.Module):
@@ -29,8 +29,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         # q, k and v fused into one matmul: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = RowStableLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = RowStableLinear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(
         self,
@@ -77,7 +77,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = RowStableLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -22,35 +22,35 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 @dataclass(slots=True)
 class CostModel:
-    """Measured seconds of a draft step and of a verification, shared by all requests of a proposer.
+    """Measured seconds of a draft step and of a verification, shared by the requests of one pairing.
 
-    Verification time is modelled as ``verify_base + verify_per_token * (k+1)``;
-    both start from priors that favour speculation mildly and are replaced
-    by measurements within a few rounds.
+    A verification of n tokens is modelled as ``verify_base_s * (1 + verify_slope * (n - 1))``:
+    on a memory-bound target, 5 tokens cost about 1.07x one (MODELS.md), hence the small
+    slope. The priors only order the first round (a draft step about a third of a target
+    step); the first measurement of each replaces them, later ones are averaged in.
     """
 
-    draft_step_s: float = 0.3  # relative to verify_base: a draft model ~1/3 of the target
+    draft_step_s: float = 0.3
     verify_base_s: float = 1.0
-    verify_per_token_s: float = 0.02
+    verify_slope: float = 0.02
     smoothing: float = 0.2
-    measured: bool = False
+    draft_measured: bool = False
+    verify_measured: bool = False
 
     def observe_draft(self, seconds_per_step: float) -> None:
-        self.draft_step_s = self._mix(self.draft_step_s, seconds_per_step)
+        self.draft_step_s = self._mix(self.draft_step_s, seconds_per_step, self.draft_measured)
+        self.draft_measured = True
 
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        predicted = self.verify_base_s + self.verify_per_token_s * num_tokens
-        # Attribute the error to the base cost: per-token slope is small and hard to separate.
-        self.verify_base_s = max(1e-6, self._mix(self.verify_base_s, self.verify_base_s + seconds - predicted))
-        self.measured = True
+        base = seconds / (1 + self.verify_slope * (num_tokens - 1))
+        self.verify_base_s = self._mix(self.verify_base_s, base, self.verify_measured)
+        self.verify_measured = True
 
     def round_seconds(self, k: int) -> float:
-        return k * self.draft_step_s + self.verify_base_s + self.verify_per_token_s * (k + 1)
+        return k * self.draft_step_s + self.verify_base_s * (1 + self.verify_slope * k)
 
-    def _mix(self, old: float, new: float) -> float:
-        if not self.measured:
-            return new
-        return (1 - self.smoothing) * old + self.smoothing * new
+    def _mix(self, old: float, new: float, measured: bool) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * new if measured else new
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ k is reached simply leaves the batch.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -30,9 +30,17 @@ def common_prefix_len(a: list[int], b: list[int] | tuple[int, ...]) -> int:
 class DraftModelProposer:
     """Proposes with a ``ModelEngine`` of its own (its own KV pool)."""
 
-    def __init__(self, engine: ModelEngine, name: str = "draft") -> None:
+    def __init__(
+        self,
+        engine: ModelEngine,
+        name: str = "draft",
+        q_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.engine = engine
         self.name = name
+        # A draft worker compresses q for the wire; it must then sample from the compressed q,
+        # so the transform is applied before sampling, not after.
+        self.q_transform = q_transform
         self._fed: dict[Hashable, list[int]] = {}  # tokens whose K/V are in the draft cache, per sequence
 
     def sync(self, seq_id: Hashable, tokens: list[int]) -> list[int]:
@@ -60,6 +68,8 @@ class DraftModelProposer:
                     token = int(pick_tokens(row, req.sampling, None)[0])
                 else:
                     q = probabilities(row, req.sampling)  # [1, vocab]
+                    if self.q_transform is not None:
+                        q = self.q_transform(q)
                     token = int(sample(q, req.generator)[0])
                     draft_probs[i].append(q[0])
                 drafted[i].append(token)

@@ -96,3 +96,25 @@ def test_smollm2_early_exit_greedy_identical(smollm2_dir):
     results = run(target, early_exit_proposer(target, 20), prompts, n=48, k_max=3, adaptive_k=False)
     assert [r.token_ids for r in results] == plain
     assert sum(r.stats.accepted for r in results) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["early-exit", "ngram", "self-draft"])
+def test_smollm2_bf16_speculative_greedy_identical(smollm2_dir, method):
+    """In bf16 too: verification rows are computed exactly like decode steps (batch-invariant kernels)."""
+    from tandem.tokenizer import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    prompts = [encode_prompt(tok, p, chat=True) for p in
+               ("Write a story about a cat.", "Repeat after me: alpha beta gamma alpha beta gamma.")]
+    target = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16", kv_cache_tokens=8192))
+    proposer = {
+        "early-exit": lambda: early_exit_proposer(target, 20),
+        "ngram": lambda: NgramProposer(1, 3),
+        "self-draft": lambda: DraftModelProposer(ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16"))),
+    }[method]()
+    plain = [r.token_ids for r in run(target, None, prompts, n=60)]
+    results = run(target, proposer, prompts, n=60, k_max=4, adaptive_k=False)
+    assert [r.token_ids for r in results] == plain
+    if method == "self-draft":  # the same model drafting: every draft token is accepted, in bf16 too
+        assert all(r.stats.accepted == r.stats.drafted for r in results)

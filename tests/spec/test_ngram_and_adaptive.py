@@ -45,10 +45,10 @@ def test_expected_tokens_formula():
 
 
 def test_choose_k_backs_off_when_drafts_are_wrong_or_expensive():
-    cheap = CostModel(draft_step_s=0.05, verify_base_s=1.0, verify_per_token_s=0.01)
+    cheap = CostModel(draft_step_s=0.05, verify_base_s=1.0)
     assert choose_k(0.9, cheap, 8) >= 4
     assert choose_k(0.05, cheap, 8) == 0
-    costly = CostModel(draft_step_s=1.5, verify_base_s=1.0, verify_per_token_s=0.01)
+    costly = CostModel(draft_step_s=1.5, verify_base_s=1.0)
     assert choose_k(0.8, costly, 8) == 0
 
 
@@ -70,3 +70,11 @@ def test_cost_model_follows_measurements():
         costs.observe_verify(5, 0.2)
     assert costs.draft_step_s == pytest.approx(0.02, rel=0.01)
     assert costs.round_seconds(4) == pytest.approx(4 * 0.02 + 0.2, rel=0.05)
+
+
+def test_first_measurements_keep_speculation_worthwhile():
+    """Regression: the first verify measurement once drove the base cost to ~0 and k to 0 for good."""
+    costs = CostModel()
+    costs.observe_draft(0.0001)
+    costs.observe_verify(5, 0.03)
+    assert choose_k(0.95, costs, 8) >= 4

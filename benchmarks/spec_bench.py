@@ -1,0 +1,407 @@
+"""Speculative decoding, side by side: our methods and transformers' on the same prompts.
+
+Greedy, batch 1, one process, every model loaded once. Each prompt runs every
+method back to back (in a rotating order), so machine noise hits all methods
+alike. Methods:
+
+  target-only       our engine, plain decoding (the baseline of every speedup)
+  spec-draft        our engine + the draft model, adaptive k up to --k
+  spec-ngram        our engine + prompt lookup (n-gram match in prompt and output)
+  spec-early-exit   our engine + the target's own first layers as drafter (not run by default)
+  hf-plain          transformers generate(do_sample=False)
+  hf-assisted       transformers generate(assistant_model=draft), --hf-assistant-tokens per round
+  hf-prompt-lookup  transformers generate(prompt_lookup_num_tokens=--hf-pld-tokens)
+
+Prompts: HumanEval (category humaneval) and Spec-Bench (mt_bench, translation,
+summarization, qa, math_reasoning, rag; first turn), --per-category of each,
+wrapped in the target's chat template. Reported per method and category, plus
+spec-bench-mix (every category but humaneval) and all:
+
+  tokens_per_s       generated tokens / wall seconds of the generate calls (prefill included)
+  speedup            tokens_per_s / target-only's tokens_per_s in the same category
+  mean_accepted_len  draft tokens accepted per speculative round (ours only)
+  acceptance_rate    accepted / drafted tokens, a (ours only: transformers does not expose it)
+  mean_k             mean k chosen per round, zeros included (ours only)
+  predicted_speedup  E(k) / (k c + 1), E(k) = (1 - a^(k+1)) / (1 - a)   (Leviathan et al. 2023)
+                     c = draft step cost / target step cost: median 1-token forward over a
+                     128-token prefix, drafter / target, measured once per run (0 for n-gram)
+  efficiency         speedup / predicted_speedup
+  mismatches         prompts whose token ids differ from target-only's (bf16 near-ties can flip)
+
+Done when: spec-draft >= 1.45x on humaneval, >= 1.2x on spec-bench-mix,
+>= 1.2x hf-assisted's tokens/s over all prompts, efficiency >= 0.85.
+
+Writes spec_bench.json / .md / .png into --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/spec_bench.py` from anywhere
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from benchmarks.common import (  # noqa: E402
+    ALL_CATEGORIES,
+    DEFAULT_RESULTS_DIR,
+    DEFAULT_SPEC_BENCH,
+    HUMANEVAL,
+    Prompt,
+    grouped_bars,
+    load_prompts,
+    markdown_table,
+    new_figure,
+    quick_default,
+    save_figure,
+    threshold_line,
+    write_json,
+    write_markdown,
+)
+
+if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
+    from benchmarks.runners import RunOutput
+
+NAME = "spec_bench"
+BASELINE = "target-only"
+METHODS = ("target-only", "spec-draft", "spec-ngram", "spec-early-exit", "hf-plain", "hf-assisted", "hf-prompt-lookup")
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit")
+OURS_SPEC = {"spec-draft": "draft", "spec-ngram": "ngram", "spec-early-exit": "early-exit"}
+MIX, ALL = "spec-bench-mix", "all"
+COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "mean_accepted_len",
+           "acceptance_rate", "mean_k", "predicted_speedup", "efficiency", "mismatches")
+
+Runner = Callable[[list[int], int], "RunOutput"]  # (prompt ids, max new tokens) -> output
+
+
+# ----- flags -------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec_bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="qwen-coder-1.5b", help="target model: catalog name, HF directory or .gguf (default: %(default)s)")
+    p.add_argument("--draft", default="qwen-coder-0.5b", help="draft model for spec-draft and hf-assisted (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated subset of {', '.join(METHODS)}; target-only is always added "
+                        "(it is the baseline) (default: %(default)s)")
+    p.add_argument("--categories", default=",".join(ALL_CATEGORIES), help="comma-separated prompt categories (default: %(default)s)")
+    p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: 3; --quick: 1)")
+    p.add_argument("--limit", type=int, default=None, help="cap on the total number of prompts (smoke runs)")
+    p.add_argument("--select", choices=("sample", "first"), default="sample",
+                   help="which prompts of a category: a seeded sample or the first ones in file order (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per prompt at most (default: 128; --quick: 32)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per category, 32 tokens, 3 cost reps")
+    p.add_argument("--k", type=int, default=4, help="most draft tokens per round of our methods (default: %(default)s)")
+    p.add_argument("--fixed-k", action="store_true", help="our methods always draft --k tokens instead of adapting k")
+    p.add_argument("--ngram-min", type=int, default=1, help="spec-ngram: shortest n-gram matched (default: %(default)s)")
+    p.add_argument("--ngram-max", type=int, default=4, help="spec-ngram: longest n-gram matched (default: %(default)s)")
+    p.add_argument("--early-exit-layers", type=int, default=None, help="spec-early-exit: target layers used (default: a quarter)")
+    p.add_argument("--hf-assistant-tokens", type=int, default=None,
+                   help="hf-assisted: draft tokens per round, constant schedule (default: --k; transformers' own default is 20)")
+    p.add_argument("--hf-pld-tokens", type=int, default=10,
+                   help="hf-prompt-lookup: prompt_lookup_num_tokens (default: %(default)s, as transformers' docs suggest)")
+    p.add_argument("--hf-pld-ngram", type=int, default=None,
+                   help="hf-prompt-lookup: max_matching_ngram_size (default: transformers' own, 2)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of every model (default: %(default)s)")
+    p.add_argument("--cost-reps", type=int, default=None, help="timed forwards when measuring the cost ratio c (default: 10; --quick: 3)")
+    p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, help="Spec-Bench question.jsonl (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None, help="Tandem model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="results directory (default: %(default)s)")
+    return p
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill --quick-dependent defaults and check the method list before anything loads."""
+    args.per_category = quick_default(args.per_category, args.quick, 1, 3)
+    args.max_new_tokens = quick_default(args.max_new_tokens, args.quick, 32, 128)
+    args.cost_reps = quick_default(args.cost_reps, args.quick, 3, 10)
+    args.hf_assistant_tokens = args.hf_assistant_tokens if args.hf_assistant_tokens is not None else args.k
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    args.methods = [BASELINE, *[m for m in dict.fromkeys(methods) if m != BASELINE]]
+    args.categories = [c.strip() for c in args.categories.split(",") if c.strip()]
+    if min(args.per_category, args.max_new_tokens, args.cost_reps, args.k, args.hf_assistant_tokens) <= 0:
+        raise SystemExit("--per-category, --max-new-tokens, --cost-reps, --k and --hf-assistant-tokens must be positive")
+    if args.limit is not None and args.limit <= 0:
+        raise SystemExit("--limit must be positive")
+    return args
+
+
+# ----- loading -----------------------------------------------------------
+@dataclass(slots=True)
+class Bench:
+    """Everything loaded once: the tokenizer, one runner per method, the measured cost ratios."""
+
+    tokenizer: Any
+    stop_ids: frozenset[int]
+    runners: dict[str, Runner] = field(default_factory=dict)
+    cost_ratio: dict[str, float] = field(default_factory=dict)  # method -> c (drafter step / target step)
+
+
+def load_bench(args: argparse.Namespace) -> Bench:
+    """Load each model once (ours and transformers' as the methods need) and build the runners."""
+    from tandem.engine import ModelEngine
+    from tandem.pipeline import SpecConfig, build_proposer, check_same_tokenizer
+    from tandem.spec.draft_model import DraftModelProposer
+    from tandem.tokenizer import load_tokenizer, stop_token_ids
+
+    from benchmarks.runners import engine_config, resolve_model_dir
+
+    needs_draft = bool({"spec-draft", "hf-assisted"} & set(args.methods))
+    target_dir = resolve_model_dir(args.target, args.cache_dir)
+    draft_dir = resolve_model_dir(args.draft, args.cache_dir) if needs_draft else None
+    tokenizer = load_tokenizer(target_dir)
+    if draft_dir is not None:
+        check_same_tokenizer(tokenizer, target_dir, draft_dir)
+    target = ModelEngine.load(engine_config(target_dir, args.dtype))
+    bench = Bench(tokenizer, stop_token_ids(target_dir, tokenizer, target.config))
+    spec = SpecConfig("none", args.k, not args.fixed_k, args.early_exit_layers, args.ngram_min, args.ngram_max)
+
+    bench.runners[BASELINE] = ours_runner(target, None, 0, args, bench.stop_ids)
+    for method in [m for m in args.methods if m in OURS_SPEC]:
+        if method == "spec-draft":
+            assert draft_dir is not None
+            proposer = DraftModelProposer(ModelEngine.load(engine_config(draft_dir, args.dtype)))
+        else:
+            proposer = build_proposer(OURS_SPEC[method], spec, target, None)
+        bench.runners[method] = ours_runner(target, proposer, args.k, args, bench.stop_ids)
+        bench.cost_ratio[method] = cost_ratio(target, getattr(proposer, "engine", None), args.cost_reps)
+    add_hf_runners(bench, args, target_dir, draft_dir)
+    return bench
+
+
+def cost_ratio(target: Any, drafter: Any, reps: int) -> float:
+    """c = drafter step / target step: median 1-token forwards over a 128-token prefix, taken in turns.
+
+    ``drafter`` None is n-gram lookup: no model, cost counted as 0.
+    """
+    from benchmarks.runners import engine_probe, forward_seconds
+
+    if drafter is None:
+        return 0.0
+    target_s, drafter_s = forward_seconds([engine_probe(target, 128, 1), engine_probe(drafter, 128, 1)], reps)
+    return drafter_s / target_s
+
+
+def ours_runner(target: Any, proposer: Any, k_max: int, args: argparse.Namespace, stop_ids: frozenset[int]) -> Runner:
+    """A runner over one generator kept for the whole run, so its cost model stays warm as in a server."""
+    from tandem.spec.generator import SpeculativeGenerator
+
+    from benchmarks.runners import run_ours
+
+    generator = SpeculativeGenerator(target, proposer)
+    return lambda ids, n: run_ours(generator, ids, n, stop_ids, k_max=k_max, adaptive_k=not args.fixed_k)
+
+
+def add_hf_runners(bench: Bench, args: argparse.Namespace, target_dir: Path, draft_dir: Path | None) -> None:
+    """transformers' plain, assisted and prompt-lookup generation, stopping on our stop ids."""
+    from benchmarks.runners import load_hf_model, run_hf, set_assistant_tokens
+
+    wanted = [m for m in args.methods if m.startswith("hf-")]
+    if not wanted:
+        return
+    model = load_hf_model(target_dir, args.dtype)
+    eos = sorted(bench.stop_ids)
+    extra: dict[str, dict[str, Any]] = {"hf-plain": {}}
+    if "hf-assisted" in wanted:
+        assert draft_dir is not None
+        assistant = load_hf_model(draft_dir, args.dtype)
+        set_assistant_tokens(assistant, args.hf_assistant_tokens)
+        extra["hf-assisted"] = {"assistant_model": assistant}
+    pld: dict[str, Any] = {"prompt_lookup_num_tokens": args.hf_pld_tokens}
+    if args.hf_pld_ngram is not None:
+        pld["max_matching_ngram_size"] = args.hf_pld_ngram
+    extra["hf-prompt-lookup"] = pld
+    for method in wanted:
+        kwargs = {"eos_token_id": eos, **extra[method]}
+        bench.runners[method] = lambda ids, n, kw=kwargs: run_hf(model, ids, n, **kw)
+
+
+# ----- running -----------------------------------------------------------
+def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: list[int], max_new: int,
+               rotation: int) -> list[dict[str, Any]]:
+    """Every method on one prompt, back to back, starting at a rotating method; one row per method."""
+    order = methods[rotation % len(methods):] + methods[: rotation % len(methods)]
+    outputs = {m: bench.runners[m](prompt_ids, max_new) for m in order}
+    reference = outputs[BASELINE].token_ids
+    rows = []
+    for method in methods:
+        out = outputs[method]
+        row: dict[str, Any] = {"prompt_id": prompt.prompt_id, "category": prompt.category, "method": method,
+                               "prompt_tokens": len(prompt_ids), "tokens": len(out.token_ids),
+                               "seconds": out.seconds, "matches_target_only": out.token_ids == reference}
+        if out.stats is not None:
+            s = out.stats
+            row.update(drafted=s.drafted, accepted=s.accepted, rounds=s.rounds, spec_rounds=s.spec_rounds,
+                       k_sum=sum(s.chosen_k), k_rounds=len(s.chosen_k))
+        rows.append(row)
+    return rows
+
+
+def run_all(bench: Bench, prompts: list[Prompt], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Warm every method up once (untimed), then run all prompts with a progress bar."""
+    from tqdm import tqdm
+
+    from tandem.tokenizer import encode_prompt
+
+    encoded = [encode_prompt(bench.tokenizer, p.text, chat=True) for p in prompts]
+    for method in args.methods:  # first-call allocations and cost models, outside the measurement
+        bench.runners[method](encoded[0], min(8, args.max_new_tokens))
+    runs: list[dict[str, Any]] = []
+    bar = tqdm(list(zip(prompts, encoded)), desc=NAME, unit="prompt", file=sys.stderr)
+    for i, (prompt, ids) in enumerate(bar):
+        bar.set_postfix(category=prompt.category, prompt_tokens=len(ids))
+        runs.extend(run_prompt(bench, args.methods, prompt, ids, args.max_new_tokens, i))
+    return runs
+
+
+# ----- aggregation -------------------------------------------------------
+def expected_tokens(a: float, k: float) -> float:
+    """E(k) = (1 - a^(k+1)) / (1 - a): tokens per round with i.i.d. acceptance a (k may be a mean)."""
+    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1.0)) / (1.0 - a)
+
+
+def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline_tps: float | None,
+              cost_ratio: float | None) -> dict[str, Any]:
+    """One table row from the per-prompt rows of one method in one category."""
+    tokens = sum(r["tokens"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    tps = tokens / seconds if seconds else None
+    speedup = tps / baseline_tps if tps and baseline_tps else None
+    row: dict[str, Any] = {
+        "method": method, "category": category, "prompts": len(runs), "tokens": tokens,
+        "seconds": round(seconds, 4), "tokens_per_s": tps, "speedup": speedup,
+        "mean_accepted_len": None, "acceptance_rate": None, "mean_k": None, "cost_ratio": cost_ratio,
+        "predicted_speedup": None, "efficiency": None,
+        "mismatches": sum(not r["matches_target_only"] for r in runs),
+    }
+    row["mismatch_rate"] = row["mismatches"] / len(runs) if runs else None
+    if method in OURS_SPEC:
+        drafted = sum(r["drafted"] for r in runs)
+        accepted = sum(r["accepted"] for r in runs)
+        spec_rounds = sum(r["spec_rounds"] for r in runs)
+        k_rounds = sum(r["k_rounds"] for r in runs)
+        a = accepted / drafted if drafted else None
+        k = sum(r["k_sum"] for r in runs) / k_rounds if k_rounds else None
+        row.update(mean_accepted_len=accepted / spec_rounds if spec_rounds else None, acceptance_rate=a, mean_k=k)
+        if a is not None and k is not None and cost_ratio is not None:
+            row["predicted_speedup"] = expected_tokens(a, k) / (k * cost_ratio + 1.0)
+            row["efficiency"] = speedup / row["predicted_speedup"] if speedup else None
+    return row
+
+
+def summarize(runs: list[dict[str, Any]], methods: list[str], cost_ratio: dict[str, float]) -> list[dict[str, Any]]:
+    """Rows per method for each category present, then spec-bench-mix and all."""
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    groups: dict[str, Callable[[dict[str, Any]], bool]] = {c: (lambda r, c=c: r["category"] == c) for c in categories}
+    if any(c != HUMANEVAL for c in categories):
+        groups[MIX] = lambda r: r["category"] != HUMANEVAL
+    groups[ALL] = lambda r: True
+    rows = []
+    for category, keep in groups.items():
+        selected = [r for r in runs if keep(r)]
+        base = aggregate([r for r in selected if r["method"] == BASELINE], BASELINE, category, None, None)
+        for method in methods:
+            mine = [r for r in selected if r["method"] == method]
+            rows.append(aggregate(mine, method, category, base["tokens_per_s"], cost_ratio.get(method)))
+    return rows
+
+
+def thresholds(rows: list[dict[str, Any]]) -> list[str]:
+    """The Done-when lines for spec-draft (n/a where this run did not measure what they need)."""
+    def get(method: str, category: str, key: str) -> float | None:
+        row = next((r for r in rows if r["method"] == method and r["category"] == category), None)
+        return row[key] if row else None
+
+    ours_all, hf_all = get("spec-draft", ALL, "tokens_per_s"), get("hf-assisted", ALL, "tokens_per_s")
+    return [
+        threshold_line("spec-draft speedup on humaneval", get("spec-draft", HUMANEVAL, "speedup"), ">=", 1.45),
+        threshold_line("spec-draft speedup on spec-bench-mix", get("spec-draft", MIX, "speedup"), ">=", 1.2),
+        threshold_line("spec-draft / hf-assisted tokens/s (all)",
+                       ours_all / hf_all if ours_all and hf_all else None, ">=", 1.2),
+        threshold_line("spec-draft efficiency (all)", get("spec-draft", ALL, "efficiency"), ">=", 0.85),
+    ]
+
+
+def notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Warnings a reader of the numbers should see: methods of ours that hardly speculated."""
+    return [
+        f"  note  {r['method']}: mean k {r['mean_k']:.2f} over all prompts: it hardly speculated "
+        "(adaptive k chose 0; compare with --fixed-k)"
+        for r in rows
+        if r["category"] == ALL and r["method"] in OURS_SPEC and r["mean_k"] is not None and r["mean_k"] < 0.5
+    ]
+
+
+# ----- output ------------------------------------------------------------
+def chart(rows: list[dict[str, Any]], methods: list[str], out: Path) -> Path:
+    """Grouped bars: speedup over target-only per category, one bar per method."""
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    shown = [m for m in methods if m != BASELINE]
+    by = {(r["method"], r["category"]): r["speedup"] for r in rows}
+    fig, (ax,) = new_figure(width=max(7.0, 1.2 * len(categories)))
+    grouped_bars(ax, categories, {m: [by.get((m, c)) for c in categories] for m in shown},
+                 "speedup over target-only (tokens/s ratio)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_title("greedy, batch 1: speedup per category")
+    return save_figure(fig, out, NAME)
+
+
+def write_results(args: argparse.Namespace, prompts: list[Prompt], bench: Bench, runs: list[dict[str, Any]],
+                  rows: list[dict[str, Any]], verdicts: list[str]) -> list[Path]:
+    """spec_bench.json (settings, cost ratios, rows, per-prompt runs), .md and .png."""
+    settings = {
+        "target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": args.methods,
+        "k": args.k, "adaptive_k": not args.fixed_k, "max_new_tokens": args.max_new_tokens,
+        "per_category": args.per_category, "select": args.select, "seed": args.seed,
+        "hf_assistant_tokens": args.hf_assistant_tokens, "hf_pld_tokens": args.hf_pld_tokens,
+        "hf_pld_ngram": args.hf_pld_ngram, "quick": args.quick, "prompts": [p.prompt_id for p in prompts],
+    }
+    table = markdown_table(rows, COLUMNS)
+    costs = ", ".join(f"{m}: {c:.3f}" for m, c in bench.cost_ratio.items()) or "none measured"
+    body = (f"Settings: `{ {k: v for k, v in settings.items() if k != 'prompts'} }`\n\n"
+            f"Cost ratio c (drafter step / target step): {costs}\n\n{table}\n\n"
+            "Done when:\n\n```\n" + "\n".join(verdicts) + "\n```")
+    return [
+        write_json(args.out, NAME, {"settings": settings, "cost_ratio": bench.cost_ratio, "records": rows,
+                                    "thresholds": verdicts, "runs": runs}),
+        write_markdown(args.out, NAME, "Spec-Bench: speculative decoding side by side", body),
+        chart(rows, args.methods, args.out),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; ``tandem bench`` calls this with its own argv."""
+    args = resolve_args(build_parser().parse_args(argv))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.categories, args.per_category,
+                           args.seed if args.select == "sample" else None, args.spec_bench)
+    prompts = prompts[: args.limit] if args.limit else prompts
+    if not prompts:
+        raise SystemExit("no prompts selected: check --categories, --per-category and --limit")
+    bench = load_bench(args)
+    runs = run_all(bench, prompts, args)
+    rows = summarize(runs, args.methods, bench.cost_ratio)
+    verdicts = thresholds(rows) + notes(rows)
+    paths = write_results(args, prompts, bench, runs, rows, verdicts)
+    print(markdown_table(rows, COLUMNS))
+    print("cost ratio c: " + (", ".join(f"{m} {c:.3f}" for m, c in bench.cost_ratio.items()) or "none"))
+    print("Done-when thresholds (spec-draft):")
+    print("\n".join(verdicts))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The distributed speculation loop of one request, with pipelined drafting.
+
+Each round: take a proposal (drafts valid for the current history), send it
+to the target's Verify, commit accepted + 1 tokens. Pipelining: the draft is
+asked for one token more than is verified (its guess of the target's extra
+token), and while round r is being verified the draft already drafts round
+r+1 as if every draft is accepted and the guess is right. When verification
+agrees the next proposal is ready at once; when not, it is dropped and the
+draft is brought back to the committed history (its KV rolls back to the
+common prefix by itself). The very first proposal is drafted during the
+target's prefill the same way, the draft guessing the first token.
+
+Each round yields control back to the caller, which streams the new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import numpy as np
+
+from coordinator.session import Session
+from coordinator.workers import WorkerClient
+from tandem.rpc.metrics import CoordinatorMetrics
+from tandem.rpc.wire import sampling_to_proto
+from tandem.spec.adaptive import CostModel, choose_k
+from tandem.spec.draft_model import common_prefix_len
+from tandem.spec.ngram import lookup_continuation
+from tandem.v1 import common_pb2
+
+
+@dataclass(slots=True)
+class Proposal:
+    base_len: int  # the history length these drafts continue
+    drafts: list[int]
+    probs: list[common_pb2.SparseDistribution] = field(default_factory=list)  # empty: deterministic
+    guess: int | None = None  # the draft's guess of the token after all drafts (for pipelining)
+
+
+class SpeculationRun:
+    """Drives one session against one target replica and (optionally) one draft replica."""
+
+    def __init__(self, session: Session, target: WorkerClient, draft: WorkerClient | None, costs: CostModel,
+                 metrics: CoordinatorMetrics | None, ngram_sizes: tuple[int, int], max_context: int) -> None:
+        self.s = session
+        self.target = target
+        self.draft = draft if session.method == "draft" else None
+        self.costs = costs
+        self.metrics = metrics
+        self.ngram_sizes = ngram_sizes
+        self.max_context = max_context
+        self.seq_id = f"{session.request_id}-{uuid.uuid4().hex[:8]}"
+        self.sampling = sampling_to_proto(session.sampling)
+        self.draft_history: list[int] = []  # what the draft worker holds as committed history
+        self.in_flight: set[asyncio.Task] = set()
+
+    # ----- the loop ------------------------------------------------------
+    async def run(self) -> AsyncIterator[None]:
+        try:
+            proposal = await self._prefill()
+            yield
+            while not self.s.finish_reason:
+                proposal = await self._round(proposal)
+                yield
+        finally:
+            await self._release()
+
+    async def _prefill(self) -> Proposal | None:
+        prompt = self.s.prompt_ids
+        k = self._choose_k(after_tokens=1)
+        early: asyncio.Task | None = None
+        if self.draft is not None and k > 0 and self.s.pipelined:
+            # Draft while the target prefills: its first token is a guess of the target's first token.
+            early = self._spawn(self._propose(prompt, k + 2))
+        t0 = time.perf_counter()
+        first = await self.target.prefill(self.seq_id, prompt, self.sampling)
+        self.s.stats.verify_wait_s += time.perf_counter() - t0
+        self.s.commit([first])
+        if early is None:
+            return None
+        tokens, probs = await early
+        if tokens and tokens[0] == first and len(tokens) > 1:
+            return Proposal(len(self.s.history), tokens[1:-1], probs[1:-1], tokens[-1])
+        return None
+
+    async def _round(self, proposal: Proposal | None) -> Proposal | None:
+        s, stats = self.s, self.s.stats
+        round_start = time.perf_counter()
+        k = self._choose_k(after_tokens=0)
+        committed = len(s.history)
+        if proposal is None or proposal.base_len != committed:
+            proposal = await self._fresh_proposal(k)
+        drafts, probs = proposal.drafts[:k], proposal.probs[:k]
+        verify_task = self._spawn(self.target.verify(self.seq_id, committed, drafts, probs))
+        ahead: asyncio.Task | None = None
+        if self.draft is not None and s.pipelined and drafts and proposal.guess is not None \
+                and len(drafts) == len(proposal.drafts):
+            # Draft round r+1 now, betting that all of round r is accepted and the guess is right.
+            ahead = self._spawn(self._propose([*s.history, *drafts, proposal.guess], k + 1))
+        t0 = time.perf_counter()
+        verdict = await verify_task
+        verify_wait = time.perf_counter() - t0
+        stats.verify_wait_s += verify_wait
+        self.costs.observe_verify(len(drafts) + 1, verify_wait)
+        if self.metrics:
+            self.metrics.verify_latency.observe(verify_wait)
+        accepted = verdict.num_accepted
+        s.commit([*drafts[:accepted], verdict.next_token])
+        self._record_round(len(drafts), accepted, k)
+
+        next_proposal = None
+        if ahead is not None:
+            tokens, ahead_probs = await ahead
+            if accepted == len(drafts) and verdict.next_token == proposal.guess and not s.finish_reason:
+                next_proposal = Proposal(len(s.history), tokens[:-1], ahead_probs[:-1], tokens[-1] if tokens else None)
+        stats.round_wall_s += time.perf_counter() - round_start
+        return next_proposal
+
+    async def _fresh_proposal(self, k: int) -> Proposal:
+        """A proposal for the current history, waited for (no pipelining benefit this round)."""
+        committed = len(self.s.history)
+        if k == 0:
+            return Proposal(committed, [])
+        if self.draft is None:
+            lo, hi = self.ngram_sizes
+            return Proposal(committed, lookup_continuation(np.asarray(self.s.history, dtype=np.int64), k, lo, hi))
+        extra = 1 if self.s.pipelined else 0
+        t0 = time.perf_counter()
+        tokens, probs = await self._propose(self.s.history, k + extra)
+        waited = time.perf_counter() - t0
+        self.s.stats.draft_wait_s += waited
+        self.costs.observe_draft(waited / (k + extra))
+        if extra and len(tokens) == k + 1:
+            return Proposal(committed, tokens[:-1], probs[:-1], tokens[-1])
+        return Proposal(committed, tokens, probs)
+
+    async def _propose(self, tokens: list[int], k: int) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+        """Draft k tokens after ``tokens``, sending only what the draft does not hold yet."""
+        assert self.draft is not None
+        keep = common_prefix_len(self.draft_history, tokens)
+        new_tokens = list(tokens[keep:])
+        # Record what the draft will hold before awaiting: a later call is computed against it.
+        self.draft_history = list(tokens)
+        t0 = time.perf_counter()
+        reply = await self.draft.propose(self.seq_id, keep, new_tokens, k, self.sampling)
+        if self.metrics:
+            self.metrics.draft_latency.observe(time.perf_counter() - t0)
+        return list(reply.tokens), list(reply.probs)
+
+    # ----- helpers ---------------------------------------------------------
+    def _choose_k(self, after_tokens: int) -> int:
+        s = self.s
+        room = min(s.remaining - after_tokens, self.max_context - len(s.history) - after_tokens) - 1
+        if s.method == "none" or room <= 0 or (s.method == "draft" and self.draft is None):
+            return 0
+        k = choose_k(s.tracker.rate, self.costs, s.k_max) if s.adaptive_k else s.k_max
+        return max(0, min(k, room))
+
+    def _record_round(self, drafted: int, accepted: int, k: int) -> None:
+        stats = self.s.stats
+        stats.rounds += 1
+        stats.chosen_k.append(k)
+        if self.metrics:
+            self.metrics.chosen_k.observe(k)
+        if drafted:
+            stats.spec_rounds += 1
+            stats.drafted += drafted
+            stats.accepted += accepted
+            self.s.tracker.observe(drafted, accepted)
+            if self.metrics:
+                self.metrics.accepted_len.observe(accepted)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self.in_flight.add(task)
+        task.add_done_callback(self.in_flight.discard)
+        return task
+
+    async def _release(self) -> None:
+        """Free the KV on both workers, after any call still in flight (it could re-create the sequence)."""
+        pending = list(self.in_flight)
+        if pending:
+            await asyncio.wait(pending, timeout=self.target.call_timeout_s)
+        releases = [self.target.release(self.seq_id)]
+        if self.draft is not None and self.draft_history:
+            releases.append(self.draft.release(self.seq_id))
+        await asyncio.shield(asyncio.gather(*releases))

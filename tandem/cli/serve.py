@@ -1,0 +1,116 @@
+"""`tandem serve {coordinator,draft,target}`: run one Tandem service in this process.
+
+Each prints a line ``TANDEM_READY role=... port=... metrics_port=...`` once
+its health turns SERVING (weights loaded and warmed up); SIGTERM drains it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import torch
+
+from tandem import model_store
+from tandem.cli.generate import resolve_or_prepare
+from tandem.config import ATTENTION_BACKENDS, DTYPES, CoordinatorConfig, EngineConfig, ServerOptions, WorkerConfig
+from tandem.rpc.server import configure_logging
+
+
+def _addresses(values: list[str] | None) -> list[str]:
+    """--x-addr may repeat and may hold comma-separated lists."""
+    return [a.strip() for v in values or [] for a in v.split(",") if a.strip()]
+
+
+def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=default_port, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one; default: off)")
+    p.add_argument("--drain-grace", type=float, default=10.0,
+                   help="seconds in-flight calls get to finish after SIGTERM (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="catalog name, Hugging Face directory or .gguf file")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="weights/activations dtype")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
+    p.add_argument("--kv-cache-tokens", type=int, default=16384,
+                   help="size of the paged KV pool in tokens (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
+    p.add_argument("--token-budget", type=int, default=2048,
+                   help="most tokens in one batched forward pass (default: %(default)s)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run one service (coordinator, draft or target worker)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    roles = p.add_subparsers(dest="role", metavar="ROLE", required=True)
+
+    target = roles.add_parser("target", help="target worker: the large model, batched Prefill/Verify")
+    _worker_flags(target)
+    _server_flags(target, 50052)
+    target.set_defaults(func=run_worker)
+
+    draft = roles.add_parser("draft", help="draft worker: the small model, batched Propose")
+    _worker_flags(draft)
+    _server_flags(draft, 50053)
+    draft.set_defaults(func=run_worker)
+
+    coord = roles.add_parser("coordinator", help="coordinator: the public Generation API")
+    coord.add_argument("--target-addr", action="append", required=True, metavar="HOST:PORT",
+                       help="a target worker (repeat, or comma-separate, for several replicas)")
+    coord.add_argument("--draft-addr", action="append", default=None, metavar="HOST:PORT",
+                       help="a draft worker (repeat, or comma-separate); none: n-gram or plain decoding only")
+    coord.add_argument("--tokenizer", required=True, metavar="MODEL",
+                       help="the target model (catalog name or directory): only its tokenizer is loaded")
+    coord.add_argument("--max-new-tokens", type=int, default=256, help="default when a request leaves it unset")
+    coord.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
+                       help="default most draft tokens per round (default: %(default)s)")
+    coord.add_argument("--no-pipelining", action="store_true",
+                       help="draft round r+1 only after round r is verified")
+    coord.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each internal call, seconds")
+    coord.add_argument("--ngram-min", type=int, default=1)
+    coord.add_argument("--ngram-max", type=int, default=4)
+    _server_flags(coord, 50051)
+    coord.set_defaults(func=run_coordinator)
+
+
+def _server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(args.host, args.port, args.metrics_port, args.drain_grace)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
+                          args.kv_cache_tokens, args.attention)
+    cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget)
+    if args.role == "target":
+        from target_worker.main import serve
+    else:
+        from draft_worker.main import serve
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    cfg = CoordinatorConfig(
+        server=_server_options(args), tokenizer_dir=resolve_or_prepare(args.tokenizer, root),
+        target_addrs=_addresses(args.target_addr), draft_addrs=_addresses(args.draft_addr),
+        default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
+        call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+    )
+    from coordinator.main import serve
+
+    asyncio.run(serve(cfg))
+    return 0

@@ -1,0 +1,72 @@
+"""`tandem up`: start the whole system (target and draft workers, coordinator) as local processes.
+
+Workers load in parallel; the coordinator starts once they are all serving
+and is health-checked before this prints "ready". Ctrl-C (or SIGTERM) stops
+every process, coordinator first. Logs go to --log-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tandem.cli.generate import DEFAULT_TARGET
+from tandem.cluster import ClusterSpec, LocalCluster
+from tandem.config import DTYPES
+
+DEFAULT_DRAFT = "qwen-coder-0.5b"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start coordinator, draft and target workers locally", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL", help="target model (default: %(default)s)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, metavar="MODEL",
+                   help="draft model (default: %(default)s); 'none' for no draft workers (n-gram only)")
+    p.add_argument("--port", type=int, default=50051, help="coordinator gRPC port (default: %(default)s)")
+    p.add_argument("--target-replicas", type=int, default=1, help="target worker processes (default: 1)")
+    p.add_argument("--draft-replicas", type=int, default=1, help="draft worker processes (default: 1)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="dtype of every worker")
+    p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
+    p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
+    p.add_argument("--no-pipelining", action="store_true", help="coordinator drafts only after each verification")
+    p.add_argument("--log-dir", type=Path, default=None, help="where each process writes its log")
+    p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem import model_store
+    from tandem.cli.generate import resolve_or_prepare
+    import os
+
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    draft = None if args.draft == "none" else args.draft
+    for model in filter(None, (args.target, draft)):  # prepare once here, not in every replica at the same time
+        resolve_or_prepare(model, root)
+    spec = ClusterSpec(
+        target=args.target, draft=draft, port=args.port, target_replicas=args.target_replicas,
+        draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
+        kv_cache_tokens=args.kv_cache_tokens, coordinator_args=("--no-pipelining",) if args.no_pipelining else (),
+        log_dir=args.log_dir, cache_dir=args.cache_dir,
+    )
+    cluster = LocalCluster(spec)
+    print(f"starting Tandem (logs in {cluster.log_dir})...", file=sys.stderr)
+    address = cluster.start()
+    for service in cluster.services:
+        print(f"  {service.role:<12} {service.address}  metrics :{service.metrics_port}  pid {service.process.pid}")
+    print(f"ready: tandem generate \"...\" --addr {address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        dead = [s for s in cluster.services if s.process.poll() is not None]
+        if dead:
+            print(f"{dead[0].role} exited (code {dead[0].process.returncode}); stopping", file=sys.stderr)
+            break
+    print("stopping...", file=sys.stderr)
+    cluster.stop()
+    return 0

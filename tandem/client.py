@@ -1,0 +1,70 @@
+"""A small synchronous client of the public Generation API (the CLI, tests and benchmarks use it)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+
+from tandem.rpc.server import GRPC_OPTIONS
+from tandem.rpc.wire import sampling_to_proto
+from tandem.sampling import SamplingParams
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+
+def build_request(
+    prompt: str | list[int],
+    *,
+    max_new_tokens: int = 0,
+    sampling: SamplingParams | None = None,
+    method: str = "",
+    k: int | None = None,
+    fixed_k: bool = False,
+    pipelining: bool = True,
+    chat: bool = False,
+    stop_strings: tuple[str, ...] = (),
+    stop_token_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(
+        chat=chat, request_id=request_id,
+        stopping=generation_pb2.StoppingOptions(max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos),
+        speculation=generation_pb2.SpeculationOptions(method=method, fixed_k=fixed_k,
+                                                      disable_pipelining=not pipelining),
+    )
+    if k is not None:
+        request.speculation.k = k
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling_to_proto(sampling))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+class TandemClient:
+    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
+        return self.stub.Generate(request, timeout=self.timeout_s)
+
+    def stream(self, request: generation_pb2.GenerateRequest) -> Iterator[generation_pb2.GenerateStreamResponse]:
+        return self.stub.GenerateStream(request, timeout=self.timeout_s)
+
+    def info(self) -> generation_pb2.InfoResponse:
+        return self.stub.Info(generation_pb2.InfoRequest(), timeout=30)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

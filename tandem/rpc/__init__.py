@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by every server and client: status mapping, server lifecycle, wire conversion."""

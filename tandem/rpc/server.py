@@ -1,0 +1,113 @@
+"""Lifecycle of every Tandem gRPC server: start, health, reflection, metrics, graceful drain.
+
+Health says NOT_SERVING until the role's warm-up (weights loaded, one real
+forward pass run) has finished, so orchestrators route nothing to a worker
+that would answer slowly or not at all. On SIGTERM (or SIGINT) the server
+turns NOT_SERVING, refuses new work with UNAVAILABLE, lets calls in flight
+finish for ``drain_grace_s``, then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from tandem.config import ServerOptions
+from tandem.errors import ShuttingDownError
+from tandem.rpc.status import ErrorMappingInterceptor
+
+log = logging.getLogger(__name__)
+
+# Verify requests carry k sparse distributions; leave ample room.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ManagedServer:
+    """A ``grpc.aio`` server with the pieces every role needs."""
+
+    def __init__(self, role: str, options: ServerOptions) -> None:
+        self.role = role
+        self.options = options
+        self.registry = CollectorRegistry()  # one per server: no process-global metrics
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        self.service_names: list[str] = []
+        self.draining = False
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    def add_service(self, add_to_server: Callable[[object, grpc.aio.Server], None], servicer: object,
+                    full_name: str) -> None:
+        add_to_server(servicer, self.server)
+        self.service_names.append(full_name)
+
+    def check_accepting(self) -> None:
+        """Servicers call this before taking new work."""
+        if self.draining:
+            raise ShuttingDownError(f"{self.role} is shutting down and takes no new work")
+
+    async def start(self) -> int:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        if self.port == 0:
+            raise OSError(f"{self.role}: cannot bind {self.options.host}:{self.options.port}")
+        await self.server.start()
+        if self.options.metrics_port is not None:
+            http_server, _ = start_http_server(self.options.metrics_port, registry=self.registry)
+            self.metrics_port = http_server.server_port
+        return self.port
+
+    async def set_serving(self) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # One machine-readable line: `tandem up` and the tests wait for it.
+        print(f"TANDEM_READY role={self.role} port={self.port} metrics_port={self.metrics_port or 0}",
+              flush=True)
+
+    async def drain_and_stop(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info("%s: draining for up to %.1fs", self.role, self.options.drain_grace_s)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.options.drain_grace_s)
+
+
+async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awaitable[None]]) -> None:
+    """Start, warm up, mark serving, and run until SIGTERM/SIGINT, then drain."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await server.start()
+    log.info("%s listening on port %d (not serving until warmed up)", server.role, port)
+    await warmup()
+    await server.set_serving()
+    waiter = asyncio.create_task(server.server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await server.drain_and_stop()
+    for task in (waiter, stopper):
+        task.cancel()
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(stream=sys.stderr, level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

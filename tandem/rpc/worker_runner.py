@@ -1,0 +1,70 @@
+"""What both worker roles do to come up: load, wire the batcher and service, warm up, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from tandem.config import WorkerConfig
+from tandem.engine import ModelEngine
+from tandem.rpc.batcher import Batcher
+from tandem.rpc.metrics import WorkerMetrics
+from tandem.rpc.server import ManagedServer, serve_until_signalled
+from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+class RoleEngine(Protocol):
+    engine: ModelEngine
+
+    def run_batch(self, calls: list[Any]) -> list[Any]: ...
+    def call_cost(self, call: Any) -> int: ...
+    def warmup(self) -> None: ...
+
+
+@dataclass(slots=True)
+class WorkerRole:
+    """How one role differs: its engine, its servicer and its gRPC service."""
+
+    name: str  # "draft" or "target"
+    make_engine: Callable[[ModelEngine], RoleEngine]
+    make_service: Callable[..., Any]  # (engine, batcher, server, model_name, fingerprint, stop_ids)
+    add_to_server: Callable[[Any, Any], None]
+    service_full_name: str
+
+
+async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
+    log.info("%s: loading %s", role.name, cfg.engine.model_dir)
+    engine = ModelEngine.load(cfg.engine)
+    tokenizer = load_tokenizer(cfg.engine.model_dir)
+    role_engine = role.make_engine(engine)
+    server = ManagedServer(role.name, cfg.server)
+    metrics = WorkerMetrics(server.registry, role.name)
+    metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
+
+    def on_batch(num_calls: int, num_tokens: int) -> None:
+        metrics.batch_size.observe(num_calls)
+        metrics.batch_tokens.observe(num_tokens)
+        metrics.queue_depth.set(batcher.queue_depth)
+        metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)
+        metrics.active_sequences.set(len(engine.kv_cache.sequences()))
+
+    batcher = Batcher(role_engine.run_batch, role_engine.call_cost, cfg.token_budget, on_batch)
+    service = role.make_service(
+        role_engine, batcher, server, cfg.model_name, tokenizer_fingerprint(tokenizer),
+        sorted(stop_token_ids(cfg.engine.model_dir, tokenizer, engine.config)),
+    )
+    server.add_service(role.add_to_server, service, role.service_full_name)
+
+    async def warmup() -> None:
+        await asyncio.to_thread(role_engine.warmup)
+        batcher.start()
+        log.info("%s: warmed up (%d threads)", role.name, torch.get_num_threads())
+
+    await serve_until_signalled(server, warmup)
+    await batcher.stop()

@@ -1,0 +1,11 @@
+"""Target worker: the large model; batched Prefill and Verify with KV rollback.
+
+How a Verify call becomes a forward pass and a reply:
+``service.py`` decodes the request into a ``VerifyCall`` and submits it to the
+``Batcher``; the batcher hands every call waiting at that moment to
+``TargetEngine.run_batch`` (``engine.py``), which rolls each sequence back to
+its committed length, runs ONE ``ModelEngine.forward`` over all of them
+(last committed token + k drafts each), applies the rejection sampler per
+sequence, trims the KV to the accepted prefix, and returns a ``Verdict`` per
+call; ``service.py`` encodes it as a ``VerifyResponse``.
+"""

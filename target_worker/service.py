@@ -1,0 +1,60 @@
+"""TargetWorker gRPC servicer: decode the request, submit it to the batcher, encode the reply."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from tandem.errors import InvalidRequestError
+from tandem.rpc.batcher import Batcher
+from tandem.rpc.server import ManagedServer
+from tandem.rpc.wire import decode_distribution, sampling_from_proto
+from tandem.rpc.worker_info import worker_info
+from tandem.spec.rejection import Verdict
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+
+
+class TargetService(target_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, engine: TargetEngine, batcher: Batcher, server: ManagedServer, model_name: str,
+                 tokenizer_fingerprint: str, stop_token_ids: list[int]) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.server = server
+        self.model_name = model_name
+        self.fingerprint = tokenizer_fingerprint
+        self.stop_token_ids = stop_token_ids
+
+    async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        self.server.check_accepting()
+        if not request.seq_id:
+            raise InvalidRequestError("seq_id is empty")
+        if not request.token_ids:
+            raise InvalidRequestError("token_ids is empty: nothing to prefill")
+        bad = [t for t in request.token_ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token_ids outside the vocabulary (0..{self.engine.vocab_size - 1}): {bad[:5]}")
+        if len(request.token_ids) >= self.engine.max_context:
+            raise InvalidRequestError(f"prompt of {len(request.token_ids)} tokens exceeds the context of {self.engine.max_context}")
+        call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling))
+        token: int = await self.batcher.submit(call)
+        return target_pb2.PrefillResponse(next_token=token)
+
+    async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
+        self.server.check_accepting()
+        drafts = list(request.draft_tokens)
+        bad = [t for t in drafts if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"draft_tokens outside the vocabulary: {bad[:5]}")
+        probs = None
+        if request.draft_probs:
+            probs = torch.stack([decode_distribution(d, self.engine.vocab_size) for d in request.draft_probs])
+        verdict: Verdict = await self.batcher.submit(VerifyCall(request.seq_id, request.committed_len, drafts, probs))
+        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token)
+
+    async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.ReleaseResponse(released=self.engine.release(request.seq_id))
+
+    async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
+        return worker_info("target", self.model_name, self.engine.engine, self.batcher.queue_depth,
+                           len(self.engine.sequences), self.fingerprint, self.stop_token_ids)
