@@ -87,6 +87,10 @@ class DraftEngine:
                 self.generators[call.seq_id] = generator
         return ProposeRequest(call.seq_id, history, call.k, call.sampling, generator)
 
+    @property
+    def num_sequences(self) -> int:
+        return len(self.histories)
+
     def release(self, seq_id: str) -> bool:
         held = self.histories.pop(seq_id, None) is not None
         self.generators.pop(seq_id, None)

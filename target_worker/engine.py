@@ -133,6 +133,10 @@ class TargetEngine:
         return verdict
 
     # ----- bookkeeping ---------------------------------------------------
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
     def release(self, seq_id: str) -> bool:
         held = self.sequences.pop(seq_id, None) is not None
         if self.engine.kv_cache.has_sequence(seq_id):

@@ -6,24 +6,15 @@ import grpc
 import torch
 
 from tandem.errors import InvalidRequestError
-from tandem.rpc.batcher import Batcher
-from tandem.rpc.server import ManagedServer
+from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.rpc.wire import decode_distribution, sampling_from_proto
-from tandem.rpc.worker_info import worker_info
 from tandem.spec.rejection import Verdict
-from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+from tandem.v1 import target_pb2, target_pb2_grpc
+from target_worker.engine import PrefillCall, VerifyCall
 
 
-class TargetService(target_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, engine: TargetEngine, batcher: Batcher, server: ManagedServer, model_name: str,
-                 tokenizer_fingerprint: str, stop_token_ids: list[int]) -> None:
-        self.engine = engine
-        self.batcher = batcher
-        self.server = server
-        self.model_name = model_name
-        self.fingerprint = tokenizer_fingerprint
-        self.stop_token_ids = stop_token_ids
+class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
+    role = "target"
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
@@ -51,10 +42,3 @@ class TargetService(target_pb2_grpc.TargetWorkerServicer):
             probs = torch.stack([decode_distribution(d, self.engine.vocab_size) for d in request.draft_probs])
         verdict: Verdict = await self.batcher.submit(VerifyCall(request.seq_id, request.committed_len, drafts, probs))
         return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token)
-
-    async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
-        return common_pb2.ReleaseResponse(released=self.engine.release(request.seq_id))
-
-    async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
-        return worker_info("target", self.model_name, self.engine.engine, self.batcher.queue_depth,
-                           len(self.engine.sequences), self.fingerprint, self.stop_token_ids)

@@ -74,7 +74,7 @@ class SdpaAttention:
     ) -> torch.Tensor:  # [num_tokens, H, D]
         flat_k = key_cache.view(-1, *key_cache.shape[-2:])  # [slots, Hkv, D]
         flat_v = value_cache.view(-1, *value_cache.shape[-2:])
-        out = torch.empty_like(query)
+        pieces: list[torch.Tensor] = []  # [rows, H, D] each, in token order
         token = 0
         for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
             total = ctx + qlen
@@ -85,15 +85,15 @@ class SdpaAttention:
             if qlen <= ROWWISE_MAX_QUERY:
                 for i in range(qlen):
                     visible = ctx + i + 1
-                    out[token + i] = F.scaled_dot_product_attention(
+                    pieces.append(F.scaled_dot_product_attention(
                         rows[i, :, None, :][None], keys[:, :, :visible], values[:, :, :visible],
                         scale=scale, enable_gqa=True,
-                    )[0, :, 0]
+                    )[0].transpose(0, 1))  # [1, H, D]
             else:
                 q = rows.transpose(0, 1)[None]  # [1, H, q, D]
                 mask = state.masks.get(b)
-                out[token : token + qlen] = F.scaled_dot_product_attention(
+                pieces.append(F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-                )[0].transpose(0, 1)
+                )[0].transpose(0, 1))  # [q, H, D]
             token += qlen
-        return out
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -1,0 +1,40 @@
+"""What the draft and target servicers share: their wiring, Release and Info."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from tandem.rpc.batcher import Batcher
+from tandem.rpc.server import ManagedServer
+from tandem.v1 import common_pb2
+
+
+class WorkerServiceBase:
+    """Holds a role engine (``.engine``, ``.release``, ``.num_sequences``) and its batcher."""
+
+    role = "worker"
+
+    def __init__(self, engine: Any, batcher: Batcher, server: ManagedServer, model_name: str,
+                 tokenizer_fingerprint: str, stop_token_ids: list[int]) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.server = server
+        self.model_name = model_name
+        self.fingerprint = tokenizer_fingerprint
+        self.stop_token_ids = stop_token_ids
+
+    async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.ReleaseResponse(released=self.engine.release(request.seq_id))
+
+    async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
+        model = self.engine.engine
+        cache = model.kv_cache
+        return common_pb2.WorkerInfo(
+            role=self.role, model=self.model_name, vocab_size=model.config.vocab_size,
+            max_context=model.config.max_position_embeddings, total_blocks=cache.num_blocks,
+            free_blocks=cache.num_free_blocks, block_size=cache.block_size, queue_depth=self.batcher.queue_depth,
+            active_sequences=self.engine.num_sequences, tokenizer_fingerprint=self.fingerprint,
+            stop_token_ids=self.stop_token_ids,
+        )

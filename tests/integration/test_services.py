@@ -1,0 +1,272 @@
+"""The distributed system for real: worker and coordinator processes on localhost, real gRPC.
+
+SmolLM2-135M is both target and draft here (the only real model CI has);
+the draft drafts for itself, so every draft token is accepted, which makes
+the pipelined path (drafting round r+1 during round r's verification) carry
+most of the traffic. Outputs are compared with in-process target-only
+decoding of the same model: greedy output must be identical token for token.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tandem.client import TandemClient, build_request
+from tandem.cluster import ClusterSpec, LocalCluster
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a story about a cat.",
+    "def fibonacci(n):",
+    "List the planets of the solar system.",
+    "Explain what a hash table is.",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir, tmp_path_factory):
+    spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=8192,
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    with LocalCluster(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with TandemClient(cluster.coordinator.address, timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    """Target-only greedy output, in process, for each prompt (chat template, 40 tokens)."""
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from tandem.spec.generator import GenerationRequest, SpeculativeGenerator
+    from tandem.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer(smollm2_dir)
+    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16"))
+    stops = stop_token_ids(smollm2_dir, tok, engine.config)
+    out = {}
+    for prompt in PROMPTS:
+        request = GenerationRequest(encode_prompt(tok, prompt, chat=True), 40, stop_token_ids=stops, k_max=0)
+        out[prompt] = SpeculativeGenerator(engine).generate([request])[0].token_ids
+    return out
+
+
+def generate(client, prompt, **kw):
+    return client.generate(build_request(prompt, chat=True, max_new_tokens=40, **kw))
+
+
+def stream_tokens(client, prompt, **kw) -> list[int]:
+    tokens = []
+    for chunk in client.stream(build_request(prompt, chat=True, max_new_tokens=40, **kw)):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+def metric_samples(service, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^({name}\S*) (\S+)$", text, re.M)}
+
+
+# ----- correctness --------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "none"])
+def test_greedy_through_services_equals_target_only(client, reference, method):
+    for prompt in PROMPTS:
+        reply = generate(client, prompt, method=method, fixed_k=True)
+        assert list(reply.token_ids) == reference[prompt], prompt
+        assert reply.stats.method == method
+        if method == "draft":
+            assert reply.stats.drafted > 0 and reply.stats.accepted == reply.stats.drafted
+
+
+def test_pipelined_and_unpipelined_runs_agree(client, reference):
+    for prompt in PROMPTS[:2]:
+        piped = generate(client, prompt, method="draft", fixed_k=True, pipelining=True)
+        plain = generate(client, prompt, method="draft", fixed_k=True, pipelining=False)
+        assert list(piped.token_ids) == list(plain.token_ids) == reference[prompt]
+
+
+def test_stream_equals_unary_and_text_reassembles(client, reference):
+    chunks = list(client.stream(build_request(PROMPTS[0], chat=True, max_new_tokens=40, method="draft")))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference[PROMPTS[0]]
+    assert len(chunks) > 1 and chunks[-1].finish_reason and chunks[-1].stats.generated_tokens == len(tokens)
+    assert "".join(c.text for c in chunks) == generate(client, PROMPTS[0], method="draft").text
+
+
+def test_sixteen_concurrent_streams_match_their_single_runs_and_batch(client, cluster, reference):
+    target = cluster.workers("target")[0]
+    before = metric_samples(target, "tandem_target_batch_size")
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: stream_tokens(client, p, method="draft"), jobs))
+    for prompt, tokens in zip(jobs, results):
+        assert tokens == reference[prompt]
+    after = metric_samples(target, "tandem_target_batch_size")
+    batches = after["tandem_target_batch_size_count"] - before.get("tandem_target_batch_size_count", 0)
+    singles = after['tandem_target_batch_size_bucket{le="1.0"}'] - before.get('tandem_target_batch_size_bucket{le="1.0"}', 0)
+    assert batches > 0 and singles < batches  # some verification batches served several sequences
+
+
+def test_seeded_sampling_is_reproducible_through_services(client):
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    first = generate(client, PROMPTS[1], sampling=sampling, method="draft", fixed_k=True)
+    second = generate(client, PROMPTS[1], sampling=sampling, method="draft", fixed_k=True)
+    assert list(first.token_ids) == list(second.token_ids)
+    assert first.stats.drafted > 0
+
+
+def test_stop_string_cuts_text_and_stop_token_ends(client, reference):
+    full = generate(client, PROMPTS[1], method="draft")
+    cut_at = full.text[5:15]
+    reply = generate(client, PROMPTS[1], method="draft", stop_strings=(cut_at,))
+    assert reply.finish_reason == "stop" and cut_at not in reply.text
+    assert full.text.startswith(reply.text)
+    stop_token = reference[PROMPTS[1]][6]
+    reply = generate(client, PROMPTS[1], method="draft", stop_token_ids=(stop_token,))
+    assert list(reply.token_ids)[-1] == stop_token and reply.finish_reason == "stop"
+    assert list(reply.token_ids) == reference[PROMPTS[1]][: reference[PROMPTS[1]].index(stop_token) + 1]
+
+
+def test_cancelled_stream_returns_its_kv_blocks(client):
+    stream = client.stream(build_request(PROMPTS[0], chat=True, max_new_tokens=400, method="draft", ignore_eos=True))
+    next(stream)
+    next(stream)
+    stream.cancel()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = client.info()
+        workers = [*info.target_workers, *info.draft_workers]
+        if all(w.info.free_blocks == w.info.total_blocks for w in workers):
+            break
+        time.sleep(0.3)
+    assert all(w.info.free_blocks == w.info.total_blocks and w.info.active_sequences == 0 for w in workers)
+
+
+# ----- bad input -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(prompt=""), "text"),
+    (dict(prompt=[]), "token_ids.ids"),
+    (dict(prompt=[1, -5]), "token_ids.ids"),
+    (dict(prompt=[1, 10_000_000]), "token_ids.ids"),
+    (dict(prompt="x " * 9000), "prompt"),
+    (dict(prompt="hi", max_new_tokens=-3), "stopping.max_new_tokens"),
+    (dict(prompt="hi", max_new_tokens=100_000), "stopping.max_new_tokens"),
+    (dict(prompt="hi", sampling=None, method="medusa"), "speculation.method"),
+    (dict(prompt="hi", k=-1), "speculation.k"),
+])
+def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(build_request(prompt, **kwargs))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field), info.value.details()
+
+
+@pytest.mark.parametrize("field,message", [
+    ("temperature", "sampling: temperature must be >= 0"),
+    ("top_p_low", "sampling: top_p must be in (0, 1]"),
+    ("top_p_high", "sampling: top_p must be in (0, 1]"),
+    ("top_k", "sampling: top_k must be >= 0"),
+])
+def test_bad_sampling_is_invalid_argument(client, field, message):
+    request = build_request("hi")
+    setattr(request.sampling, {"top_p_low": "top_p", "top_p_high": "top_p"}.get(field, field),
+            {"temperature": -1.0, "top_p_low": -0.5, "top_p_high": 1.5, "top_k": -2}[field])
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(message), info.value.details()
+
+
+def test_unknown_sequence_is_not_found_on_both_workers(cluster):
+    with grpc.insecure_channel(cluster.workers("target")[0].address) as channel:
+        stub = target_pb2_grpc.TargetWorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(target_pb2.VerifyRequest(seq_id="nope", committed_len=3, draft_tokens=[1]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with grpc.insecure_channel(cluster.workers("draft")[0].address) as channel:
+        stub = draft_pb2_grpc.DraftWorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Propose(draft_pb2.ProposeRequest(seq_id="nope", committed_len=3, new_tokens=[1], k=2), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(cluster.coordinator.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="tandem.v1.Generation"), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in replies for s in r.list_services_response.service}
+        assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+# ----- replicas and failures -------------------------------------------------------------
+
+def test_two_draft_and_two_target_replicas_share_the_load(smollm2_dir, tmp_path):
+    spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", target_replicas=2,
+                       draft_replicas=2, kv_cache_tokens=4096, log_dir=tmp_path, metrics=False)
+    with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda p: generate(client, p, method="draft"), PROMPTS * 2))
+    assert len({r.stats.target_worker for r in replies}) == 2
+    assert len({r.stats.draft_worker for r in replies}) == 2
+
+
+def test_unresponsive_worker_gives_deadline_exceeded_not_a_hang(smollm2_dir, tmp_path):
+    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", kv_cache_tokens=2048,
+                       log_dir=tmp_path, metrics=False, coordinator_args=("--call-timeout", "3"))
+    with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=60) as client:
+        target = cluster.workers("target")[0].process
+        target.send_signal(signal.SIGSTOP)  # alive but not answering
+        try:
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                generate(client, PROMPTS[0], method="none")
+            assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            assert time.monotonic() - start < 15
+        finally:
+            target.send_signal(signal.SIGCONT)
+        target.kill()  # gone for good
+        target.wait()
+        with pytest.raises(grpc.RpcError) as info:
+            generate(client, PROMPTS[0], method="none")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_drains_and_exits_cleanly(smollm2_dir, tmp_path):
+    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", kv_cache_tokens=2048,
+                       log_dir=tmp_path, metrics=False)
+    cluster = LocalCluster(spec)
+    address = cluster.start()
+    with TandemClient(address, timeout_s=60) as client:
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(reply=generate(client, PROMPTS[0], method="none")))
+        worker.start()
+        time.sleep(0.5)
+        cluster.coordinator.process.send_signal(signal.SIGTERM)  # in-flight request finishes, then exit
+        worker.join(60)
+    cluster.stop()
+    assert "reply" in result and result["reply"].finish_reason
+    assert all(s.process.returncode == 0 for s in cluster.services)
