@@ -6,6 +6,7 @@ the INVALID_ARGUMENT message.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ from tandem.errors import InvalidRequestError
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
-from tandem.spec.adaptive import CostModel
+from tandem.spec.adaptive import MAX_K, CostModel
 from tandem.tokenizer import encode_prompt
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -110,9 +111,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     emitted, last = len(session.generated), now
                 yield
             outcome = "ok"
-        except BaseException as exc:
-            outcome = "cancelled" if isinstance(exc, (GeneratorExit, KeyboardInterrupt)) or \
-                type(exc).__name__ == "CancelledError" else "error"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
             raise
         finally:
             self.metrics.active.dec()
@@ -138,8 +138,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if method == "draft" and not self.drafts.clients:
             raise InvalidRequestError("speculation.method: 'draft' needs draft workers; this coordinator has none")
         k = spec.k if spec.HasField("k") else self.cfg.default_k
-        if k < 0:
-            raise InvalidRequestError(f"speculation.k must be >= 0, got {k}")
+        if not 0 <= k <= MAX_K:
+            raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")
         prompt_ids = self._prompt_ids(request)
         stopping = request.stopping
         max_new = stopping.max_new_tokens or self.cfg.default_max_new_tokens

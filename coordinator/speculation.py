@@ -27,7 +27,7 @@ from coordinator.session import Session
 from coordinator.workers import WorkerClient
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.wire import sampling_to_proto
-from tandem.spec.adaptive import CostModel, choose_k
+from tandem.spec.adaptive import CostModel, LoadAwareCost, choose_k
 from tandem.spec.draft_model import common_prefix_len
 from tandem.spec.ngram import lookup_continuation
 from tandem.v1 import common_pb2
@@ -60,6 +60,9 @@ class SpeculationRun:
 
     # ----- the loop ------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
+        self.target.active += 1
+        if self.draft is not None:
+            self.draft.active += 1
         try:
             proposal = await self._prefill()
             yield
@@ -67,6 +70,9 @@ class SpeculationRun:
                 proposal = await self._round(proposal)
                 yield
         finally:
+            self.target.active -= 1
+            if self.draft is not None:
+                self.draft.active -= 1
             await self._release()
 
     async def _prefill(self) -> Proposal | None:
@@ -126,6 +132,7 @@ class SpeculationRun:
         if k == 0:
             return Proposal(committed, [])
         if self.draft is None:
+            self.costs.observe_draft(0.0)  # a lookup in the coordinator: no draft cost worth counting
             lo, hi = self.ngram_sizes
             return Proposal(committed, lookup_continuation(np.asarray(self.s.history, dtype=np.int64), k, lo, hi))
         extra = 1 if self.s.pipelined else 0
@@ -157,8 +164,19 @@ class SpeculationRun:
         room = min(s.remaining - after_tokens, self.max_context - len(s.history) - after_tokens) - 1
         if s.method == "none" or room <= 0 or (s.method == "draft" and self.draft is None):
             return 0
-        k = choose_k(s.tracker.rate, self.costs, s.k_max) if s.adaptive_k else s.k_max
+        k = choose_k(s.tracker.rate, self._round_costs(), s.k_max) if s.adaptive_k else s.k_max
         return max(0, min(k, room))
+
+    def _round_costs(self) -> LoadAwareCost:
+        """What a round costs at the current load, from the workers' fitted forward costs."""
+        costs = LoadAwareCost(self.costs, streams=self.target.streams)
+        if self.target.info is not None:
+            costs.target_base_s = self.target.info.forward_base_s
+            costs.target_per_token_s = self.target.info.forward_per_token_s
+        if self.draft is not None and self.draft.info is not None:
+            costs.draft_base_s = self.draft.info.forward_base_s
+            costs.draft_per_token_s = self.draft.info.forward_per_token_s
+        return costs
 
     def _record_round(self, drafted: int, accepted: int, k: int) -> None:
         stats = self.s.stats

@@ -39,6 +39,7 @@ class WorkerClient:
         self.info: common_pb2.WorkerInfo | None = None
         self.healthy = False
         self.placed_since_poll = 0
+        self.active = 0  # this coordinator's requests placed here and not yet finished
 
     async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         try:
@@ -55,6 +56,11 @@ class WorkerClient:
         except grpc.aio.AioRpcError:
             self.healthy = False
         self.placed_since_poll = 0
+
+    @property
+    def streams(self) -> int:
+        """Sequences sharing this worker now: ours, or all of them as its last Info said."""
+        return max(self.active, self.info.active_sequences if self.info else 0)
 
     def score(self) -> tuple[float, float]:
         """Higher is better: free KV (minus what we just placed), then a short queue."""

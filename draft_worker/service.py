@@ -8,10 +8,12 @@ from draft_worker.engine import ProposeCall
 from tandem.errors import InvalidRequestError
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.rpc.wire import encode_distribution, sampling_from_proto
+from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposal import Proposal
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
-MAX_K = 32
+# k drafts, plus the pipelining guesses: of the first token (during prefill) and of the bonus token.
+MAX_PROPOSE = MAX_K + 2
 
 
 class DraftService(WorkerServiceBase, draft_pb2_grpc.DraftWorkerServicer):
@@ -21,8 +23,8 @@ class DraftService(WorkerServiceBase, draft_pb2_grpc.DraftWorkerServicer):
         self.server.check_accepting()
         if not request.seq_id:
             raise InvalidRequestError("seq_id is empty")
-        if not 0 <= request.k <= MAX_K:
-            raise InvalidRequestError(f"k must be in 0..{MAX_K}, got {request.k}")
+        if not 0 <= request.k <= MAX_PROPOSE:
+            raise InvalidRequestError(f"k must be in 0..{MAX_PROPOSE}, got {request.k}")
         if request.committed_len < 0:
             raise InvalidRequestError(f"committed_len must be >= 0, got {request.committed_len}")
         bad = [t for t in request.new_tokens if not 0 <= t < self.engine.vocab_size]

@@ -87,17 +87,20 @@ class LocalCluster:
             raise
 
     def stop(self, grace_s: float = 15.0) -> None:
-        # Coordinator first, so no new work reaches workers that are going away.
-        for service in reversed(self.services):
-            if service.process.poll() is None:
-                service.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for service in self.services:
-            try:
-                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                service.process.kill()
-                service.process.wait()
+        """SIGTERM the coordinator and let it drain, then the workers its requests still needed."""
+        coordinators = [s for s in self.services if s.role == "coordinator"]
+        workers = [s for s in self.services if s.role != "coordinator"]
+        for group in (coordinators, workers):
+            for service in group:
+                if service.process.poll() is None:
+                    service.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for service in group:
+                try:
+                    service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    service.process.kill()
+                    service.process.wait()
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -11,6 +11,7 @@ object.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,6 +21,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
 from tandem.config import EngineConfig, ModelConfig
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
+from tandem.spec.adaptive import ForwardCostFit
 
 
 @dataclass(slots=True)
@@ -55,6 +57,8 @@ class ModelEngine:
         self.num_layers = num_layers  # None: all layers; fewer for an early-exit drafter
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        # Forward seconds against tokens, fitted as the engine runs: what adaptive k plans with.
+        self.cost_fit = ForwardCostFit()
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> ModelEngine:
@@ -114,8 +118,11 @@ class ModelEngine:
         context_lens = [self.seq_len(s) for s in seq_ids]
         existed = [self.kv_cache.has_sequence(s) for s in seq_ids]
         slots = self.kv_cache.append_slots({it.seq_id: len(it.token_ids) for it in items})
+        started = time.perf_counter()
         try:
-            return self._run(items, context_lens, slots)
+            logits = self._run(items, context_lens, slots)
+            self.cost_fit.observe(sum(len(it.token_ids) for it in items), time.perf_counter() - started)
+            return logits
         except BaseException:
             for seq_id, length, had in zip(seq_ids, context_lens, existed):
                 if had:

@@ -14,7 +14,7 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError
-from tandem.spec.adaptive import CostModel
+from tandem.spec.adaptive import MAX_K, CostModel
 from tandem.spec.draft_model import DraftModelProposer, early_exit_proposer
 from tandem.spec.generator import SpeculativeGenerator
 from tandem.spec.ngram import NgramProposer
@@ -38,8 +38,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidRequestError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.k < 0:
-            raise InvalidRequestError(f"k (draft tokens per round) must be >= 0, got {self.k}")
+        if not 0 <= self.k <= MAX_K:
+            raise InvalidRequestError(f"k (draft tokens per round) must be in 0..{MAX_K}, got {self.k}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
         if self.early_exit_layers is not None and self.early_exit_layers < 1:

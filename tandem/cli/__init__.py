@@ -13,7 +13,7 @@ from tandem.errors import TandemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import generate, models, serve, up
+    from tandem.cli import bench, demo, generate, models, serve, up
 
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -25,12 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     serve.register(sub)
     up.register(sub)
+    demo.register(sub)
+    bench.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "bench":  # the benchmark parses its own flags (--help included)
+        args.bench_args = [*extra, *args.bench_args]
     try:
         return int(args.func(args) or 0)
     except TandemError as exc:

@@ -8,12 +8,14 @@ every process, coordinator first. Logs go to --log-dir.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from tandem.cli.generate import DEFAULT_TARGET
+from tandem import model_store
+from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.config import DTYPES
 
@@ -39,10 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem import model_store
-    from tandem.cli.generate import resolve_or_prepare
-    import os
-
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     draft = None if args.draft == "none" else args.draft
     for model in filter(None, (args.target, draft)):  # prepare once here, not in every replica at the same time

@@ -10,6 +10,7 @@ own exception. Calls that arrive during a batch form the next one.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
@@ -33,12 +34,12 @@ class Batcher(Generic[Item, Result]):
         run_batch: Callable[[list[Item]], list[Result | BaseException]],
         cost: Callable[[Item], int],
         token_budget: int,
-        on_batch: Callable[[int, int], None] | None = None,
+        on_batch: Callable[[int, int, float], None] | None = None,
     ) -> None:
         self.run_batch = run_batch
         self.cost = cost
         self.token_budget = token_budget
-        self.on_batch = on_batch  # (num_items, num_tokens) after each batch: metrics
+        self.on_batch = on_batch  # (num_items, num_tokens, seconds) after each batch: metrics
         self._queue: list[_Pending[Item]] = []
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -81,12 +82,13 @@ class Batcher(Generic[Item, Result]):
             batch = [p for p in self._take_batch() if not p.future.cancelled()]
             if not batch:
                 continue
+            started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.run_batch, [p.item for p in batch])
             except Exception as exc:  # noqa: BLE001 - a batch-wide failure fails each of its calls
                 results = [exc] * len(batch)
             if self.on_batch:
-                self.on_batch(len(batch), sum(p.cost for p in batch))
+                self.on_batch(len(batch), sum(p.cost for p in batch), time.perf_counter() - started)
             for pending, result in zip(batch, results):
                 if pending.future.done():
                     continue

@@ -47,7 +47,8 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
 
-    def on_batch(num_calls: int, num_tokens: int) -> None:
+    def on_batch(num_calls: int, num_tokens: int, seconds: float) -> None:
+        metrics.batch_seconds.observe(seconds)
         metrics.batch_size.observe(num_calls)
         metrics.batch_tokens.observe(num_tokens)
         metrics.queue_depth.set(batcher.queue_depth)

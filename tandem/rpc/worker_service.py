@@ -36,5 +36,6 @@ class WorkerServiceBase:
             max_context=model.config.max_position_embeddings, total_blocks=cache.num_blocks,
             free_blocks=cache.num_free_blocks, block_size=cache.block_size, queue_depth=self.batcher.queue_depth,
             active_sequences=self.engine.num_sequences, tokenizer_fingerprint=self.fingerprint,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self.stop_token_ids, forward_base_s=model.cost_fit.base_s,
+            forward_per_token_s=model.cost_fit.per_token_s,
         )

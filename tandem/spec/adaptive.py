@@ -11,6 +11,13 @@ when the draft is too slow or too often wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+# Most draft tokens per round: k + 1 verified tokens stay within the attention backend's
+# row-by-row (batch-invariant) range, and deeper drafts pay off only at acceptance rates
+# no real pair reaches.
+MAX_K = 15
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -72,7 +79,88 @@ class AcceptanceTracker:
         return self.accepted / (self.accepted + self.rejected)
 
 
-def choose_k(acceptance: float, costs: CostModel, k_max: int) -> int:
+@dataclass(slots=True)
+class ForwardCostFit:
+    """Seconds of one forward pass as a line in the tokens it carries: ``base_s + per_token_s * tokens``.
+
+    A worker fits it online over its own batches (least squares on
+    exponentially weighted sums, so it follows load and thermal drift) and
+    reports it in Info. The intercept is the cost of reading the weights once,
+    the slope what each extra token adds: at batch 1 the slope is small and
+    speculation is nearly free; with many streams batched, every draft token
+    of every stream adds ``per_token_s`` and speculation can stop paying.
+    """
+
+    decay: float = 0.98  # weight of the past per observation
+    min_spread: float = 4.0  # tokens: below this spread of batch sizes the slope is not trusted
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * seconds
+
+    @property
+    def ready(self) -> bool:
+        return self._w > 0
+
+    @property
+    def per_token_s(self) -> float:
+        if not self.ready:
+            return 0.0
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var < self.min_spread**2:
+            return 0.0
+        return max(0.0, (self._xy / self._w - mx * my) / var)
+
+    @property
+    def base_s(self) -> float:
+        if not self.ready:
+            return 0.0
+        return max(1e-6, self._y / self._w - self.per_token_s * self._x / self._w)
+
+
+@dataclass(slots=True)
+class LoadAwareCost:
+    """Round cost of one stream when ``streams`` similar streams share the same workers.
+
+    Every stream drafting k tokens makes each verification carry
+    ``streams * (k + 1)`` tokens and each draft step ``streams`` tokens, so
+    the round costs ``k * draft(streams) + verify(streams * (k + 1))``.
+    Falls back to the request-level ``CostModel`` measurements for a worker
+    that has not reported a fit yet.
+    """
+
+    fallback: CostModel
+    streams: int = 1
+    target_base_s: float = 0.0
+    target_per_token_s: float = 0.0
+    draft_base_s: float = 0.0
+    draft_per_token_s: float = 0.0
+
+    def round_seconds(self, k: int) -> float:
+        n = max(1, self.streams)
+        if self.target_base_s > 0:
+            verify = self.target_base_s + self.target_per_token_s * n * (k + 1)
+        else:
+            verify = self.fallback.verify_base_s * (1 + self.fallback.verify_slope * k)
+        draft_step = self.draft_base_s + self.draft_per_token_s * n if self.draft_base_s > 0 else self.fallback.draft_step_s
+        return k * draft_step + verify
+
+
+class RoundCost(Protocol):
+    def round_seconds(self, k: int) -> float: ...
+
+
+def choose_k(acceptance: float, costs: RoundCost, k_max: int) -> int:
     """The k in 0..k_max with the most expected tokens per second."""
     best_k, best_rate = 0, 1.0 / costs.round_seconds(0)
     for k in range(1, k_max + 1):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import InvalidRequestError
 from tandem.sampling import SamplingParams, pick_tokens
-from tandem.spec.adaptive import AcceptanceTracker, CostModel, choose_k
+from tandem.spec.adaptive import MAX_K, AcceptanceTracker, CostModel, LoadAwareCost, choose_k
 from tandem.spec.proposal import Proposal, Proposer, ProposeRequest
 from tandem.spec.rejection import verify
 
@@ -39,8 +39,8 @@ class GenerationRequest:
             raise InvalidRequestError("prompt is empty: give at least one token")
         if self.max_new_tokens <= 0:
             raise InvalidRequestError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.k_max < 0:
-            raise InvalidRequestError(f"k (draft tokens per round) must be >= 0, got {self.k_max}")
+        if not 0 <= self.k_max <= MAX_K:
+            raise InvalidRequestError(f"k (draft tokens per round) must be in 0..{MAX_K}, got {self.k_max}")
 
 
 @dataclass(slots=True)
@@ -161,16 +161,35 @@ class SpeculativeGenerator:
             s.commit([int(pick_tokens(row, s.request.sampling, s.generator)[0])])
             s.stats.generated, s.stats.elapsed_s = len(s.generated), now - start
 
-    def _choose_k(self, s: _Live) -> int:
+    def _round_costs(self, streams: int) -> LoadAwareCost:
+        """Round cost from the engines' fitted forward costs, which a prompt's prefill cannot skew.
+
+        (Timing whole propose calls would count the draft's prefill of a long prompt as
+        drafting cost and talk adaptive k out of speculating for good.)
+        """
+        costs = LoadAwareCost(self.costs, streams=streams)
+        if self.target.cost_fit.ready:
+            costs.target_base_s = self.target.cost_fit.base_s
+            costs.target_per_token_s = self.target.cost_fit.per_token_s
+        draft_engine = getattr(self.proposer, "engine", None)
+        if draft_engine is not None and draft_engine.cost_fit.ready:
+            costs.draft_base_s = draft_engine.cost_fit.base_s
+            costs.draft_per_token_s = draft_engine.cost_fit.per_token_s
+        elif draft_engine is None:
+            costs.draft_base_s = 1e-9  # a lookup, not a model: drafting is free
+        return costs
+
+    def _choose_k(self, s: _Live, costs: LoadAwareCost) -> int:
         r = s.request
         room = min(r.max_new_tokens - len(s.generated), self.max_len - len(s.tokens)) - 1
         if self.proposer is None or room <= 0:
             return 0
-        k = r.k_max if not r.adaptive_k else choose_k(s.tracker.rate, self.costs, r.k_max)
+        k = r.k_max if not r.adaptive_k else choose_k(s.tracker.rate, costs, r.k_max)
         return max(0, min(k, room))
 
     def _round(self, active: list[_Live], start: float) -> None:
-        ks = [self._choose_k(s) for s in active]
+        costs = self._round_costs(len(active))
+        ks = [self._choose_k(s, costs) for s in active]
         proposals = [Proposal([]) for _ in active]
         drafting = [i for i, k in enumerate(ks) if k > 0]
         if drafting and self.proposer is not None:

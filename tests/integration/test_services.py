@@ -170,6 +170,7 @@ def test_cancelled_stream_returns_its_kv_blocks(client):
     (dict(prompt="hi", max_new_tokens=100_000), "stopping.max_new_tokens"),
     (dict(prompt="hi", sampling=None, method="medusa"), "speculation.method"),
     (dict(prompt="hi", k=-1), "speculation.k"),
+    (dict(prompt="hi", k=99), "speculation.k"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
     prompt = kwargs.pop("prompt")
@@ -270,3 +271,37 @@ def test_sigterm_drains_and_exits_cleanly(smollm2_dir, tmp_path):
     cluster.stop()
     assert "reply" in result and result["reply"].finish_reason
     assert all(s.process.returncode == 0 for s in cluster.services)
+
+
+def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(smollm2_dir, tmp_path):
+    """The README's path: `tandem up`, then `tandem generate --addr`, then Ctrl-C stops every process."""
+    import json
+    import subprocess
+    import sys
+
+    up = subprocess.Popen([sys.executable, "-m", "tandem", "up", "--target", str(smollm2_dir), "--draft",
+                           str(smollm2_dir), "--port", "0", "--log-dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        address = lines[-1].split("--addr")[1].strip()
+        pids = [int(l.split("pid")[1]) for l in lines if " pid " in l]
+        assert len(pids) == 3
+        proc = subprocess.run([sys.executable, "-m", "tandem", "generate", "def add(a, b):", "--addr", address,
+                               "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert len(out["token_ids"]) == 12 and out["stats"]["tokens_per_s"] > 0
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        for pid in pids:  # every child is gone
+            with pytest.raises(ProcessLookupError):
+                import os
+                os.kill(pid, 0)
+    finally:
+        if up.poll() is None:
+            up.kill()

@@ -37,7 +37,9 @@ def plain(target):
 def test_draft_equal_to_target_accepts_everything(target, plain, tiny_qwen2_dir, adaptive):
     results = run(target, DraftModelProposer(load(tiny_qwen2_dir)), k_max=4, adaptive_k=adaptive)
     assert [r.token_ids for r in results] == plain
-    assert all(r.stats.drafted > 0 and r.stats.accepted == r.stats.drafted for r in results)
+    assert all(r.stats.accepted == r.stats.drafted for r in results)
+    # Fixed k always drafts; adaptive k may decline here, since a draft as big as the target never pays.
+    assert adaptive or all(r.stats.drafted > 0 for r in results)
     assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks
 
 

@@ -78,3 +78,29 @@ def test_first_measurements_keep_speculation_worthwhile():
     costs.observe_draft(0.0001)
     costs.observe_verify(5, 0.03)
     assert choose_k(0.95, costs, 8) >= 4
+
+
+def test_forward_cost_fit_recovers_a_line():
+    from tandem.spec.adaptive import ForwardCostFit
+
+    fit = ForwardCostFit()
+    for tokens in [1, 5, 9, 40, 128, 5, 1, 300, 9, 17] * 5:
+        fit.observe(tokens, 0.12 + 0.002 * tokens)
+    assert fit.base_s == pytest.approx(0.12, rel=1e-3)
+    assert fit.per_token_s == pytest.approx(0.002, rel=1e-3)
+    flat = ForwardCostFit()
+    for _ in range(10):
+        flat.observe(5, 0.1)  # no spread in batch sizes: no slope to trust
+    assert flat.per_token_s == 0.0 and flat.base_s == pytest.approx(0.1)
+
+
+def test_speculation_backs_off_when_many_streams_share_the_target():
+    from tandem.spec.adaptive import LoadAwareCost
+
+    # A memory-bound target: 120 ms to read the weights, 4 ms per token on top; a draft step 40 ms + 1 ms/token.
+    costs = LoadAwareCost(CostModel(), streams=1, target_base_s=0.12, target_per_token_s=0.004,
+                          draft_base_s=0.04, draft_per_token_s=0.001)
+    alone = choose_k(0.8, costs, 8)
+    costs.streams = 16
+    crowded = choose_k(0.8, costs, 8)
+    assert alone >= 2 and crowded <= 1
