@@ -6,6 +6,7 @@ alike. Methods:
 
   target-only       our engine, plain decoding (the baseline of every speedup)
   spec-draft        our engine + the draft model, adaptive k up to --k
+  spec-hybrid       our engine + n-gram lookup when the text repeats (3+ token match), the draft model otherwise
   spec-ngram        our engine + prompt lookup (n-gram match in prompt and output)
   spec-early-exit   our engine + the target's own first layers as drafter (not run by default)
   hf-plain          transformers generate(do_sample=False)
@@ -69,9 +70,10 @@ if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
 
 NAME = "spec_bench"
 BASELINE = "target-only"
-METHODS = ("target-only", "spec-draft", "spec-ngram", "spec-early-exit", "hf-plain", "hf-assisted", "hf-prompt-lookup")
+METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "hf-plain", "hf-assisted",
+           "hf-prompt-lookup")
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit")
-OURS_SPEC = {"spec-draft": "draft", "spec-ngram": "ngram", "spec-early-exit": "early-exit"}
+OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit"}
 MIX, ALL = "spec-bench-mix", "all"
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "mean_accepted_len",
            "acceptance_rate", "mean_k", "predicted_speedup", "efficiency", "mismatches")
@@ -151,11 +153,12 @@ def load_bench(args: argparse.Namespace) -> Bench:
     from tandem.engine import ModelEngine
     from tandem.pipeline import SpecConfig, build_proposer, check_same_tokenizer
     from tandem.spec.draft_model import DraftModelProposer
+    from tandem.spec.hybrid import HybridProposer
     from tandem.tokenizer import load_tokenizer, stop_token_ids
 
     from benchmarks.runners import engine_config, resolve_model_dir
 
-    needs_draft = bool({"spec-draft", "hf-assisted"} & set(args.methods))
+    needs_draft = bool({"spec-draft", "spec-hybrid", "hf-assisted"} & set(args.methods))
     target_dir = resolve_model_dir(args.target, args.cache_dir)
     draft_dir = resolve_model_dir(args.draft, args.cache_dir) if needs_draft else None
     tokenizer = load_tokenizer(target_dir)
@@ -166,10 +169,15 @@ def load_bench(args: argparse.Namespace) -> Bench:
     spec = SpecConfig("none", args.k, not args.fixed_k, args.early_exit_layers, args.ngram_min, args.ngram_max)
 
     bench.runners[BASELINE] = ours_runner(target, None, 0, args, bench.stop_ids)
+    draft_engine = None
     for method in [m for m in args.methods if m in OURS_SPEC]:
-        if method == "spec-draft":
+        if method in ("spec-draft", "spec-hybrid"):
             assert draft_dir is not None
-            proposer = DraftModelProposer(ModelEngine.load(engine_config(draft_dir, args.dtype)))
+            if draft_engine is None:  # one draft model serves both methods
+                draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype))
+            proposer = DraftModelProposer(draft_engine)
+            if method == "spec-hybrid":
+                proposer = HybridProposer(proposer, min_match=min(3, args.ngram_max), max_n=args.ngram_max)
         else:
             proposer = build_proposer(OURS_SPEC[method], spec, target, None)
         bench.runners[method] = ours_runner(target, proposer, args.k, args, bench.stop_ids)

@@ -17,11 +17,12 @@ from tandem.errors import InvalidRequestError
 from tandem.spec.adaptive import MAX_K, CostModel
 from tandem.spec.draft_model import DraftModelProposer, early_exit_proposer
 from tandem.spec.generator import SpeculativeGenerator
+from tandem.spec.hybrid import HybridProposer
 from tandem.spec.ngram import NgramProposer
 from tandem.spec.proposal import Proposer
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
 
-METHODS = ("none", "draft", "ngram", "early-exit", "auto")
+METHODS = ("none", "draft", "ngram", "hybrid", "early-exit", "auto")
 
 
 @dataclass(slots=True)
@@ -48,8 +49,8 @@ class SpecConfig:
     def resolved_method(self, has_draft: bool) -> str:
         if self.method == "auto":
             return "draft" if has_draft else "ngram"
-        if self.method == "draft" and not has_draft:
-            raise InvalidRequestError("method 'draft' needs a draft model (--draft MODEL)")
+        if self.method in ("draft", "hybrid") and not has_draft:
+            raise InvalidRequestError(f"method {self.method!r} needs a draft model (--draft MODEL)")
         return self.method
 
 
@@ -75,7 +76,7 @@ class LocalPipeline:
     ) -> LocalPipeline:
         method = spec.resolved_method(draft_cfg is not None)
         tokenizer = load_tokenizer(target_cfg.model_dir)
-        if method == "draft":
+        if method in ("draft", "hybrid"):
             assert draft_cfg is not None
             check_same_tokenizer(tokenizer, target_cfg.model_dir, draft_cfg.model_dir)
         target = ModelEngine.load(target_cfg)
@@ -108,4 +109,6 @@ def build_proposer(
         raise InvalidRequestError(
             f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({target.config.vocab_size})"
         )
+    if method == "hybrid":
+        return HybridProposer(DraftModelProposer(draft), min_match=min(3, spec.ngram_max), max_n=spec.ngram_max)
     return DraftModelProposer(draft)

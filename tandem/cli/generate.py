@@ -36,8 +36,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="target model: catalog name, Hugging Face directory or .gguf file (default: %(default)s)")
     p.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft/auto")
     p.add_argument("--method", default="auto", choices=METHODS,
-                   help="proposer: none (target only), draft (draft model), ngram (prompt lookup), "
-                        "early-exit (the target's first layers), auto (draft if --draft is given, else ngram)")
+                   help="proposer: none (target only), draft (draft model), ngram (prompt lookup), hybrid "
+                        "(n-gram when the text repeats, else the draft model), early-exit (the target's first "
+                        "layers), auto (draft if --draft is given, else ngram)")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--fixed-k", action="store_true", help="always draft k tokens instead of adapting k per request")
@@ -105,7 +106,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecCon
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device, attention_backend=args.attention)
     draft = None
-    if args.draft is not None and spec.resolved_method(True) == "draft":
+    if args.draft is not None and spec.resolved_method(True) in ("draft", "hybrid"):
         draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device, attention_backend=args.attention)
     return sampling, spec, target, draft
 

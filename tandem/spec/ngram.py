@@ -16,6 +16,11 @@ from tandem.spec.proposal import Proposal, ProposeRequest
 
 def lookup_continuation(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens following the latest earlier match of the longest suffix (``min_n..max_n``)."""
+    return lookup_match(tokens, k, min_n, max_n)[0]
+
+
+def lookup_match(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """The continuation and the length n of the suffix that matched (0: no match)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
@@ -24,8 +29,8 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> l
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the most recent match: the likeliest continuation
-            return tokens[start : start + k].tolist()
-    return []
+            return tokens[start : start + k].tolist(), n
+    return [], 0
 
 
 class NgramProposer:

@@ -56,6 +56,19 @@ def test_ngram_lookup_output_unchanged(target, plain):
     assert sum(r.stats.drafted for r in results) > 0
 
 
+def test_hybrid_output_unchanged_and_uses_both_sources(target, plain, tiny_qwen2_other_dir):
+    from tandem.spec.hybrid import HybridProposer
+
+    draft = DraftModelProposer(load(tiny_qwen2_other_dir))
+    calls = []
+    original = draft.propose
+    draft.propose = lambda reqs: calls.append(len(reqs)) or original(reqs)
+    results = run(target, HybridProposer(draft, min_match=2, max_n=3), k_max=4, adaptive_k=False)
+    assert [r.token_ids for r in results] == plain
+    assert sum(calls) > 0  # the draft model drafted some rounds...
+    assert sum(calls) < sum(r.stats.spec_rounds for r in results)  # ...and n-gram matches others
+
+
 def test_early_exit_output_unchanged(target, plain):
     results = run(target, early_exit_proposer(target, 1), k_max=3, adaptive_k=False)
     assert [r.token_ids for r in results] == plain
