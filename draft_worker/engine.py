@@ -98,5 +98,6 @@ class DraftEngine:
         return held
 
     def warmup(self) -> None:
+        self.engine.warmup()
         self.run_batch([ProposeCall("__warmup__", 0, [1, 2, 3, 4], 4, SamplingParams())])
         self.release("__warmup__")

@@ -90,6 +90,18 @@ class ModelEngine:
     def config(self) -> ModelConfig:
         return self.model.config
 
+    def warmup(self) -> None:
+        """A few real forwards on a scratch sequence: kernels warmed, and the cost fit seeded.
+
+        The fit needs batches of different sizes before it can tell the cost of reading the
+        weights from the cost per token; without decode-sized samples, the first prompt's
+        prefill would pass for the price of a decode step and adaptive k would never draft.
+        """
+        scratch = "__warmup__"
+        for tokens in ([1] * 32, [1], [1], [1] * 8, [1]):
+            self.forward([ForwardItem(scratch, tokens)])
+        self.release(scratch)
+
     # ----- sequences ---------------------------------------------------
     def seq_len(self, seq_id: SeqId) -> int:
         """Tokens of ``seq_id`` held in the KV cache (0 for a sequence not seen yet)."""

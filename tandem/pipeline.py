@@ -80,6 +80,7 @@ class LocalPipeline:
             assert draft_cfg is not None
             check_same_tokenizer(tokenizer, target_cfg.model_dir, draft_cfg.model_dir)
         target = ModelEngine.load(target_cfg)
+        target.warmup()
         proposer = build_proposer(method, spec, target, draft_cfg)
         return cls(target, tokenizer, stop_token_ids(target_cfg.model_dir, tokenizer, target.config), proposer, method)
 
@@ -102,9 +103,12 @@ def build_proposer(
         return NgramProposer(spec.ngram_min, spec.ngram_max)
     if method == "early-exit":
         layers = spec.early_exit_layers or max(1, target.config.num_layers // 4)
-        return early_exit_proposer(target, layers)
+        proposer = early_exit_proposer(target, layers)
+        proposer.engine.warmup()
+        return proposer
     assert draft_cfg is not None
     draft = ModelEngine.load(draft_cfg)
+    draft.warmup()
     if draft.config.vocab_size != target.config.vocab_size:
         raise InvalidRequestError(
             f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({target.config.vocab_size})"

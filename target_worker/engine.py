@@ -144,6 +144,7 @@ class TargetEngine:
         return held
 
     def warmup(self) -> None:
+        self.engine.warmup()
         """One real forward (prefill + a 5-token verify shape) so the first request is not the slow one."""
         self.run_batch([PrefillCall("__warmup__", [1, 2, 3, 4], SamplingParams())])
         self.run_batch([VerifyCall("__warmup__", 5, [1, 2, 3, 4], None)])

@@ -34,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="dtype of every worker")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
-    p.add_argument("--no-pipelining", action="store_true", help="coordinator drafts only after each verification")
+    p.add_argument("--pipelining", action="store_true",
+                   help="draft round r+1 while round r is verified (pays when draft and target have their own "
+                        "hardware; off by default here, where they share this machine's cores)")
     p.add_argument("--log-dir", type=Path, default=None, help="where each process writes its log")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.set_defaults(func=run)
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         target=args.target, draft=draft, port=args.port, target_replicas=args.target_replicas,
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
-        kv_cache_tokens=args.kv_cache_tokens, coordinator_args=("--no-pipelining",) if args.no_pipelining else (),
+        kv_cache_tokens=args.kv_cache_tokens, pipelining=args.pipelining,
         log_dir=args.log_dir, cache_dir=args.cache_dir,
     )
     cluster = LocalCluster(spec)

@@ -37,7 +37,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir, tmp_path_factory):
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=8192,
-                       log_dir=tmp_path_factory.mktemp("logs"))
+                       log_dir=tmp_path_factory.mktemp("logs"), pipelining=True)
     with LocalCluster(spec) as running:
         yield running
 
