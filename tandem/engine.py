@@ -113,9 +113,6 @@ class ModelEngine:
     def release(self, seq_id: SeqId) -> None:
         self.kv_cache.release(seq_id)
 
-    def can_fit(self, items: Sequence[ForwardItem]) -> bool:
-        return self.kv_cache.can_append({it.seq_id: len(it.token_ids) for it in items})
-
     # ----- the forward pass ---------------------------------------------
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:

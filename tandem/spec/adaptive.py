@@ -10,7 +10,7 @@ when the draft is too slow or too often wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -66,13 +66,11 @@ class AcceptanceTracker:
 
     accepted: float = 3.0  # prior: 3 of 4 accepted, so a fresh request tries speculation
     rejected: float = 1.0
-    history: list[int] = field(default_factory=list)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.accepted += num_accepted
         # A round ends at its first rejection: at most one rejection event per round.
         self.rejected += 1 if num_accepted < num_drafted else 0
-        self.history.append(num_accepted)
 
     @property
     def rate(self) -> float:
