@@ -36,6 +36,7 @@ from benchmarks.common import (  # noqa: E402
     threshold_line, write_json, write_markdown,
 )
 from benchmarks.runners import engine_config, resolve_model_dir, run_ours  # noqa: E402
+from tandem.cli.draft_flags import add_draft_flags, draft_engine_options, draft_worker_args  # noqa: E402
 from tandem.client import TandemClient, build_request  # noqa: E402
 from tandem.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from tandem.pipeline import LocalPipeline, SpecConfig  # noqa: E402
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen-coder-1.5b")
     p.add_argument("--draft", default="qwen-coder-0.5b")
+    add_draft_flags(p)
     p.add_argument("--per-category", type=int, default=2, help="prompts per category (default: 2 -> 8 prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)
@@ -66,7 +68,7 @@ def in_process(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """Batch-1 tokens/s of the in-process speculative pipeline (the number the services must keep)."""
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
     pipeline = LocalPipeline.load(engine_config(target_dir, args.dtype), SpecConfig("draft", args.k),
-                                  engine_config(draft_dir, args.dtype))
+                                  engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
     generator = pipeline.generator()
     run_ours(generator, prompts[0], 8, pipeline.stop_ids, k_max=args.k)  # warm-up, untimed
     outputs = [run_ours(generator, ids, args.max_new_tokens, pipeline.stop_ids, k_max=args.k) for ids in prompts]
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens; in-process first", file=sys.stderr)
     records = [in_process(args, prompts)]
     # The coordinator allows pipelining; each request says whether it wants it (off is the local default).
-    spec = ClusterSpec(target=args.target, draft=args.draft, dtype=args.dtype, pipelining=True)
+    spec = ClusterSpec(target=args.target, draft=args.draft, dtype=args.dtype, pipelining=True,
+                       draft_args=tuple(draft_worker_args(args)))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=1800) as client:
         through_services(client, prompts[:1], args, "draft", 1)  # warm-up
         for method, pipelining in (("draft", False), ("draft", True), ("none", False)):

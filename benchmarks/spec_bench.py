@@ -21,9 +21,13 @@ spec-bench-mix (every category but humaneval) and all:
   tokens_per_s       generated tokens / wall seconds of the generate calls (prefill included)
   speedup            tokens_per_s / target-only's tokens_per_s in the same category
   mean_accepted_len  draft tokens accepted per speculative round (ours only)
-  acceptance_rate    accepted / drafted tokens, a (ours only: transformers does not expose it)
+  acceptance_rate    a, per-token acceptance: accepted / (accepted + rejections), each judged draft
+                     token one trial (ours only: transformers does not expose it). Drafts after a
+                     round's first rejection are never judged; accepted_per_drafted counts them
+                     as failures and is lower.
   mean_k             mean k chosen per round, zeros included (ours only)
-  predicted_speedup  E(k) / (k c + 1), E(k) = (1 - a^(k+1)) / (1 - a)   (Leviathan et al. 2023)
+  predicted_speedup  E(k) / (k c + 1), E(k) = (1 - a^(k+1)) / (1 - a)   (Leviathan et al. 2023),
+                     as sum E(k_r) / sum (k_r c + 1) over the rounds run, since adaptive k varies
                      c = draft step cost / target step cost: median 1-token forward over a
                      128-token prefix, drafter / target, measured once per run (0 for n-gram)
   efficiency         speedup / predicted_speedup
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +69,8 @@ from benchmarks.common import (  # noqa: E402
     write_json,
     write_markdown,
 )
+from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
+from tandem.spec.adaptive import expected_tokens  # noqa: E402
 
 if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
     from benchmarks.runners import RunOutput
@@ -76,7 +83,7 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit")
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit"}
 MIX, ALL = "spec-bench-mix", "all"
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "mean_accepted_len",
-           "acceptance_rate", "mean_k", "predicted_speedup", "efficiency", "mismatches")
+           "acceptance_rate", "accepted_per_drafted", "mean_k", "predicted_speedup", "efficiency", "mismatches")
 
 Runner = Callable[[list[int], int], "RunOutput"]  # (prompt ids, max new tokens) -> output
 
@@ -87,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen-coder-1.5b", help="target model: catalog name, HF directory or .gguf (default: %(default)s)")
     p.add_argument("--draft", default="qwen-coder-0.5b", help="draft model for spec-draft and hf-assisted (default: %(default)s)")
+    add_draft_flags(p)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {', '.join(METHODS)}; target-only is always added "
                         "(it is the baseline) (default: %(default)s)")
@@ -174,7 +182,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
         if method in ("spec-draft", "spec-hybrid"):
             assert draft_dir is not None
             if draft_engine is None:  # one draft model serves both methods
-                draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype))
+                draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
             proposer = DraftModelProposer(draft_engine)
             if method == "spec-hybrid":
                 proposer = HybridProposer(proposer, min_match=min(3, args.ngram_max), max_n=args.ngram_max)
@@ -248,8 +256,9 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
                                "seconds": out.seconds, "matches_target_only": out.token_ids == reference}
         if out.stats is not None:
             s = out.stats
-            row.update(drafted=s.drafted, accepted=s.accepted, rounds=s.rounds, spec_rounds=s.spec_rounds,
-                       k_sum=sum(s.chosen_k), k_rounds=len(s.chosen_k))
+            row.update(drafted=s.drafted, accepted=s.accepted, rejected=s.rejected, rounds=s.rounds,
+                       spec_rounds=s.spec_rounds, k_sum=sum(s.chosen_k), k_rounds=len(s.chosen_k),
+                       k_counts=dict(Counter(s.chosen_k)))
         rows.append(row)
     return rows
 
@@ -272,9 +281,14 @@ def run_all(bench: Bench, prompts: list[Prompt], args: argparse.Namespace) -> li
 
 
 # ----- aggregation -------------------------------------------------------
-def expected_tokens(a: float, k: float) -> float:
-    """E(k) = (1 - a^(k+1)) / (1 - a): tokens per round with i.i.d. acceptance a (k may be a mean)."""
-    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1.0)) / (1.0 - a)
+def predicted_speedup(a: float, k_counts: Counter[int], c: float) -> float:
+    """Leviathan et al.'s E(k) / (k c + 1), over the rounds actually run: k varies when adaptive.
+
+    Expected tokens of all rounds over their cost in target steps: sum E(k_r) / sum (k_r c + 1).
+    """
+    tokens = sum(n * expected_tokens(a, k) for k, n in k_counts.items())
+    steps = sum(n * (k * c + 1.0) for k, n in k_counts.items())
+    return tokens / steps
 
 
 def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline_tps: float | None,
@@ -295,13 +309,18 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline_t
     if method in OURS_SPEC:
         drafted = sum(r["drafted"] for r in runs)
         accepted = sum(r["accepted"] for r in runs)
+        judged = accepted + sum(r["rejected"] for r in runs)
+        k_counts: Counter[int] = Counter()
+        for r in runs:
+            k_counts.update({int(k): n for k, n in r["k_counts"].items()})
         spec_rounds = sum(r["spec_rounds"] for r in runs)
         k_rounds = sum(r["k_rounds"] for r in runs)
-        a = accepted / drafted if drafted else None
+        a = accepted / judged if judged else None
         k = sum(r["k_sum"] for r in runs) / k_rounds if k_rounds else None
-        row.update(mean_accepted_len=accepted / spec_rounds if spec_rounds else None, acceptance_rate=a, mean_k=k)
-        if a is not None and k is not None and cost_ratio is not None:
-            row["predicted_speedup"] = expected_tokens(a, k) / (k * cost_ratio + 1.0)
+        row.update(mean_accepted_len=accepted / spec_rounds if spec_rounds else None, acceptance_rate=a, mean_k=k,
+                   accepted_per_drafted=accepted / drafted if drafted else None)
+        if a is not None and k_counts and cost_ratio is not None:
+            row["predicted_speedup"] = predicted_speedup(a, k_counts, cost_ratio)
             row["efficiency"] = speedup / row["predicted_speedup"] if speedup else None
     return row
 

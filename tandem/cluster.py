@@ -53,6 +53,7 @@ class ClusterSpec:
     # slow each other down (measured: 7.5 vs 10.4 tok/s), so local clusters default to off.
     pipelining: bool = False
     coordinator_args: tuple[str, ...] = ()
+    draft_args: tuple[str, ...] = ()  # extra `tandem serve draft` flags (quantization, vocabulary)
     log_dir: Path | None = None
     cache_dir: str | None = None
 
@@ -127,6 +128,8 @@ class LocalCluster:
                 "--kv-cache-tokens", str(self.spec.kv_cache_tokens)]
         if self.spec.worker_threads:
             args += ["--threads", str(self.spec.worker_threads)]
+        if role == "draft":
+            args += self.spec.draft_args
         return self._spawn(role, f"{role}-{index}", args)
 
     def _spawn(self, role: str, name: str, args: list[str]) -> Service:

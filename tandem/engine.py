@@ -21,6 +21,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
 from tandem.config import EngineConfig, ModelConfig
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
+from tandem.models.quantize import shrink_for_drafting
 from tandem.spec.adaptive import ForwardCostFit
 
 
@@ -65,6 +66,8 @@ class ModelEngine:
         model_cfg = ModelConfig.from_dir(cfg.model_dir)
         device = torch.device(cfg.device)
         model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, device)
+        if cfg.quantization != "none" or cfg.vocab_limit is not None:
+            shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)
         return cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
 
     @classmethod

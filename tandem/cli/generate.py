@@ -20,6 +20,7 @@ import time
 import torch
 
 from tandem import model_store
+from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.pipeline import METHODS, LocalPipeline, SpecConfig
@@ -35,6 +36,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
                    help="target model: catalog name, Hugging Face directory or .gguf file (default: %(default)s)")
     p.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft/auto")
+    add_draft_flags(p)
     p.add_argument("--method", default="auto", choices=METHODS,
                    help="proposer: none (target only), draft (draft model), ngram (prompt lookup), hybrid "
                         "(n-gram when the text repeats, else the draft model), early-exit (the target's first "
@@ -107,7 +109,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecCon
     target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device, attention_backend=args.attention)
     draft = None
     if args.draft is not None and spec.resolved_method(True) in ("draft", "hybrid"):
-        draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device, attention_backend=args.attention)
+        draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device, attention_backend=args.attention,
+                             **draft_engine_options(args))
     return sampling, spec, target, draft
 
 

@@ -13,6 +13,7 @@ import os
 import torch
 
 from tandem import model_store
+from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.cli.generate import resolve_or_prepare
 from tandem.config import ATTENTION_BACKENDS, DTYPES, CoordinatorConfig, EngineConfig, ServerOptions, WorkerConfig
 from tandem.rpc.server import configure_logging
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     draft = roles.add_parser("draft", help="draft worker: the small model, batched Propose")
     _worker_flags(draft)
+    add_draft_flags(draft, prefix="--")
     _server_flags(draft, 50053)
     draft.set_defaults(func=run_worker)
 
@@ -90,8 +92,9 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     root = model_store.cache_root_from(args.cache_dir, os.environ)
+    lean = draft_engine_options(args) if args.role == "draft" else {}
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
-                          args.kv_cache_tokens, args.attention)
+                          args.kv_cache_tokens, args.attention, **lean)
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget)
     if args.role == "target":
         from target_worker.main import serve

@@ -17,6 +17,7 @@ from pathlib import Path
 from tandem import model_store
 from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cluster import ClusterSpec, LocalCluster
+from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
 from tandem.config import DTYPES
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipelining", action="store_true",
                    help="draft round r+1 while round r is verified (pays when draft and target have their own "
                         "hardware; off by default here, where they share this machine's cores)")
+    add_draft_flags(p)
     p.add_argument("--log-dir", type=Path, default=None, help="where each process writes its log")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.set_defaults(func=run)
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         target=args.target, draft=draft, port=args.port, target_replicas=args.target_replicas,
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
-        kv_cache_tokens=args.kv_cache_tokens, pipelining=args.pipelining,
+        kv_cache_tokens=args.kv_cache_tokens, pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
         log_dir=args.log_dir, cache_dir=args.cache_dir,
     )
     cluster = LocalCluster(spec)

@@ -99,4 +99,7 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()  # [R, V'], V' < vocab for a drafter with a cut vocabulary
+        missing = self.config.vocab_size - logits.shape[-1]
+        # Ids a cut head does not score can never be drawn: logit -inf, probability 0.
+        return nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing else logits

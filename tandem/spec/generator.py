@@ -47,6 +47,7 @@ class GenerationRequest:
 class GenerationStats:
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # speculative rounds that ended at a rejected draft token (at most one per round)
     rounds: int = 0  # target forwards after the prefill
     spec_rounds: int = 0  # rounds that verified at least one draft token
     generated: int = 0
@@ -64,7 +65,18 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted / drafted: the share of draft tokens that made it into the output."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """a of Leviathan et al.: accepted / draft tokens the target judged.
+
+        Drafts after a round's first rejection are never judged, so accepted / drafted
+        understates a; each judged token is one trial, and a round has at most one failure.
+        """
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return {
@@ -222,6 +234,7 @@ class SpeculativeGenerator:
                 st.spec_rounds += 1
                 st.drafted += len(p.tokens)
                 st.accepted += verdict.num_accepted
+                st.rejected += verdict.num_accepted < len(p.tokens)
                 s.tracker.observe(len(p.tokens), verdict.num_accepted)
             st.generated, st.elapsed_s = len(s.generated), now - start
 

@@ -131,8 +131,14 @@ def exact_two_token_distribution(engine, prompt: list[int], temperature: float) 
     return joint.reshape(-1)
 
 
-@pytest.mark.parametrize("lossless", [True, False], ids=["correct", "broken-resample-from-p"])
-def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab_pair, monkeypatch, lossless):
+@pytest.mark.parametrize("lossless,draft_options", [
+    (True, {}),
+    # q is 0 on ids 4 and 5 and int8-rounded elsewhere: still lossless, since q is what the draft sampled from.
+    (True, {"quantization": "int8", "vocab_limit": 4}),
+    (False, {}),
+], ids=["correct", "correct-lean-draft", "broken-resample-from-p"])
+def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab_pair, monkeypatch, lossless,
+                                                                     draft_options):
     from tandem.config import EngineConfig
     from tandem.engine import ModelEngine
     from tandem.spec import generator as generator_module
@@ -142,7 +148,7 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab
     target_dir, draft_dir = small_vocab_pair
     cfg = dict(dtype="float32", kv_cache_tokens=65536, block_size=4)
     target = ModelEngine.load(EngineConfig(target_dir, **cfg))
-    draft = ModelEngine.load(EngineConfig(draft_dir, **cfg))
+    draft = ModelEngine.load(EngineConfig(draft_dir, **cfg, **draft_options))
     prompt, temperature, n = [0, 3, 2, 5], 1.0, 4000
     if not lossless:
         broken = lambda logits, tokens, probs, params, gen: (  # noqa: E731

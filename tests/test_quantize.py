@@ -1,0 +1,77 @@
+"""Lean drafts: int8 linears and a cut vocabulary keep the model's function, and never touch a target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import ForwardItem, ModelEngine
+from tandem.errors import InvalidRequestError
+from tandem.models.quantize import Int8Linear
+
+
+def test_int8_linear_is_exact_on_representable_weights():
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (48, 32), dtype=torch.int8)
+    q[:, 0] = 127  # each row's largest magnitude maps to 127, so its grid is exactly `scales`
+    scales = torch.rand(48) + 0.5
+    weight = q.float() * scales[:, None]
+    layer = Int8Linear.from_weight(weight, bias=torch.randn(48))
+    x = torch.randn(5, 32)
+    expected = torch.nn.functional.linear(x, weight, layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_linear_error_is_within_half_a_step_per_weight():
+    torch.manual_seed(1)
+    weight, x = torch.randn(64, 128), torch.randn(3, 128)
+    layer = Int8Linear.from_weight(weight)
+    step = weight.abs().amax(dim=1) / 127  # [64]
+    bound = 0.5 * x.abs().sum(dim=1, keepdim=True) * step[None, :] + 1e-4  # [3, 64]
+    error = (layer(x) - x @ weight.T).abs()
+    assert (error <= bound).all()
+    assert error.max() > 0  # it did quantize
+
+
+def load(model_dir, **options) -> ModelEngine:
+    return ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=1024, block_size=4, **options))
+
+
+def test_cut_vocabulary_scores_only_the_first_ids(tiny_qwen2_dir):
+    full, cut = load(tiny_qwen2_dir), load(tiny_qwen2_dir, vocab_limit=40)
+    prompt = [ForwardItem("s", [5, 17, 33, 8], num_logits=4)]
+    full_logits, cut_logits = full.forward(prompt)[0], cut.forward(prompt)[0]  # [4, 97] each
+    assert cut_logits.shape == full_logits.shape
+    torch.testing.assert_close(cut_logits[:, :40], full_logits[:, :40])
+    assert torch.isneginf(cut_logits[:, 40:]).all()
+    assert torch.softmax(cut_logits, -1)[:, 40:].sum() == 0
+
+
+def test_int8_draft_tracks_its_full_precision_model(tiny_qwen2_dir):
+    full, lean = load(tiny_qwen2_dir), load(tiny_qwen2_dir, quantization="int8")
+    assert any(isinstance(m, Int8Linear) for m in lean.model.modules())
+    prompt = [ForwardItem("s", list(range(3, 40)), num_logits=37)]
+    a, b = full.forward(prompt)[0], lean.forward(prompt)[0]  # [37, 97]
+    assert not torch.equal(a, b)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"quantization": "int4"}, "quantization"),
+    ({"vocab_limit": 0}, "vocab limit"),
+])
+def test_bad_draft_options_are_named(tiny_qwen2_dir, options, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        EngineConfig(tiny_qwen2_dir, **options)
+
+
+def test_prefill_sized_inputs_use_the_dense_weight():
+    from tandem.models.quantize import INT8_MAX_ROWS
+
+    torch.manual_seed(2)
+    weight = torch.randn(32, 16)
+    layer = Int8Linear.from_weight(weight, keep_dense=True)
+    long_x, short_x = torch.randn(INT8_MAX_ROWS + 1, 16), torch.randn(2, 16)
+    assert torch.equal(layer(long_x), torch.nn.functional.linear(long_x, weight))
+    assert not torch.equal(layer(short_x), torch.nn.functional.linear(short_x, weight))
