@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default="qwen-coder-1.5b")
     p.add_argument("--draft", default="qwen-coder-0.5b")
     add_draft_flags(p)
+    p.add_argument("--gather-fraction", type=float, default=None,
+                   help="workers' batch gathering wait, in forward passes (default: the workers' own)")
     p.add_argument("--per-category", type=int, default=2, help="prompts per category (default: 2 -> 8 prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)
@@ -84,7 +86,9 @@ def in_process(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
 
 def scrape(cluster: LocalCluster) -> dict[str, float]:
     """Sums and counts of the histograms the overhead is computed from, over every process."""
-    wanted = ("tandem_coordinator_round_overhead_seconds", "tandem_target_batch_seconds", "tandem_draft_batch_seconds")
+    wanted = ("tandem_coordinator_round_overhead_seconds", "tandem_target_batch_seconds", "tandem_draft_batch_seconds",
+              "tandem_target_batch_size", "tandem_target_batch_tokens", "tandem_draft_batch_size",
+              "tandem_coordinator_chosen_k")
     totals: dict[str, float] = {}
     for service in cluster.services:
         text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
@@ -96,18 +100,27 @@ def scrape(cluster: LocalCluster) -> dict[str, float]:
 
 
 def overheads(before: dict[str, float], after: dict[str, float], record: dict) -> dict[str, float]:
-    """Per round, in ms: inside the coordinator, and end to end outside any model forward."""
+    """Per round, in ms: inside the coordinator, and end to end outside any model forward; and how
+    the workers were used: mean calls and tokens per batch, share of the wall time busy, mean k."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    def mean(name: str) -> float:
+        return delta.get(f"{name}_sum", 0.0) / max(1.0, delta.get(f"{name}_count", 0.0))
+
     rounds = max(1.0, record["rounds"])
-    forwards = delta.get("tandem_target_batch_seconds_sum", 0.0) + delta.get("tandem_draft_batch_seconds_sum", 0.0)
-    inside = delta.get("tandem_coordinator_round_overhead_seconds_sum", 0.0) / max(
-        1.0, delta.get("tandem_coordinator_round_overhead_seconds_count", 0.0))
-    return {"coordinator_ms_per_round": 1000 * inside,
-            "non_forward_ms_per_round": 1000 * (record["seconds"] - forwards) / rounds}
+    target_s = delta.get("tandem_target_batch_seconds_sum", 0.0)
+    draft_s = delta.get("tandem_draft_batch_seconds_sum", 0.0)
+    return {"coordinator_ms_per_round": 1000 * mean("tandem_coordinator_round_overhead_seconds"),
+            "non_forward_ms_per_round": 1000 * (record["seconds"] - target_s - draft_s) / rounds,
+            "target_batch_calls": mean("tandem_target_batch_size"),
+            "target_batch_tokens": mean("tandem_target_batch_tokens"),
+            "draft_batch_calls": mean("tandem_draft_batch_size"),
+            "target_busy": target_s / record["wall_s"], "draft_busy": draft_s / record["wall_s"],
+            "mean_k": mean("tandem_coordinator_chosen_k")}
 
 
-def through_services(client: TandemClient, prompts: list[list[int]], args: argparse.Namespace, method: str,
-                     streams: int, pipelining: bool = True) -> dict:
+def through_services(cluster: LocalCluster, client: TandemClient, prompts: list[list[int]], args: argparse.Namespace,
+                     method: str, streams: int, pipelining: bool = True) -> dict:
     def one(ids: list[int]):
         t0 = time.perf_counter()
         reply = client.generate(build_request(ids, max_new_tokens=args.max_new_tokens, method=method, k=args.k,
@@ -115,6 +128,7 @@ def through_services(client: TandemClient, prompts: list[list[int]], args: argpa
         return reply, time.perf_counter() - t0
 
     start = time.perf_counter()
+    before = scrape(cluster)
     if streams == 1:
         results = [one(ids) for ids in prompts]
         seconds = sum(s for _, s in results)
@@ -127,11 +141,14 @@ def through_services(client: TandemClient, prompts: list[list[int]], args: argpa
     rounds = sum(r.stats.rounds for r, _ in results)
     drafted = sum(r.stats.drafted for r, _ in results)
     accepted = sum(r.stats.accepted for r, _ in results)
-    return {"mode": f"services {method}{'' if pipelining else ' unpipelined'}", "streams": streams, "tokens": tokens,
-            "seconds": seconds, "tokens_per_s": tokens / seconds, "rounds": rounds,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "token_ids": [list(r.token_ids) for r, _ in results] if streams == 1 else None,
-            "pipelined": pipelining}
+    record = {"mode": f"services {method}{'' if pipelining else ' unpipelined'}", "streams": streams,
+              "tokens": tokens, "seconds": seconds, "wall_s": time.perf_counter() - start,
+              "tokens_per_s": tokens / seconds, "rounds": rounds,
+              "acceptance_rate": accepted / drafted if drafted else None,
+              "token_ids": [list(r.token_ids) for r, _ in results] if streams == 1 else None,
+              "pipelined": pipelining}
+    record.update(overheads(before, scrape(cluster), record))
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,16 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     records = [in_process(args, prompts)]
     # The coordinator allows pipelining; each request says whether it wants it (off is the local default).
     spec = ClusterSpec(target=args.target, draft=args.draft, dtype=args.dtype, pipelining=True,
-                       draft_args=tuple(draft_worker_args(args)))
+                       draft_args=tuple(draft_worker_args(args)),
+                       worker_args=() if args.gather_fraction is None else ("--gather-fraction", str(args.gather_fraction)))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=1800) as client:
-        through_services(client, prompts[:1], args, "draft", 1)  # warm-up
+        through_services(cluster, client, prompts[:1], args, "draft", 1)  # warm-up
         for method, pipelining in (("draft", False), ("draft", True), ("none", False)):
-            before = scrape(cluster)
-            record = through_services(client, prompts, args, method, 1, pipelining=pipelining)
-            record.update(overheads(before, scrape(cluster), record))
-            records.append(record)
-        records.append(through_services(client, prompts, args, "draft", args.concurrency, pipelining=False))
-        records.append(through_services(client, prompts, args, "none", args.concurrency, pipelining=False))
+            records.append(through_services(cluster, client, prompts, args, method, 1, pipelining=pipelining))
+        for method in ("draft", "none"):
+            records.append(through_services(cluster, client, prompts, args, method, args.concurrency, pipelining=False))
     base = records[0]
     same = sum(a == b for a, b in zip(base["token_ids"], records[1]["token_ids"]))
     single = records[1]["tokens_per_s"]
@@ -169,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for r in records:
         r.pop("token_ids", None)
-    columns = ["mode", "streams", "tokens", "seconds", "tokens_per_s", "acceptance_rate", "rounds",
+    columns = ["mode", "streams", "tokens", "seconds", "tokens_per_s", "acceptance_rate", "rounds", "mean_k",
+               "target_batch_calls", "target_batch_tokens", "draft_batch_calls", "target_busy", "draft_busy",
                "coordinator_ms_per_round", "non_forward_ms_per_round"]
     table = markdown_table([{c: fmt(r.get(c)) for c in columns} for r in records], columns)
     lines = [

@@ -30,7 +30,10 @@ spec-bench-mix (every category but humaneval) and all:
                      as sum E(k_r) / sum (k_r c + 1) over the rounds run, since adaptive k varies
                      c = draft step cost / target step cost: median 1-token forward over a
                      128-token prefix, drafter / target, measured once per run (0 for n-gram)
-  efficiency         speedup / predicted_speedup
+  decode_speedup     speedup of the decoding phase alone: from the first token (after the target's
+                     prefill, which every method pays alike) to the last; the draft's own prefill
+                     stays in (ours only)
+  efficiency         decode_speedup / predicted_speedup: the formula models decoding, not prefill
   mismatches         prompts whose token ids differ from target-only's (bf16 near-ties can flip)
 
 Done when: spec-draft >= 1.45x on humaneval, >= 1.2x on spec-bench-mix,
@@ -82,7 +85,7 @@ METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit")
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit"}
 MIX, ALL = "spec-bench-mix", "all"
-COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "mean_accepted_len",
+COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "decode_speedup", "mean_accepted_len",
            "acceptance_rate", "accepted_per_drafted", "mean_k", "predicted_speedup", "efficiency", "mismatches")
 
 Runner = Callable[[list[int], int], "RunOutput"]  # (prompt ids, max new tokens) -> output
@@ -256,6 +259,8 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
                                "seconds": out.seconds, "matches_target_only": out.token_ids == reference}
         if out.stats is not None:
             s = out.stats
+            # The decoding phase: after the target's prefill (which every method pays alike), to the last token.
+            row.update(decode_tokens=s.generated - 1, decode_seconds=s.elapsed_s - s.first_token_s)
             row.update(drafted=s.drafted, accepted=s.accepted, rejected=s.rejected, rounds=s.rounds,
                        spec_rounds=s.spec_rounds, k_sum=sum(s.chosen_k), k_rounds=len(s.chosen_k),
                        k_counts=dict(Counter(s.chosen_k)))
@@ -291,16 +296,21 @@ def predicted_speedup(a: float, k_counts: Counter[int], c: float) -> float:
     return tokens / steps
 
 
-def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline_tps: float | None,
+def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline: dict[str, Any] | None,
               cost_ratio: float | None) -> dict[str, Any]:
-    """One table row from the per-prompt rows of one method in one category."""
+    """One table row from the per-prompt rows of one method in one category (``baseline``: target-only's row)."""
     tokens = sum(r["tokens"] for r in runs)
     seconds = sum(r["seconds"] for r in runs)
     tps = tokens / seconds if seconds else None
-    speedup = tps / baseline_tps if tps and baseline_tps else None
+    speedup = tps / baseline["tokens_per_s"] if tps and baseline and baseline["tokens_per_s"] else None
+    decode_seconds = sum(r.get("decode_seconds", 0.0) for r in runs)
+    decode_tps = sum(r.get("decode_tokens", 0) for r in runs) / decode_seconds if decode_seconds > 0 else None
+    decode_speedup = (decode_tps / baseline["decode_tokens_per_s"]
+                      if decode_tps and baseline and baseline["decode_tokens_per_s"] else None)
     row: dict[str, Any] = {
         "method": method, "category": category, "prompts": len(runs), "tokens": tokens,
         "seconds": round(seconds, 4), "tokens_per_s": tps, "speedup": speedup,
+        "decode_tokens_per_s": decode_tps, "decode_speedup": decode_speedup,
         "mean_accepted_len": None, "acceptance_rate": None, "mean_k": None, "cost_ratio": cost_ratio,
         "predicted_speedup": None, "efficiency": None,
         "mismatches": sum(not r["matches_target_only"] for r in runs),
@@ -321,7 +331,8 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline_t
                    accepted_per_drafted=accepted / drafted if drafted else None)
         if a is not None and k_counts and cost_ratio is not None:
             row["predicted_speedup"] = predicted_speedup(a, k_counts, cost_ratio)
-            row["efficiency"] = speedup / row["predicted_speedup"] if speedup else None
+            # The formula models decoding; the target's prefill, the same for every method, is left out.
+            row["efficiency"] = decode_speedup / row["predicted_speedup"] if decode_speedup else None
     return row
 
 
@@ -338,7 +349,7 @@ def summarize(runs: list[dict[str, Any]], methods: list[str], cost_ratio: dict[s
         base = aggregate([r for r in selected if r["method"] == BASELINE], BASELINE, category, None, None)
         for method in methods:
             mine = [r for r in selected if r["method"] == method]
-            rows.append(aggregate(mine, method, category, base["tokens_per_s"], cost_ratio.get(method)))
+            rows.append(aggregate(mine, method, category, base, cost_ratio.get(method)))
     return rows
 
 

@@ -18,7 +18,7 @@ from coordinator.session import Session, StopConditions
 from coordinator.speculation import SpeculationRun
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
-from tandem.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
@@ -149,9 +149,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(
                 f"stopping.max_new_tokens: prompt ({len(prompt_ids)} tokens) + {max_new} new tokens exceeds "
                 f"the model's context of {self.max_context}")
-        bad_stop = [t for t in stopping.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(f"stopping.stop_token_ids outside the vocabulary: {bad_stop[:5]}")
+        check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
         stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)
@@ -166,10 +164,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ids = list(request.token_ids.ids)
             if not ids:
                 raise InvalidRequestError("token_ids.ids: prompt is empty")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token_ids.ids: ids must be in 0..{self.vocab_size - 1}; got {bad[:5]}")
+            check_token_ids("token_ids.ids", ids, self.vocab_size)
         else:
             if not request.text:
                 raise InvalidRequestError("text: prompt is empty")

@@ -31,7 +31,8 @@ class SessionStats:
     spec_rounds: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
-    draft_wait_s: float = 0.0
+    prefill_wait_s: float = 0.0  # outside every round
+    draft_wait_s: float = 0.0  # inside rounds, like the two below: overhead = round wall - waits
     verify_wait_s: float = 0.0
     round_wall_s: float = 0.0
     chosen_k: list[int] = field(default_factory=list)

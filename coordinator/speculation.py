@@ -27,7 +27,7 @@ from coordinator.session import Session
 from coordinator.workers import WorkerClient
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.wire import sampling_to_proto
-from tandem.spec.adaptive import CostModel, LoadAwareCost, choose_k
+from tandem.spec.adaptive import MAX_K, CostModel, LoadAwareCost, choose_k, expected_tokens
 from tandem.spec.draft_model import common_prefix_len
 from tandem.spec.ngram import lookup_continuation
 from tandem.v1 import common_pb2
@@ -84,7 +84,7 @@ class SpeculationRun:
             early = self._spawn(self._propose(prompt, k + 2))
         t0 = time.perf_counter()
         first = await self.target.prefill(self.seq_id, prompt, self.sampling)
-        self.s.stats.verify_wait_s += time.perf_counter() - t0
+        self.s.stats.prefill_wait_s += time.perf_counter() - t0
         self.s.commit([first])
         if early is None:
             return None
@@ -120,7 +120,9 @@ class SpeculationRun:
 
         next_proposal = None
         if ahead is not None:
+            t0 = time.perf_counter()
             tokens, ahead_probs = await ahead
+            stats.draft_wait_s += time.perf_counter() - t0
             if accepted == len(drafts) and verdict.next_token == proposal.guess and not s.finish_reason:
                 next_proposal = Proposal(len(s.history), tokens[:-1], ahead_probs[:-1], tokens[-1] if tokens else None)
         stats.round_wall_s += time.perf_counter() - round_start
@@ -164,8 +166,33 @@ class SpeculationRun:
         room = min(s.remaining - after_tokens, self.max_context - len(s.history) - after_tokens) - 1
         if s.method == "none" or room <= 0 or (s.method == "draft" and self.draft is None):
             return 0
-        k = choose_k(s.tracker.rate, self._round_costs(), s.k_max) if s.adaptive_k else s.k_max
+        if not s.adaptive_k:
+            return max(0, min(s.k_max, room))
+        costs = self._round_costs()
+        k = choose_k(s.tracker.rate, costs, s.k_max)
+        if k > 0 and not self._catch_up_pays(k, costs):
+            return 0
         return max(0, min(k, room))
+
+    def _catch_up_pays(self, k: int, costs: LoadAwareCost) -> bool:
+        """Whether drafting now repays feeding the draft what it has not seen of this sequence.
+
+        A draft that has been left out (a new prompt, or rounds at k = 0) must first read the
+        missing tokens: one long draft forward. Under load that forward holds up every stream
+        sharing the machine, so it is charged once per stream; it pays only if the time the
+        remaining tokens save at this k exceeds it. Without this, streams that load had pushed
+        to k = 0 restart drafting near their end, when the catch-up cannot pay back.
+        """
+        if self.draft is None:
+            return True  # n-gram lookup: nothing to catch up
+        behind = len(self.s.history) - common_prefix_len(self.draft_history, self.s.history)
+        if behind <= MAX_K + 1:
+            return True  # a draft that took part in the last round: what it lacks rides on the next Propose
+        per_token_s = costs.draft_per_token_s or costs.fallback.draft_step_s
+        catch_up_s = behind * per_token_s * max(1, costs.streams)
+        plain_s_per_token = costs.round_seconds(0)
+        spec_s_per_token = costs.round_seconds(k) / expected_tokens(self.s.tracker.rate, k)
+        return self.s.remaining * (plain_s_per_token - spec_s_per_token) > catch_up_s
 
     def _round_costs(self) -> LoadAwareCost:
         """What a round costs at the current load, from the workers' fitted forward costs."""

@@ -14,6 +14,7 @@ DRAFT_ROLE = WorkerRole(
     make_service=DraftService,
     add_to_server=draft_pb2_grpc.add_DraftWorkerServicer_to_server,
     service_full_name="tandem.v1.DraftWorker",
+    gather_fraction=8.0,
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from draft_worker.engine import ProposeCall
-from tandem.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.rpc.wire import encode_distribution, sampling_from_proto
 from tandem.spec.adaptive import MAX_K
@@ -27,9 +27,7 @@ class DraftService(WorkerServiceBase, draft_pb2_grpc.DraftWorkerServicer):
             raise InvalidRequestError(f"k must be in 0..{MAX_PROPOSE}, got {request.k}")
         if request.committed_len < 0:
             raise InvalidRequestError(f"committed_len must be >= 0, got {request.committed_len}")
-        bad = [t for t in request.new_tokens if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"new_tokens outside the vocabulary: {bad[:5]}")
+        check_token_ids("new_tokens", request.new_tokens, self.engine.vocab_size)
         call = ProposeCall(request.seq_id, request.committed_len, list(request.new_tokens), request.k,
                            sampling_from_proto(request.sampling))
         proposal: Proposal = await self.batcher.submit(call)

@@ -54,6 +54,7 @@ class ClusterSpec:
     pipelining: bool = False
     coordinator_args: tuple[str, ...] = ()
     draft_args: tuple[str, ...] = ()  # extra `tandem serve draft` flags (quantization, vocabulary)
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker (batching)
     log_dir: Path | None = None
     cache_dir: str | None = None
 
@@ -128,6 +129,7 @@ class LocalCluster:
                 "--kv-cache-tokens", str(self.spec.kv_cache_tokens)]
         if self.spec.worker_threads:
             args += ["--threads", str(self.spec.worker_threads)]
+        args += self.spec.worker_args
         if role == "draft":
             args += self.spec.draft_args
         return self._spawn(role, f"{role}-{index}", args)

@@ -197,10 +197,15 @@ class WorkerConfig:
     server: ServerOptions
     model_name: str
     token_budget: int = 2048  # most tokens in one batched forward pass
+    # While a sequence that called recently has not called again, wait for it up to this many
+    # forward passes (the fitted intercept), so batches fill (tandem.rpc.batcher); None: the role's.
+    gather_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget <= 0:
             raise InvalidRequestError(f"token budget must be positive, got {self.token_budget}")
+        if self.gather_fraction is not None and not 0 <= self.gather_fraction <= 64:
+            raise InvalidRequestError(f"gather fraction must be in 0..64 forward passes, got {self.gather_fraction}")
 
 
 @dataclass(slots=True)

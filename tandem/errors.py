@@ -6,6 +6,8 @@ Each maps to one gRPC status code at the service edge (see the interceptor in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class TandemError(Exception):
     """Base class of every error Tandem raises on purpose."""
@@ -51,3 +53,10 @@ class StaleSequenceError(TandemError):
 
     The coordinator answers it by rebuilding the sequence from its token history.
     """
+
+
+def check_token_ids(field: str, ids: Iterable[int], vocab_size: int) -> None:
+    """Raise ``InvalidRequestError`` naming ``field`` if any id falls outside ``0..vocab_size - 1``."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"{field}: token ids must be in 0..{vocab_size - 1}; got {bad[:5]}")

@@ -14,6 +14,7 @@ TARGET_ROLE = WorkerRole(
     make_service=TargetService,
     add_to_server=target_pb2_grpc.add_TargetWorkerServicer_to_server,
     service_full_name="tandem.v1.TargetWorker",
+    gather_fraction=1.0,
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import torch
 
-from tandem.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.rpc.wire import decode_distribution, sampling_from_proto
 from tandem.spec.rejection import Verdict
@@ -22,9 +22,7 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
             raise InvalidRequestError("seq_id is empty")
         if not request.token_ids:
             raise InvalidRequestError("token_ids is empty: nothing to prefill")
-        bad = [t for t in request.token_ids if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token_ids outside the vocabulary (0..{self.engine.vocab_size - 1}): {bad[:5]}")
+        check_token_ids("token_ids", request.token_ids, self.engine.vocab_size)
         if len(request.token_ids) >= self.engine.max_context:
             raise InvalidRequestError(f"prompt of {len(request.token_ids)} tokens exceeds the context of {self.engine.max_context}")
         call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling))
@@ -34,9 +32,7 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
         drafts = list(request.draft_tokens)
-        bad = [t for t in drafts if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"draft_tokens outside the vocabulary: {bad[:5]}")
+        check_token_ids("draft_tokens", drafts, self.engine.vocab_size)
         probs = None
         if request.draft_probs:
             probs = torch.stack([decode_distribution(d, self.engine.vocab_size) for d in request.draft_probs])

@@ -46,6 +46,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=2048,
                    help="most tokens in one batched forward pass (default: %(default)s)")
+    p.add_argument("--gather-fraction", type=float, default=None,
+                   help="while a sequence that called recently has not called again, wait for it up to this many "
+                        "forward passes, so batches fill; 0: never wait (default: 1 for target, 8 for draft)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,7 +98,8 @@ def run_worker(args: argparse.Namespace) -> int:
     lean = draft_engine_options(args) if args.role == "draft" else {}
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
                           args.kv_cache_tokens, args.attention, **lean)
-    cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget)
+    cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
+                       gather_fraction=args.gather_fraction)
     if args.role == "target":
         from target_worker.main import serve
     else:

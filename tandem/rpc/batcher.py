@@ -5,15 +5,27 @@ background task takes everything waiting (up to a token budget), hands it to
 ``run_batch`` on a worker thread (so the event loop keeps accepting calls while
 the model computes), and resolves each call's future with its result or its
 own exception. Calls that arrive during a batch form the next one.
+
+Gathering: the sequences that called in the last two batches are the ones
+cycling through this worker. When fewer of them are queued, the others are
+usually a moment away (their coordinator is between a draft and a verify),
+and starting now would run two part batches where one full one costs little
+more, and on a shared machine would run the draft and target workers at the
+same time, each slowing the other. So the loop waits for them, up to
+``gather_wait_s()``; with one sequence, or all of them queued, it never
+waits. Under load this brings streams into step: a full verify batch sends
+every stream to the draft worker at once, and back. A sequence that stops
+calling (released, or drafting nothing at k = 0) drops out after two batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Hashable, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -35,11 +47,16 @@ class Batcher(Generic[Item, Result]):
         cost: Callable[[Item], int],
         token_budget: int,
         on_batch: Callable[[int, int, float], None] | None = None,
+        key: Callable[[Item], Hashable] | None = None,
+        gather_wait_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.run_batch = run_batch
         self.cost = cost
         self.token_budget = token_budget
         self.on_batch = on_batch  # (num_items, num_tokens, seconds) after each batch: metrics
+        self.key = key  # the sequence a call belongs to; None: no gathering
+        self.gather_wait_s = gather_wait_s  # longest wait for the cycling sequences, asked anew per batch
+        self._recent: deque[set[Hashable]] = deque(maxlen=2)  # sequences of the last two batches
         self._queue: list[_Pending[Item]] = []
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -48,6 +65,11 @@ class Batcher(Generic[Item, Result]):
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    def forget(self, key: Hashable) -> None:
+        """A released sequence: no batch waits for it any more."""
+        for keys in self._recent:
+            keys.discard(key)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -73,15 +95,35 @@ class Batcher(Generic[Item, Result]):
             tokens += nxt.cost
         return batch
 
+    async def _gather(self) -> None:
+        """Wait up to ``gather_wait_s()`` for a call from every cycling sequence (see the module doc)."""
+        wait_s = self.gather_wait_s()
+        if self.key is None or wait_s <= 0:
+            return
+        deadline = time.perf_counter() + wait_s
+        key = self.key
+        while set().union(*self._recent) - {key(p.item) for p in self._queue}:  # cycling but not queued yet
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            await self._gather()
             batch = [p for p in self._take_batch() if not p.future.cancelled()]
             if not batch:
                 continue
+            if self.key is not None:
+                self._recent.append({self.key(p.item) for p in batch})
             started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.run_batch, [p.item for p in batch])

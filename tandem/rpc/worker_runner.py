@@ -36,6 +36,9 @@ class WorkerRole:
     make_service: Callable[..., Any]  # (engine, batcher, server, model_name, fingerprint, stop_ids)
     add_to_server: Callable[[Any, Any], None]
     service_full_name: str
+    # Longest wait for a batch to fill, in this role's forward passes: a draft waits out a target's
+    # verify (several of its own steps), a target waits out k draft steps (less than one of its own).
+    gather_fraction: float
 
 
 async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
@@ -55,7 +58,12 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
         metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)
         metrics.active_sequences.set(len(engine.kv_cache.sequences()))
 
-    batcher = Batcher(role_engine.run_batch, role_engine.call_cost, cfg.token_budget, on_batch)
+    gather_fraction = role.gather_fraction if cfg.gather_fraction is None else cfg.gather_fraction
+    batcher = Batcher(
+        role_engine.run_batch, role_engine.call_cost, cfg.token_budget, on_batch,
+        key=lambda call: call.seq_id,
+        gather_wait_s=lambda: gather_fraction * engine.cost_fit.base_s,
+    )
     service = role.make_service(
         role_engine, batcher, server, cfg.model_name, tokenizer_fingerprint(tokenizer),
         sorted(stop_token_ids(cfg.engine.model_dir, tokenizer, engine.config)),

@@ -26,6 +26,7 @@ class WorkerServiceBase:
         self.stop_token_ids = stop_token_ids
 
     async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        self.batcher.forget(request.seq_id)
         return common_pb2.ReleaseResponse(released=self.engine.release(request.seq_id))
 
     async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):

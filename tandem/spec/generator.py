@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.engine import ForwardItem, ModelEngine
-from tandem.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.sampling import SamplingParams, pick_tokens
 from tandem.spec.adaptive import MAX_K, AcceptanceTracker, CostModel, LoadAwareCost, choose_k
 from tandem.spec.proposal import Proposal, Proposer, ProposeRequest
@@ -52,6 +52,7 @@ class GenerationStats:
     spec_rounds: int = 0  # rounds that verified at least one draft token
     generated: int = 0
     elapsed_s: float = 0.0  # from the start of generation (prefill included) to the last token
+    first_token_s: float = 0.0  # from the start to the first token: the target's prefill
     chosen_k: list[int] = field(default_factory=list)
 
     @property
@@ -143,9 +144,7 @@ class SpeculativeGenerator:
                     f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) "
                     f"exceeds the model's context of {self.max_len}"
                 )
-            bad = [t for t in r.prompt_ids if not 0 <= t < self.target.config.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids outside the vocabulary: {bad[:5]}")
+            check_token_ids("prompt", r.prompt_ids, self.target.config.vocab_size)
         start = time.perf_counter()
         live = [
             _Live(next(self._ids), r, list(r.prompt_ids), r.sampling.make_generator() if not r.sampling.is_greedy else None)
@@ -172,6 +171,7 @@ class SpeculativeGenerator:
         for s, row in zip(live, logits):
             s.commit([int(pick_tokens(row, s.request.sampling, s.generator)[0])])
             s.stats.generated, s.stats.elapsed_s = len(s.generated), now - start
+            s.stats.first_token_s = now - start
 
     def _round_costs(self, streams: int) -> LoadAwareCost:
         """Round cost from the engines' fitted forward costs, which a prompt's prefill cannot skew.

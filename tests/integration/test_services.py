@@ -37,7 +37,9 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir, tmp_path_factory):
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=8192,
-                       log_dir=tmp_path_factory.mktemp("logs"), pipelining=True)
+                       log_dir=tmp_path_factory.mktemp("logs"), pipelining=True,
+                       # A full-precision draft equal to the target: every draft is accepted, which tests assert.
+                       draft_args=("--quantization", "none", "--vocab", "0"))
     with LocalCluster(spec) as running:
         yield running
 

@@ -61,6 +61,54 @@ def test_a_failing_batch_fails_each_of_its_calls_and_the_loop_goes_on():
     assert asyncio.run(scenario()) == 2
 
 
+def test_batches_wait_for_every_cycling_sequence():
+    """Sequences a, b, c called together; when a comes back alone, the batch waits for b and c."""
+    seen: list[list[str]] = []
+
+    def run_batch(items):
+        seen.append(items)
+        return items
+
+    async def scenario(gather_s: float, forget: str | None):
+        batcher = Batcher(run_batch, cost=lambda i: 1, token_budget=10, key=lambda item: item[0],
+                          gather_wait_s=lambda: gather_s)
+        batcher.start()
+        await asyncio.gather(*(batcher.submit(s) for s in ("a1", "b1", "c1")))
+        if forget:
+            batcher.forget(forget)
+        first = asyncio.create_task(batcher.submit("a2"))
+        await asyncio.sleep(0.1)
+        rest = [asyncio.create_task(batcher.submit(s)) for s in ("b2", "c2") if s[0] != forget]
+        await asyncio.gather(first, *rest)
+        await batcher.stop()
+
+    asyncio.run(scenario(5.0, None))
+    assert seen[-1] == ["a2", "b2", "c2"]  # one full batch
+    seen.clear()
+    asyncio.run(scenario(0.0, None))
+    assert seen[1:] == [["a2"], ["b2", "c2"]]  # no gathering: a2 ran alone
+    seen.clear()
+    asyncio.run(scenario(5.0, "c"))
+    assert seen[1:] == [["a2", "b2"]]  # c was released: nobody waits for it
+
+
+def test_gathering_gives_up_after_its_wait():
+    async def scenario():
+        batcher = Batcher(lambda items: items, cost=lambda i: 1, token_budget=10, key=lambda item: item[0],
+                          gather_wait_s=lambda: 0.2)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a1"), batcher.submit("b1"))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        value = await batcher.submit("a2")  # b never calls again
+        waited = loop.time() - t0
+        await batcher.stop()
+        return value, waited
+
+    value, waited = asyncio.run(scenario())
+    assert value == "a2" and 0.15 < waited < 3.0
+
+
 def test_wire_distribution_roundtrip_is_what_both_sides_use():
     q = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3, -1)
     msg = encode_distribution(q)

@@ -94,6 +94,16 @@ def test_forward_cost_fit_recovers_a_line():
     assert flat.per_token_s == 0.0 and flat.base_s == pytest.approx(0.1)
 
 
+def test_forward_cost_fit_leaves_prefills_out():
+    from tandem.spec.adaptive import ForwardCostFit
+
+    fit = ForwardCostFit()
+    for tokens in [1, 5, 9, 17, 33] * 5:
+        fit.observe(tokens, 0.12 + 0.002 * tokens)  # weight-bound decode and verify batches
+    fit.observe(2000, 12.0)  # a compute-bound prompt: 6 ms per token
+    assert fit.per_token_s == pytest.approx(0.002, rel=1e-3)
+
+
 def test_speculation_backs_off_when_many_streams_share_the_target():
     from tandem.spec.adaptive import LoadAwareCost
 
@@ -104,3 +114,14 @@ def test_speculation_backs_off_when_many_streams_share_the_target():
     costs.streams = 16
     crowded = choose_k(0.8, costs, 8)
     assert alone >= 2 and crowded <= 1
+
+
+def test_under_load_drafting_must_promise_a_clear_gain():
+    from tandem.spec.adaptive import LoadAwareCost
+
+    # Drafting 1-2 tokens promises about 10% more at 8 streams: not enough to bet on under load.
+    costs = LoadAwareCost(CostModel(), streams=8, target_base_s=0.13, target_per_token_s=0.006,
+                          draft_base_s=0.016, draft_per_token_s=0.005)
+    assert choose_k(0.75, costs, 4) == 0
+    costs.margin_per_extra_stream = 0.0
+    assert choose_k(0.75, costs, 4) > 0
