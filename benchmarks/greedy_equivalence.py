@@ -27,6 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import DEFAULT_SPEC_BENCH, load_prompts, markdown_table, write_json, write_markdown  # noqa: E402
 from benchmarks.runners import engine_config, resolve_model_dir, run_ours  # noqa: E402
+from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
 from tandem.pipeline import LocalPipeline, SpecConfig  # noqa: E402
 from tandem.tokenizer import encode_prompt  # noqa: E402
 
@@ -43,7 +44,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def compare(args: argparse.Namespace, dtype: str, prompts: list) -> dict:
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
     pipeline = LocalPipeline.load(engine_config(target_dir, dtype), SpecConfig("draft", args.k, adaptive_k=False),
-                                  engine_config(draft_dir, dtype))
+                                  engine_config(draft_dir, dtype, **draft_engine_options(args)))
     spec_gen = pipeline.generator()
     plain_gen = LocalPipeline(pipeline.target, pipeline.tokenizer, pipeline.stop_ids, None, "none").generator()
     rows = []
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen-coder-1.5b")
     p.add_argument("--draft", default="qwen-coder-0.5b")
+    add_draft_flags(p)
     p.add_argument("--prompts", type=int, default=21, help="total prompts, spread over the categories (default: 21)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4)

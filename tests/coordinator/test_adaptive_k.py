@@ -37,6 +37,8 @@ def test_under_load_a_stream_does_not_start_a_draft_that_cannot_repay_its_prefil
     assert busy._choose_k(after_tokens=0) > 0
 
 
-def test_near_its_end_a_stream_does_not_restart_drafting():
-    ending = run_with(streams=1, max_new=3)
+def test_near_its_end_a_stream_under_load_does_not_restart_drafting():
+    ending = run_with(streams=2, max_new=3)
     assert ending._choose_k(after_tokens=0) == 0
+    ending.draft_history = list(ending.s.history)
+    assert ending._choose_k(after_tokens=0) > 0
