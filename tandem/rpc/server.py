@@ -106,6 +106,12 @@ async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awai
     await server.drain_and_stop()
     for task in (waiter, stopper):
         task.cancel()
+    # Drained and on the way out. A repeated SIGTERM (a supervisor, or `tandem up` stopping
+    # what was already stopping) must not turn this clean exit into death by signal while
+    # the interpreter tears down (measured: 2 of 7 runs of the drain test exited with -15).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -272,7 +272,7 @@ def test_sigterm_drains_and_exits_cleanly(smollm2_dir, tmp_path):
         worker.join(60)
     cluster.stop()
     assert "reply" in result and result["reply"].finish_reason
-    assert all(s.process.returncode == 0 for s in cluster.services)
+    assert all(s.process.returncode == 0 for s in cluster.services), [(s.role, s.process.returncode) for s in cluster.services]
 
 
 def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(smollm2_dir, tmp_path):
