@@ -66,8 +66,7 @@ class ModelEngine:
         model_cfg = ModelConfig.from_dir(cfg.model_dir)
         device = torch.device(cfg.device)
         model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, device)
-        if cfg.quantization != "none" or cfg.vocab_limit is not None:
-            shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)
+        shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)  # a no-op unless the config asks for it
         return cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
 
     @classmethod

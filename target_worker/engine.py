@@ -144,8 +144,8 @@ class TargetEngine:
         return held
 
     def warmup(self) -> None:
+        """The engine's own warm-up (kernels, cost fit), then the Prefill and 5-token Verify paths once."""
         self.engine.warmup()
-        """One real forward (prefill + a 5-token verify shape) so the first request is not the slow one."""
         self.run_batch([PrefillCall("__warmup__", [1, 2, 3, 4], SamplingParams())])
         self.run_batch([VerifyCall("__warmup__", 5, [1, 2, 3, 4], None)])
         self.release("__warmup__")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tandem import model_store
 from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
-from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
+from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.config import DTYPES
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
