@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.common import interleaved_medians, timed
 from tandem import model_store
-from tandem.config import DTYPES, EngineConfig
+from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.sampling import SamplingParams
 from tandem.spec.generator import GenerationRequest, GenerationStats, SpeculativeGenerator
@@ -54,7 +54,7 @@ def load_hf_model(model_dir: Path, dtype: str) -> Any:
     """``AutoModelForCausalLM`` in ``dtype``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     return model.eval()
 
 

@@ -3,6 +3,11 @@
 ``ModelConfig`` is what a checkpoint's config.json says about its architecture;
 ``EngineConfig`` is how a worker runs that model (dtype, device, KV pool size,
 attention backend). Both are read once, in ``main``, never at import time.
+
+This module imports no torch at module level: the coordinator (which holds no
+weights and runs in a slim image without torch) validates its configuration
+here too. Only ``EngineConfig``, which only model-side processes build,
+imports torch, when it resolves its device and dtype.
 """
 
 from __future__ import annotations
@@ -10,18 +15,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    import torch
 
 # model_type in config.json -> our family name. Qwen2 is Llama plus q/k/v biases.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = ("bfloat16", "float32", "float16")  # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
 QUANTIZATIONS = ("none", "int8")
 # A draft's numbers only steer proposals the target checks, so drafts run lean by default:
@@ -118,6 +124,8 @@ class ModelConfig:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the hardware does it well (about 3x fp32 on AVX512-BF16 CPUs), else fp16/fp32."""
+    import torch
+
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -163,12 +171,14 @@ class EngineConfig:
             raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_tokens < self.block_size:
             raise InvalidRequestError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block")
+        import torch  # model-side only: see the module docstring
+
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError("device cuda was asked for but CUDA is not available")
         if self.dtype == "float16" and device.type == "cpu":
             raise InvalidRequestError("float16 is for GPUs; use bfloat16 or float32 on a CPU")
-        self.resolved_dtype = default_dtype(device) if self.dtype == "auto" else DTYPES[self.dtype]
+        self.resolved_dtype = default_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
 
     @property
     def num_blocks(self) -> int:

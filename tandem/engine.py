@@ -19,10 +19,10 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
 from tandem.config import EngineConfig, ModelConfig
+from tandem.cost_fit import ForwardCostFit
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
 from tandem.models.quantize import shrink_for_drafting
-from tandem.spec.adaptive import ForwardCostFit
 
 
 @dataclass(slots=True)

@@ -8,39 +8,11 @@ the target apply the very same processing, which the rejection sampler needs
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
-from tandem.errors import InvalidRequestError
+from tandem.sampling_params import SamplingParams
 
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """How one request picks its tokens. ``temperature == 0`` means greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A generator of this request's own: seeded runs repeat exactly, whatever else is batched."""
-        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return torch.Generator(device=device).manual_seed(seed)
+__all__ = ["SamplingParams", "pick_tokens", "probabilities", "sample"]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -81,7 +81,7 @@ def test_first_measurements_keep_speculation_worthwhile():
 
 
 def test_forward_cost_fit_recovers_a_line():
-    from tandem.spec.adaptive import ForwardCostFit
+    from tandem.cost_fit import ForwardCostFit
 
     fit = ForwardCostFit()
     for tokens in [1, 5, 9, 40, 128, 5, 1, 300, 9, 17] * 5:
@@ -95,7 +95,7 @@ def test_forward_cost_fit_recovers_a_line():
 
 
 def test_forward_cost_fit_leaves_prefills_out():
-    from tandem.spec.adaptive import ForwardCostFit
+    from tandem.cost_fit import ForwardCostFit
 
     fit = ForwardCostFit()
     for tokens in [1, 5, 9, 17, 33] * 5:
