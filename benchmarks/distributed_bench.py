@@ -39,7 +39,8 @@ from benchmarks.runners import engine_config, resolve_model_dir, run_ours  # noq
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options, draft_worker_args  # noqa: E402
 from tandem.client import TandemClient, build_request  # noqa: E402
 from tandem.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from tandem.pipeline import LocalPipeline, SpecConfig  # noqa: E402
+from tandem.pipeline import LocalPipeline  # noqa: E402
+from tandem.spec.options import SpecOptions  # noqa: E402
 from tandem.tokenizer import encode_prompt  # noqa: E402
 
 CATEGORIES = ("humaneval", "mt_bench", "qa", "summarization")
@@ -69,11 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def in_process(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """Batch-1 tokens/s of the in-process speculative pipeline (the number the services must keep)."""
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
-    pipeline = LocalPipeline.load(engine_config(target_dir, args.dtype), SpecConfig("draft", args.k),
+    pipeline = LocalPipeline.load(engine_config(target_dir, args.dtype), "draft", SpecOptions("draft", args.k),
                                   engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
     generator = pipeline.generator()
-    run_ours(generator, prompts[0], 8, pipeline.stop_ids, k_max=args.k)  # warm-up, untimed
-    outputs = [run_ours(generator, ids, args.max_new_tokens, pipeline.stop_ids, k_max=args.k) for ids in prompts]
+    run_ours(generator, prompts[0], 8, pipeline.stop_ids)  # warm-up, untimed
+    outputs = [run_ours(generator, ids, args.max_new_tokens, pipeline.stop_ids) for ids in prompts]
     tokens = sum(len(o.token_ids) for o in outputs)
     seconds = sum(o.seconds for o in outputs)
     result = {"mode": "in-process", "streams": 1, "tokens": tokens, "seconds": seconds,

@@ -102,9 +102,9 @@ def pick_prompts(args: argparse.Namespace) -> list[Prompt]:
 def decode_both(engine: Any, hf_model: Any, prompt_ids: list[list[int]], args: argparse.Namespace,
                 stop_ids: frozenset[int]) -> tuple[list[RunOutput], list[RunOutput], list[tuple[bool, int]]]:
     """Greedy-decode every prompt with both, alternating which goes first; compare their ids."""
-    from tandem.spec.generator import SpeculativeGenerator
+    from tandem.inprocess import SpeculativeGenerator
 
-    generator = SpeculativeGenerator(engine, None)
+    generator = SpeculativeGenerator(engine)
     n = args.max_new_tokens
 
     def ours(ids: list[int]) -> RunOutput:

@@ -28,7 +28,8 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.common import DEFAULT_SPEC_BENCH, load_prompts, markdown_table, write_json, write_markdown  # noqa: E402
 from benchmarks.runners import engine_config, resolve_model_dir, run_ours  # noqa: E402
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
-from tandem.pipeline import LocalPipeline, SpecConfig  # noqa: E402
+from tandem.pipeline import LocalPipeline  # noqa: E402
+from tandem.spec.options import SpecOptions  # noqa: E402
 from tandem.tokenizer import encode_prompt  # noqa: E402
 
 CATEGORIES = ("humaneval", "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -43,10 +44,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def compare(args: argparse.Namespace, dtype: str, prompts: list) -> dict:
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
-    pipeline = LocalPipeline.load(engine_config(target_dir, dtype), SpecConfig("draft", args.k, adaptive_k=False),
+    pipeline = LocalPipeline.load(engine_config(target_dir, dtype), "draft", SpecOptions("draft", args.k, adaptive_k=False),
                                   engine_config(draft_dir, dtype, **draft_engine_options(args)))
     spec_gen = pipeline.generator()
-    plain_gen = LocalPipeline(pipeline.target, pipeline.tokenizer, pipeline.stop_ids, None, "none").generator()
+    plain_gen = pipeline.generator(options=SpecOptions("none", 0))
     rows = []
     for prompt in tqdm(prompts, desc=f"greedy equivalence {dtype}", unit="prompt"):
         ids = encode_prompt(pipeline.tokenizer, prompt.text, chat=True)

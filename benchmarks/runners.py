@@ -21,7 +21,7 @@ from tandem import model_store
 from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.sampling import SamplingParams
-from tandem.spec.generator import GenerationRequest, GenerationStats, SpeculativeGenerator
+from tandem.inprocess import GenerationRequest, GenerationStats, SpeculativeGenerator
 
 PROBE_SEQ = "benchmark-probe"
 
@@ -70,10 +70,10 @@ def run_ours(
     prompt_ids: list[int],
     max_new_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
-    k_max: int = 0,
-    adaptive_k: bool = True,
+    k_max: int | None = None,
+    adaptive_k: bool | None = None,
 ) -> RunOutput:
-    """One greedy request through our speculation loop (``k_max=0``: plain decoding)."""
+    """One greedy request through our speculation loop (k and adaptivity: the generator's unless given)."""
     request = GenerationRequest(
         list(prompt_ids), max_new_tokens, SamplingParams(), stop_ids, k_max=k_max, adaptive_k=adaptive_k
     )

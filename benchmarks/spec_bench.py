@@ -161,10 +161,10 @@ class Bench:
 
 def load_bench(args: argparse.Namespace) -> Bench:
     """Load each model once (ours and transformers' as the methods need) and build the runners."""
+    from draft_worker.engine import early_exit_engine
     from tandem.engine import ModelEngine
-    from tandem.pipeline import SpecConfig, build_proposer, check_same_tokenizer
-    from tandem.spec.draft_model import DraftModelProposer
-    from tandem.spec.hybrid import HybridProposer
+    from tandem.pipeline import check_same_tokenizer
+    from tandem.spec.options import SpecOptions
     from tandem.tokenizer import load_tokenizer, stop_token_ids
 
     from benchmarks.runners import engine_config, resolve_model_dir
@@ -177,22 +177,23 @@ def load_bench(args: argparse.Namespace) -> Bench:
         check_same_tokenizer(tokenizer, target_dir, draft_dir)
     target = ModelEngine.load(engine_config(target_dir, args.dtype))
     bench = Bench(tokenizer, stop_token_ids(target_dir, tokenizer, target.config))
-    spec = SpecConfig("none", args.k, not args.fixed_k, args.early_exit_layers, args.ngram_min, args.ngram_max)
-
-    bench.runners[BASELINE] = ours_runner(target, None, 0, args, bench.stop_ids)
+    bench.runners[BASELINE] = ours_runner(target, None, SpecOptions("none", 0), bench.stop_ids)
     draft_engine = None
     for method in [m for m in args.methods if m in OURS_SPEC]:
+        drafter = None  # the model that drafts (None: n-gram lookup)
         if method in ("spec-draft", "spec-hybrid"):
             assert draft_dir is not None
             if draft_engine is None:  # one draft model serves both methods
                 draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
-            proposer = DraftModelProposer(draft_engine)
-            if method == "spec-hybrid":
-                proposer = HybridProposer(proposer, min_match=min(3, args.ngram_max), max_n=args.ngram_max)
-        else:
-            proposer = build_proposer(OURS_SPEC[method], spec, target, None)
-        bench.runners[method] = ours_runner(target, proposer, args.k, args, bench.stop_ids)
-        bench.cost_ratio[method] = cost_ratio(target, getattr(proposer, "engine", None), args.cost_reps)
+                draft_engine.warmup()
+            drafter = draft_engine
+        elif method == "spec-early-exit":
+            drafter = early_exit_engine(target, args.early_exit_layers or max(1, target.config.num_layers // 4))
+            drafter.warmup()
+        options = SpecOptions(OURS_SPEC[method], args.k, not args.fixed_k, ngram_min=args.ngram_min,
+                              ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max))
+        bench.runners[method] = ours_runner(target, drafter, options, bench.stop_ids)
+        bench.cost_ratio[method] = cost_ratio(target, drafter, args.cost_reps)
     add_hf_runners(bench, args, target_dir, draft_dir)
     return bench
 
@@ -210,14 +211,14 @@ def cost_ratio(target: Any, drafter: Any, reps: int) -> float:
     return drafter_s / target_s
 
 
-def ours_runner(target: Any, proposer: Any, k_max: int, args: argparse.Namespace, stop_ids: frozenset[int]) -> Runner:
+def ours_runner(target: Any, drafter: Any, options: Any, stop_ids: frozenset[int]) -> Runner:
     """A runner over one generator kept for the whole run, so its cost model stays warm as in a server."""
-    from tandem.spec.generator import SpeculativeGenerator
+    from tandem.inprocess import SpeculativeGenerator
 
     from benchmarks.runners import run_ours
 
-    generator = SpeculativeGenerator(target, proposer)
-    return lambda ids, n: run_ours(generator, ids, n, stop_ids, k_max=k_max, adaptive_k=not args.fixed_k)
+    generator = SpeculativeGenerator(target, drafter, options)
+    return lambda ids, n: run_ours(generator, ids, n, stop_ids)
 
 
 def add_hf_runners(bench: Bench, args: argparse.Namespace, target_dir: Path, draft_dir: Path | None) -> None:
@@ -262,8 +263,9 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
             # The decoding phase: after the target's prefill (which every method pays alike), to the last token.
             row.update(decode_tokens=s.generated - 1, decode_seconds=s.elapsed_s - s.first_token_s)
             row.update(drafted=s.drafted, accepted=s.accepted, rejected=s.rejected, rounds=s.rounds,
-                       spec_rounds=s.spec_rounds, k_sum=sum(s.chosen_k), k_rounds=len(s.chosen_k),
-                       k_counts=dict(Counter(s.chosen_k)))
+                       spec_rounds=s.spec_rounds, ngram_rounds=s.ngram_rounds,
+                       k_sum=sum(k * n for k, n in s.k_counts.items()), k_rounds=s.rounds,
+                       k_counts=dict(s.k_counts))
         rows.append(row)
     return rows
 

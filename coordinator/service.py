@@ -1,7 +1,8 @@
 """The public Generation service: validate, tokenize, run the speculation loop, stream.
 
 Every field is checked before any worker is called, and a bad one is named in
-the INVALID_ARGUMENT message.
+the INVALID_ARGUMENT message. The loop itself is ``tandem.spec.loop``, the
+same one ``tandem generate`` runs in process; here it talks to gRPC workers.
 """
 
 from __future__ import annotations
@@ -10,25 +11,57 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
 
-from coordinator.session import Session, StopConditions
-from coordinator.speculation import SpeculationRun
-from coordinator.workers import WorkerPool
+from coordinator.workers import WorkerClient, WorkerPool
 from tandem.config import CoordinatorConfig
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
 from tandem.spec.adaptive import MAX_K, CostModel
+from tandem.spec.loop import SpeculationLoop
+from tandem.spec.options import REMOTE_METHODS, SpecOptions, resolve_method
+from tandem.spec.request import RequestState, StopConditions
+from tandem.text_stream import TextStream
 from tandem.tokenizer import encode_prompt
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-PUBLIC_METHODS = ("auto", "none", "draft", "ngram")
+
+@dataclass(slots=True)
+class _Request:
+    """One request in the coordinator: its state, its loop and the replicas it runs on."""
+
+    request_id: str
+    state: RequestState
+    options: SpecOptions
+    target: WorkerClient
+    draft: WorkerClient | None
+    loop: SpeculationLoop
+    emitted_tokens: int = 0
+
+
+class _MetricsObserver:
+    """The loop's round events, as Prometheus metrics."""
+
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        self.metrics = metrics
+
+    def on_round(self, k: int, drafted: int, accepted: int, source: str) -> None:
+        self.metrics.chosen_k.observe(k)
+        if drafted:
+            self.metrics.accepted_len.observe(accepted)
+
+    def on_verify(self, seconds: float) -> None:
+        self.metrics.verify_latency.observe(seconds)
+
+    def on_draft(self, seconds: float) -> None:
+        self.metrics.draft_latency.observe(seconds)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -40,6 +73,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.drafts = drafts
         self.server = server
         self.metrics = metrics
+        self.observer = _MetricsObserver(metrics)
         self.vocab_size = 0  # from the target workers' Info, set by the warm-up
         self.max_context = 0
         self.model_stop_ids: frozenset[int] = frozenset()
@@ -47,24 +81,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        session, run = self._start(request)
-        async for _ in self._drive(session, run):
+        run = self._start(request, context)
+        async for _ in self._drive(run):
             pass
         return generation_pb2.GenerateResponse(
-            request_id=session.request_id, text=session.final_text(), token_ids=session.generated,
-            finish_reason=session.finish_reason or "length", stats=self._stats(session, run))
+            request_id=run.request_id, text=run.state.text.text, token_ids=run.state.generated,
+            finish_reason=run.state.finish_reason or "length", stats=self._stats(run))
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        session, run = self._start(request)
-        async for _ in self._drive(session, run):
-            text, tokens = session.take_delta()
-            done = session.finish_reason is not None
+        run = self._start(request, context)
+        async for _ in self._drive(run):
+            state = run.state
+            text = state.text.take()
+            tokens = state.generated[run.emitted_tokens:]
+            run.emitted_tokens = state.num_generated
+            done = state.finish_reason is not None
             if not (text or tokens or done):
                 continue
-            msg = generation_pb2.GenerateStreamResponse(request_id=session.request_id, text=text, token_ids=tokens)
+            msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens)
             if done:
-                msg.finish_reason = session.finish_reason
-                msg.stats.CopyFrom(self._stats(session, run))
+                msg.finish_reason = state.finish_reason
+                msg.stats.CopyFrom(self._stats(run))
             yield msg
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
@@ -81,70 +118,77 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             target_workers=status(self.targets), draft_workers=status(self.drafts))
 
     # ----- the request ---------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest) -> tuple[Session, SpeculationRun]:
+    def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> _Request:
         self.server.check_accepting()
-        session = self._session(request)
+        state, options = self._validate(request)
         target = self.targets.pick()
-        draft = self.drafts.pick() if session.method == "draft" else None
-        key = (session.method, draft.address if draft else "", target.address)
+        draft = self.drafts.pick() if options.uses_draft else None
+        key = (options.method, draft.address if draft else "", target.address)
         costs = self.costs.setdefault(key, CostModel())
-        run = SpeculationRun(session, target, draft, costs, self.metrics,
-                             (self.cfg.ngram_min, self.cfg.ngram_max), self.max_context)
-        return session, run
+        remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        request_id = request.request_id or uuid.uuid4().hex[:16]
+        seq_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # request ids are the client's: not unique
+        loop = SpeculationLoop(state, seq_id, options, target.for_request(deadline),
+                               draft.for_request(deadline) if draft else None, costs, self.max_context,
+                               self.observer)
+        return _Request(request_id, state, options, target, draft, loop)
 
-    async def _drive(self, session: Session, run: SpeculationRun) -> AsyncIterator[None]:
-        self.metrics.active.inc()
+    async def _drive(self, run: _Request) -> AsyncIterator[None]:
+        state, metrics = run.state, self.metrics
+        metrics.active.inc()
+        run.target.active += 1
+        if run.draft is not None:
+            run.draft.active += 1
         outcome = "error"
         emitted = 0
-        last = session.started_at
+        last = state.stats.started_at
         try:
-            async for _ in run.run():
+            async for _ in run.loop.run():
                 now = time.perf_counter()
-                new = len(session.generated) - emitted
+                new = state.num_generated - emitted
                 if new:
                     if emitted == 0:
-                        self.metrics.ttft.observe(now - session.started_at)
+                        metrics.ttft.observe(now - state.stats.started_at)
                     else:
                         for _ in range(new):
-                            self.metrics.itl.observe((now - last) / new)
-                    self.metrics.generated_tokens.inc(new)
-                    emitted, last = len(session.generated), now
+                            metrics.itl.observe((now - last) / new)
+                    metrics.generated_tokens.inc(new)
+                    emitted, last = state.num_generated, now
                 yield
             outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
         finally:
-            self.metrics.active.dec()
-            self.metrics.requests.labels(outcome).inc()
-            stats = session.stats
+            run.target.active -= 1
+            if run.draft is not None:
+                run.draft.active -= 1
+            metrics.active.dec()
+            metrics.requests.labels(outcome).inc()
+            stats = state.stats
             if stats.drafted:
-                self.metrics.acceptance_rate.observe(stats.accepted / stats.drafted)
+                metrics.acceptance_rate.observe(stats.acceptance_rate)
             if stats.rounds:
                 waited = stats.draft_wait_s + stats.verify_wait_s
-                self.metrics.overhead.observe(max(0.0, stats.round_wall_s - waited) / stats.rounds)
-            if stats.last_token_at and outcome == "ok":
-                self.metrics.tokens_per_s.observe(len(session.generated) / max(1e-9, stats.last_token_at - session.started_at))
+                metrics.overhead.observe(max(0.0, stats.round_wall_s - waited) / stats.rounds)
+            if outcome == "ok" and stats.elapsed_s > 0:
+                metrics.tokens_per_s.observe(stats.tokens_per_s)
 
-    def _session(self, request: generation_pb2.GenerateRequest) -> Session:
+    def _validate(self, request: generation_pb2.GenerateRequest) -> tuple[RequestState, SpecOptions]:
+        """The request's state and speculation options; INVALID_ARGUMENT naming the field on bad input."""
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         spec = request.speculation
-        method = spec.method or "auto"
-        if method not in PUBLIC_METHODS:
-            raise InvalidRequestError(
-                f"speculation.method: unknown method {method!r}; choose one of {', '.join(PUBLIC_METHODS)}")
-        if method == "auto":
-            method = "draft" if self.drafts.clients else "ngram"
-        if method == "draft" and not self.drafts.clients:
-            raise InvalidRequestError("speculation.method: 'draft' needs draft workers; this coordinator has none")
+        method = _field("speculation.method",
+                        lambda: resolve_method(spec.method or "auto", bool(self.drafts.clients), REMOTE_METHODS))
         k = spec.k if spec.HasField("k") else self.cfg.default_k
         if not 0 <= k <= MAX_K:
             raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")
         prompt_ids = self._prompt_ids(request)
         stopping = request.stopping
-        max_new = stopping.max_new_tokens or self.cfg.default_max_new_tokens
         if stopping.max_new_tokens < 0:
             raise InvalidRequestError(f"stopping.max_new_tokens must be positive, got {stopping.max_new_tokens}")
+        max_new = stopping.max_new_tokens or self.cfg.default_max_new_tokens
         if len(prompt_ids) + max_new > self.max_context:
             raise InvalidRequestError(
                 f"stopping.max_new_tokens: prompt ({len(prompt_ids)} tokens) + {max_new} new tokens exceeds "
@@ -154,9 +198,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
         stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)
         stop = StopConditions(max_new, stop_ids, tuple(stopping.stop_strings))
-        request_id = request.request_id or uuid.uuid4().hex[:16]
-        pipelined = self.cfg.pipelining and not spec.disable_pipelining
-        return Session(request_id, prompt_ids, sampling, stop, self.tokenizer, method, k, not spec.fixed_k, pipelined)
+        options = SpecOptions(method, k, adaptive_k=not spec.fixed_k,
+                              pipelined=self.cfg.pipelining and not spec.disable_pipelining,
+                              ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max)
+        text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
+        return RequestState(prompt_ids, sampling, stop, text), options
 
     def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
@@ -174,18 +220,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
         return ids
 
-    def _stats(self, session: Session, run: SpeculationRun) -> generation_pb2.GenerationStats:
-        st = session.stats
-        elapsed = (st.last_token_at or session.started_at) - session.started_at
-        generated = len(session.generated)
+    def _stats(self, run: _Request) -> generation_pb2.GenerationStats:
+        st = run.state.stats
         return generation_pb2.GenerationStats(
-            prompt_tokens=len(session.prompt_ids), generated_tokens=generated, drafted=st.drafted,
-            accepted=st.accepted, rounds=st.rounds,
-            mean_accepted_len=st.accepted / st.spec_rounds if st.spec_rounds else 0.0,
-            acceptance_rate=st.accepted / st.drafted if st.drafted else 0.0,
-            tokens_per_s=generated / elapsed if elapsed > 0 else 0.0,
-            time_to_first_token_s=(st.first_token_at or session.started_at) - session.started_at,
-            elapsed_s=elapsed, method=session.method,
+            prompt_tokens=len(run.state.prompt_ids), generated_tokens=st.generated, drafted=st.drafted,
+            accepted=st.accepted, rounds=st.rounds, mean_accepted_len=st.mean_accepted_len,
+            acceptance_rate=st.acceptance_rate, tokens_per_s=st.tokens_per_s,
+            time_to_first_token_s=st.first_token_s, elapsed_s=st.elapsed_s, method=run.options.method,
             draft_worker=run.draft.address if run.draft else "", target_worker=run.target.address)
 
 

@@ -1,10 +1,16 @@
 """Clients of the draft and target workers, and the pools that route requests to them.
 
-Every call carries a deadline; gRPC failures come back as domain errors
-(``tandem.rpc.status.domain_error``) naming the worker. A pool polls each
-replica's Info in the background and picks, for a new request, the healthy
-replica with the most free KV blocks and the shortest queue, counting the
-requests it has itself placed since the last poll so that a burst spreads out.
+A ``WorkerClient`` is one replica; ``for_request`` binds it to one request's
+deadline, giving the ``Verifier`` / ``DraftChannel`` the speculation loop runs
+against (``tandem.spec.transport``). Every call carries a deadline: the
+shorter of the internal call timeout and the time the client has left. gRPC
+failures become the errors a client of the coordinator should see
+(``tandem.rpc.status.worker_failure``), naming no internal address.
+
+A pool polls each replica's Info in the background and picks, for a new
+request, the healthy replica with the most free KV blocks and the shortest
+queue, counting the requests it has itself placed since the last poll so that
+a burst spreads out.
 """
 
 from __future__ import annotations
@@ -12,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 
-from tandem.errors import WorkerUnavailableError
+from tandem.errors import WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
-from tandem.rpc.status import domain_error
+from tandem.rpc.status import worker_failure
+from tandem.rpc.wire import sampling_to_proto
+from tandem.sampling_params import SamplingParams
+from tandem.spec.transport import FittedCost
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 2.0
+RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the client's deadline
 
 
 class WorkerClient:
@@ -41,13 +51,13 @@ class WorkerClient:
         self.placed_since_poll = 0
         self.active = 0  # this coordinator's requests placed here and not yet finished
 
-    async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout or self.call_timeout_s)
+            return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.healthy = False
-            raise domain_error(exc, f"{self.role} worker {self.address}") from None
+            raise worker_failure(exc, self.role, self.address) from None
 
     async def refresh(self) -> None:
         try:
@@ -56,6 +66,16 @@ class WorkerClient:
         except grpc.aio.AioRpcError:
             self.healthy = False
         self.placed_since_poll = 0
+
+    def fitted_cost(self) -> FittedCost | None:
+        """The worker's own fit of its forward cost (from its last Info), once it has measured one."""
+        if self.info is None or self.info.forward_base_s <= 0:
+            return None
+        return FittedCost(self.info.forward_base_s, self.info.forward_per_token_s)
+
+    def for_request(self, deadline: float | None) -> RequestChannel:
+        """This worker as one request sees it: calls bounded by the request's deadline (loop time)."""
+        return RequestChannel(self, deadline)
 
     @property
     def streams(self) -> int:
@@ -69,31 +89,59 @@ class WorkerClient:
         share = self.info.total_blocks / max(1, self.info.active_sequences + 8)
         return (self.info.free_blocks - self.placed_since_poll * share, -self.info.queue_depth)
 
-    # ----- typed calls -----------------------------------------------------
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: common_pb2.SamplingOptions) -> int:
-        reply = await self.call("Prefill", target_pb2.PrefillRequest(seq_id=seq_id, token_ids=token_ids,
-                                                                     sampling=sampling))
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RequestChannel:
+    """One request's handle on one worker: the ``Verifier`` and ``DraftChannel`` over gRPC."""
+
+    def __init__(self, client: WorkerClient, deadline: float | None) -> None:
+        self.client = client
+        self.deadline = deadline  # asyncio loop time by which the client wants its answer; None: no limit
+
+    def _timeout(self) -> float:
+        timeout = self.client.call_timeout_s
+        if self.deadline is not None:
+            left = self.deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise WorkerDeadlineError("the request's deadline passed")
+            timeout = min(timeout, left)
+        return timeout
+
+    @property
+    def streams(self) -> int:
+        return self.client.streams
+
+    def fitted_cost(self) -> FittedCost | None:
+        return self.client.fitted_cost()
+
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
+        reply = await self.client.call("Prefill", target_pb2.PrefillRequest(
+            seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling)), self._timeout())
         return reply.next_token
 
-    async def verify(self, seq_id: str, committed_len: int, drafts: list[int],
-                     probs: list[common_pb2.SparseDistribution]) -> target_pb2.VerifyResponse:
-        return await self.call("Verify", target_pb2.VerifyRequest(
-            seq_id=seq_id, committed_len=committed_len, draft_tokens=drafts, draft_probs=probs))
+    async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
+                     draft_probs: Sequence[common_pb2.SparseDistribution]) -> tuple[int, int]:
+        # draft_probs are the draft's own messages, passed on untouched: the q it sampled from.
+        reply = await self.client.call("Verify", target_pb2.VerifyRequest(
+            seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs),
+            self._timeout())
+        return reply.num_accepted, reply.next_token
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: common_pb2.SamplingOptions) -> draft_pb2.ProposeResponse:
-        return await self.call("Propose", draft_pb2.ProposeRequest(
-            seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k, sampling=sampling))
+                      sampling: SamplingParams) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+        reply = await self.client.call("Propose", draft_pb2.ProposeRequest(
+            seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
+            sampling=sampling_to_proto(sampling)), self._timeout())
+        return list(reply.tokens), list(reply.probs)
 
     async def release(self, seq_id: str) -> None:
         """Best effort: a worker that is gone has freed the KV anyway."""
         try:
-            await self.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), timeout=5.0)
+            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
-            log.warning("release of %s on %s failed: %s", seq_id, self.address, exc)
-
-    async def close(self) -> None:
-        await self.channel.close()
+            log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 
 
 @dataclass(slots=True)

@@ -49,9 +49,15 @@ class WorkerDeadlineError(TandemError):
 
 
 class StaleSequenceError(TandemError):
-    """A call's committed length does not fit what the worker holds (maps to FAILED_PRECONDITION).
+    """A call's committed length does not fit what the worker holds (maps to FAILED_PRECONDITION)."""
 
-    The coordinator answers it by rebuilding the sequence from its token history.
+
+class InternalError(TandemError):
+    """Something inside Tandem failed that the caller did not cause (maps to INTERNAL).
+
+    A worker refusing one of the coordinator's internal calls (an unknown or
+    stale sequence, a field the coordinator got wrong) reaches the client as
+    this, never as the client's own INVALID_ARGUMENT or NOT_FOUND.
     """
 
 

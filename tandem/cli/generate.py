@@ -17,16 +17,12 @@ import os
 import sys
 import time
 
-import torch
-
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
-from tandem.pipeline import METHODS, LocalPipeline, SpecConfig
-from tandem.sampling import SamplingParams
-from tandem.spec.generator import GenerationRequest
-from tandem.tokenizer import encode_prompt
+from tandem.sampling_params import SamplingParams
+from tandem.spec.options import METHODS, SpecOptions, resolve_method
 
 DEFAULT_TARGET = "qwen-coder-1.5b"
 
@@ -40,7 +36,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="auto", choices=METHODS,
                    help="proposer: none (target only), draft (draft model), ngram (prompt lookup), hybrid "
                         "(n-gram when the text repeats, else the draft model), early-exit (the target's first "
-                        "layers), auto (draft if --draft is given, else ngram)")
+                        "layers; in process only), auto (hybrid if --draft is given, else ngram)")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--fixed-k", action="store_true", help="always draft k tokens instead of adapting k per request")
@@ -96,35 +92,46 @@ def resolve_or_prepare(spec: str, root: os.PathLike[str]) -> os.PathLike[str]:
         raise
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecConfig, EngineConfig, EngineConfig | None]:
+def options_from_args(args: argparse.Namespace) -> tuple[str, SpecOptions]:
+    """The resolved method and the speculation options the flags ask for (validated, nothing loaded)."""
+    method = resolve_method(args.method, args.draft is not None)
+    if args.early_exit_layers is not None and args.early_exit_layers < 1:
+        raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
+    return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecOptions, EngineConfig, EngineConfig | None]:
     """Validate every flag, then resolve the models; nothing heavy is loaded yet."""
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    spec = SpecConfig(args.method, args.k, not args.fixed_k, args.early_exit_layers, args.ngram_min, args.ngram_max)
-    spec.resolved_method(args.draft is not None)
+    method, options = options_from_args(args)
     if args.max_new_tokens <= 0:
         raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device, attention_backend=args.attention)
     draft = None
-    if args.draft is not None and spec.resolved_method(True) in ("draft", "hybrid"):
+    if method in ("draft", "hybrid"):
         draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device, attention_backend=args.attention,
                              **draft_engine_options(args))
-    return sampling, spec, target, draft
+    return sampling, options, target, draft
 
 
 def run(args: argparse.Namespace) -> int:
     if args.addr:
         return run_remote(args)
-    sampling, spec, target_cfg, draft_cfg = configs_from_args(args)
+    from tandem.inprocess import GenerationRequest
+    from tandem.pipeline import LocalPipeline
+    from tandem.tokenizer import encode_prompt
+
+    sampling, options, target_cfg, draft_cfg = configs_from_args(args)
     t0 = time.perf_counter()
-    pipeline = LocalPipeline.load(target_cfg, spec, draft_cfg)
+    pipeline = LocalPipeline.load(target_cfg, options.method, options, draft_cfg, args.early_exit_layers)
     print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
-    request = GenerationRequest(
-        prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids, k_max=spec.k, adaptive_k=spec.adaptive_k
-    )
+    request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids)
     result = pipeline.generator().generate([request])[0]
     text = pipeline.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:

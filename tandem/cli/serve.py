@@ -10,8 +10,6 @@ import argparse
 import asyncio
 import os
 
-import torch
-
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.cli.generate import resolve_or_prepare
@@ -93,6 +91,8 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
 def run_worker(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     if args.threads:
+        import torch  # workers only: the coordinator runs without torch
+
         torch.set_num_threads(args.threads)
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     lean = draft_engine_options(args) if args.role == "draft" else {}

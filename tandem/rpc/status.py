@@ -2,9 +2,11 @@
 
 Servers install ``ErrorMappingInterceptor`` so a servicer simply raises
 ``InvalidRequestError`` and the client sees INVALID_ARGUMENT with the same
-message. Clients call ``domain_error`` to turn an ``AioRpcError`` back into the
-domain error, so the coordinator handles a worker's NOT_FOUND the way it
-would handle an in-process ``UnknownSequenceError``.
+message. The coordinator calls ``worker_failure`` on a worker's status: what
+the worker refused was the coordinator's own call, never the client's, so it
+becomes INTERNAL (or UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED for
+capacity and liveness), with a message that names no internal address. The
+address and the worker's own message go to the coordinator's log.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.WorkerDeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.StaleSequenceError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ModelFileError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.InternalError, grpc.StatusCode.INTERNAL),
 )
 
-ERROR_OF: dict[grpc.StatusCode, type[errors.TandemError]] = {
-    grpc.StatusCode.NOT_FOUND: errors.UnknownSequenceError,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.KVCacheExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: errors.WorkerUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.WorkerDeadlineError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.StaleSequenceError,
+# A worker's status, as the coordinator passes it on: capacity and liveness keep their meaning;
+# everything else was a fault of the coordinator's internal call (or of the worker), not the client's.
+_WORKER_FAILURES: dict[grpc.StatusCode, tuple[type[errors.TandemError], str]] = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (errors.KVCacheExhaustedError, "the {role} workers are out of KV cache; retry later"),
+    grpc.StatusCode.UNAVAILABLE: (errors.WorkerUnavailableError, "a {role} worker is unavailable"),
+    grpc.StatusCode.CANCELLED: (errors.WorkerUnavailableError, "a {role} worker call was cancelled"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (errors.WorkerDeadlineError, "a {role} worker did not answer in time"),
 }
 
 
@@ -47,10 +50,13 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def domain_error(exc: grpc.aio.AioRpcError, peer: str) -> errors.TandemError:
-    """The domain error a worker's status stands for, naming the worker."""
-    kind = ERROR_OF.get(exc.code(), errors.WorkerUnavailableError)
-    return kind(f"{peer}: {exc.details() or exc.code().name}")
+def worker_failure(exc: grpc.aio.AioRpcError, role: str, address: str) -> errors.TandemError:
+    """The error a client of the coordinator sees for a failed worker call (see the module doc)."""
+    code = exc.code()
+    log.warning("%s worker %s: %s: %s", role, address, code.name, exc.details())
+    kind, message = _WORKER_FAILURES.get(
+        code, (errors.InternalError, "a {role} worker refused an internal call (" + code.name + ")"))
+    return kind(message.format(role=role))
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -94,11 +100,9 @@ def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
-        except (errors.TandemError, ValueError) as exc:
-            await _abort(context, exc, method)
-        except Exception as exc:  # noqa: BLE001 - anything else is INTERNAL, with a log line
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
+        except grpc.aio.AbortError:
+            raise  # the servicer chose its status itself
+        except Exception as exc:  # noqa: BLE001 - status_for maps it; anything unexpected is INTERNAL, logged
             await _abort(context, exc, method)
 
     return wrapped
@@ -109,11 +113,9 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
         try:
             async for item in behavior(request, context):
                 yield item
-        except (errors.TandemError, ValueError) as exc:
-            await _abort(context, exc, method)
-        except Exception as exc:  # noqa: BLE001
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see _wrap_unary
             await _abort(context, exc, method)
 
     return wrapped

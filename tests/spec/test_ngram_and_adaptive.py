@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.sampling import SamplingParams
+from tandem.errors import InvalidRequestError
 from tandem.spec.adaptive import AcceptanceTracker, CostModel, choose_k, expected_tokens
-from tandem.spec.ngram import NgramProposer, lookup_continuation
-from tandem.spec.proposal import ProposeRequest
+from tandem.spec.ngram import lookup_continuation, lookup_match
+from tandem.spec.options import SpecOptions
+from tandem.spec.proposers import ngram_proposal
 
 
 def lookup(tokens, k=3, min_n=1, max_n=3):
@@ -30,12 +31,12 @@ def test_no_match_and_short_continuations():
     assert lookup([5]) == []
 
 
-def test_proposer_respects_k_zero_and_validates_sizes():
-    proposer = NgramProposer(1, 2)
-    reqs = [ProposeRequest(0, [1, 2, 1], 0, SamplingParams()), ProposeRequest(1, [1, 2, 1], 2, SamplingParams())]
-    assert [p.tokens for p in proposer.propose(reqs)] == [[], [2, 1]]
-    with pytest.raises(ValueError, match="min_n <= max_n"):
-        NgramProposer(3, 2)
+def test_proposal_respects_k_zero_and_sizes_are_validated():
+    assert lookup_match([1, 2, 1], 0, 1, 2) == ([], 0)
+    proposal, matched = ngram_proposal([1, 2, 1], 2, 1, 2)
+    assert (proposal.tokens, matched, proposal.base_len) == ([2, 1], 1, 3)
+    with pytest.raises(InvalidRequestError, match="min <= max"):
+        SpecOptions("ngram", ngram_min=3, ngram_max=2)
 
 
 def test_expected_tokens_formula():

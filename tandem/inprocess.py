@@ -1,0 +1,169 @@
+"""The speculation loop in one process: the worker engines behind batchers, no gRPC in between.
+
+``SpeculativeGenerator`` runs ``tandem.spec.loop.SpeculationLoop`` (the loop
+the coordinator runs) over the very engines the workers run
+(``target_worker.engine.TargetEngine``, ``draft_worker.engine.DraftEngine``),
+each behind a ``Batcher`` as in a worker process. Both batchers share ONE
+model thread: in process the draft and the target take turns, as they must
+on a machine whose cores one forward pass already fills. Requests given
+together run concurrently, and their calls share batched forward passes.
+
+This module composes the role packages' engines; it is the in-process
+counterpart of ``tandem.cluster``, which composes their processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from draft_worker.engine import DraftEngine, ProposeCall
+from tandem.engine import ModelEngine
+from tandem.errors import InvalidRequestError, check_token_ids
+from tandem.rpc.batcher import Batcher
+from tandem.rpc.calls import ReleaseCall
+from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import CostModel
+from tandem.spec.loop import SpeculationLoop
+from tandem.spec.options import SpecOptions
+from tandem.spec.request import GenerationStats, RequestState, StopConditions
+from tandem.spec.transport import FittedCost
+from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+
+TOKEN_BUDGET = 4096  # most tokens in one batched forward pass, as a worker's default
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    k_max: int | None = None  # None: the generator's SpecOptions.k_max
+    adaptive_k: bool | None = None  # None: the generator's SpecOptions.adaptive_k
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int]  # generated tokens only (a stop token that ended the run included)
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    stats: GenerationStats
+
+
+def _fitted(engine: ModelEngine) -> FittedCost | None:
+    fit = engine.cost_fit
+    return FittedCost(fit.base_s, fit.per_token_s) if fit.ready else None
+
+
+class LocalTarget:
+    """``Verifier`` over a ``TargetEngine`` in this process."""
+
+    def __init__(self, engine: TargetEngine, batcher: Batcher) -> None:
+        self.engine = engine
+        self.batcher = batcher
+
+    @property
+    def streams(self) -> int:
+        return self.engine.num_sequences
+
+    def fitted_cost(self) -> FittedCost | None:
+        return _fitted(self.engine.engine)
+
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
+        return await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling))
+
+    async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
+                     draft_probs: Sequence[Any]) -> tuple[int, int]:
+        verdict = await self.batcher.submit(VerifyCall(seq_id, committed_len, draft_tokens, list(draft_probs)))
+        return verdict.num_accepted, verdict.next_token
+
+    async def release(self, seq_id: str) -> None:
+        await self.batcher.submit(ReleaseCall(seq_id))
+        self.batcher.forget(seq_id)
+
+
+class LocalDraft:
+    """``DraftChannel`` over a ``DraftEngine`` in this process."""
+
+    def __init__(self, engine: DraftEngine, batcher: Batcher) -> None:
+        self.engine = engine
+        self.batcher = batcher
+
+    def fitted_cost(self) -> FittedCost | None:
+        return _fitted(self.engine.engine)
+
+    async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
+                      sampling: SamplingParams) -> tuple[list[int], Sequence[Any]]:
+        reply = await self.batcher.submit(ProposeCall(seq_id, committed_len, new_tokens, k, sampling))
+        return reply.tokens, reply.probs
+
+    async def release(self, seq_id: str) -> None:
+        await self.batcher.submit(ReleaseCall(seq_id))
+        self.batcher.forget(seq_id)
+
+
+class SpeculativeGenerator:
+    """Runs requests to completion with a target engine and, for draft methods, a draft engine."""
+
+    def __init__(self, target: ModelEngine, draft: ModelEngine | None = None,
+                 options: SpecOptions | None = None, costs: CostModel | None = None) -> None:
+        self.options = options or SpecOptions("none", k_max=0)
+        if self.options.uses_draft and draft is None:
+            raise InvalidRequestError(f"method {self.options.method!r} needs a draft model")
+        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+            raise InvalidRequestError(
+                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({target.config.vocab_size})")
+        self.target = TargetEngine(target)
+        self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
+        self.costs = costs or CostModel()
+        self.max_len = target.config.max_position_embeddings
+        self._ids = itertools.count()
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        for r in requests:
+            if len(r.prompt_ids) + r.max_new_tokens > self.max_len:
+                raise InvalidRequestError(
+                    f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) "
+                    f"exceeds the model's context of {self.max_len}")
+            check_token_ids("prompt", r.prompt_ids, self.target.vocab_size)
+        states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids))
+                  for r in requests]
+        asyncio.run(self._run(requests, states))
+        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in states]
+
+    async def _run(self, requests: list[GenerationRequest], states: list[RequestState]) -> None:
+        target_batcher = Batcher(self.target.run_batch, self.target.call_cost, TOKEN_BUDGET,
+                                 executor=self._model_thread)
+        target = LocalTarget(self.target, target_batcher)
+        draft = None
+        batchers = [target_batcher]
+        if self.draft is not None:
+            draft_batcher = Batcher(self.draft.run_batch, self.draft.call_cost, TOKEN_BUDGET,
+                                    executor=self._model_thread)
+            draft = LocalDraft(self.draft, draft_batcher)
+            batchers.append(draft_batcher)
+        for b in batchers:
+            b.start()
+        try:
+            loops = [
+                SpeculationLoop(state, f"seq-{next(self._ids)}", self._options_for(r), target, draft, self.costs,
+                                self.max_len)
+                for r, state in zip(requests, states)
+            ]
+            await asyncio.gather(*(loop.run_to_end() for loop in loops))
+        finally:
+            for b in batchers:
+                await b.stop()
+
+    def _options_for(self, r: GenerationRequest) -> SpecOptions:
+        opts = self.options
+        k_max = opts.k_max if r.k_max is None else r.k_max
+        adaptive = opts.adaptive_k if r.adaptive_k is None else r.adaptive_k
+        if (k_max, adaptive) == (opts.k_max, opts.adaptive_k):
+            return opts
+        return SpecOptions(opts.method, k_max, adaptive, opts.pipelined, opts.ngram_min, opts.ngram_max,
+                           opts.hybrid_min_match)

@@ -1,0 +1,251 @@
+"""The speculation loop of one request, written once for every transport.
+
+Each round: choose k (adaptive), take a proposal (n-gram lookup, the draft
+model, or the hybrid of both), send it to the verifier, commit the accepted
+tokens plus the target's own, and stop at a stop token, a stop string or the
+length limit. ``tandem generate`` runs it over in-process engines, the
+coordinator over gRPC workers (``tandem.spec.transport``).
+
+Pipelining: the draft is asked for one token more than is verified (its
+guess of the target's extra token), and while round r is being verified the
+draft already drafts round r+1 as if every draft is accepted and the guess is
+right. When verification agrees, the next proposal is ready at once; when
+not, it is dropped and the draft is brought back to the committed history on
+its next call (its KV rolls back to the common prefix by itself). The first
+proposal is drafted during the target's prefill the same way, the draft
+guessing the first token.
+
+Invariant: the target's KV holds every committed token but the last, which
+the next verification feeds; k = 0 is plain decoding through the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+
+from tandem.spec.adaptive import MAX_K, CostModel, LoadAwareCost, choose_k, expected_tokens
+from tandem.spec.options import SpecOptions
+from tandem.spec.proposers import DRAFT, NGRAM, DraftProposer, Proposal, ngram_proposal
+from tandem.spec.request import RequestState
+from tandem.spec.transport import DraftChannel, Verifier
+
+T = TypeVar("T")
+
+RELEASE_WAIT_S = 60.0  # longest wait for calls still in flight before a sequence is released
+
+
+class RoundObserver(Protocol):
+    """Where a loop reports what it does (the coordinator's Prometheus metrics)."""
+
+    def on_round(self, k: int, drafted: int, accepted: int, source: str) -> None: ...
+    def on_verify(self, seconds: float) -> None: ...
+    def on_draft(self, seconds: float) -> None: ...
+
+
+class SpeculationLoop:
+    """Drives one request against one verifier and, when its method drafts, one draft channel."""
+
+    def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
+                 draft: DraftChannel | None, costs: CostModel, max_context: int,
+                 observer: RoundObserver | None = None) -> None:
+        if options.uses_draft and draft is None:
+            raise ValueError(f"method {options.method!r} needs a draft channel")
+        self.state = state
+        self.seq_id = seq_id
+        self.options = options
+        self.verifier = verifier
+        self.draft = DraftProposer(draft, seq_id, state.sampling) if options.uses_draft and draft else None
+        self.costs = costs
+        self.max_context = max_context
+        self.observer = observer
+        self._in_flight: set[asyncio.Task] = set()
+
+    # ----- the loop ------------------------------------------------------
+    async def run(self) -> AsyncIterator[None]:
+        """Yields after the prefill and after every round; the caller streams what was committed."""
+        try:
+            proposal = await self._prefill()
+            yield
+            while not self.state.finish_reason:
+                proposal = await self._round(proposal)
+                yield
+        finally:
+            await self._release()
+
+    async def run_to_end(self) -> RequestState:
+        async for _ in self.run():
+            pass
+        return self.state
+
+    async def _prefill(self) -> Proposal | None:
+        s = self.state
+        k = self._choose_k(after_tokens=1)
+        early: asyncio.Task | None = None
+        if self.draft is not None and k > 0 and self.options.pipelined:
+            # Draft while the target prefills: its first token is a guess of the target's first token.
+            early = self._spawn(self.draft.propose(s.prompt_ids, k + 2))
+        first = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling)
+        s.commit([first])
+        if early is None:
+            return None
+        tokens, probs = await self._timed_draft(early)
+        if len(tokens) > 1 and tokens[0] == first and not s.finish_reason:
+            return Proposal(len(s.history), tokens[1:-1], list(probs)[1:-1], tokens[-1], DRAFT)
+        return None
+
+    async def _round(self, ready: Proposal | None) -> Proposal | None:
+        s, stats = self.state, self.state.stats
+        started = time.perf_counter()
+        k = self._choose_k(after_tokens=0)
+        committed = len(s.history)
+        proposal = await self._proposal(k, ready)
+        drafts, probs = proposal.tokens[:k], list(proposal.probs)[:k]
+        verifying = self._spawn(self.verifier.verify(self.seq_id, committed, drafts, probs))
+        ahead: asyncio.Task | None = None
+        if (self.draft is not None and self.options.pipelined and proposal.source == DRAFT and drafts
+                and proposal.guess is not None and len(drafts) == len(proposal.tokens)):
+            # Draft round r+1 now, betting that all of round r is accepted and the guess is right.
+            ahead = self._spawn(self.draft.propose([*s.history, *drafts, proposal.guess], k + 1))
+        t0 = time.perf_counter()
+        accepted, next_token = await verifying
+        waited = time.perf_counter() - t0
+        stats.verify_wait_s += waited
+        self.costs.observe_verify(len(drafts) + 1, waited)
+        if self.observer:
+            self.observer.on_verify(waited)
+        s.commit([*drafts[:accepted], next_token])
+        self._record(k, len(drafts), accepted, proposal.source)
+
+        next_proposal = None
+        if ahead is not None:
+            tokens, ahead_probs = await self._timed_draft(ahead)
+            if accepted == len(drafts) and next_token == proposal.guess and tokens and not s.finish_reason:
+                next_proposal = Proposal(len(s.history), tokens[:-1], list(ahead_probs)[:-1], tokens[-1], DRAFT)
+        stats.round_wall_s += time.perf_counter() - started
+        return next_proposal
+
+    # ----- proposals -------------------------------------------------------
+    async def _proposal(self, k: int, ready: Proposal | None) -> Proposal:
+        """This round's proposal: an n-gram match where the method takes one, else the draft's."""
+        s, opts = self.state, self.options
+        committed = len(s.history)
+        if k == 0:
+            return Proposal(committed, [])
+        if opts.uses_ngram:
+            min_n = opts.ngram_min if opts.method == "ngram" else opts.hybrid_min_match
+            proposal, matched = ngram_proposal(s.history, k, min_n, max(min_n, opts.ngram_max))
+            if self.draft is None or (matched >= opts.hybrid_min_match and proposal.tokens):
+                return proposal
+        if ready is not None and ready.base_len == committed:
+            return ready
+        assert self.draft is not None
+        extra = 1 if opts.pipelined else 0  # the guess of the target's extra token
+        t0 = time.perf_counter()
+        tokens, probs = await self._timed_draft(self.draft.propose(s.history, k + extra))
+        self.costs.observe_draft((time.perf_counter() - t0) / (k + extra))
+        probs = list(probs)
+        if extra and len(tokens) == k + 1:
+            return Proposal(committed, tokens[:-1], probs[:-1], tokens[-1], DRAFT)
+        return Proposal(committed, tokens, probs, source=DRAFT)
+
+    async def _timed_draft(self, call: Awaitable[T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return await call
+        finally:
+            waited = time.perf_counter() - t0
+            self.state.stats.draft_wait_s += waited
+            if self.observer:
+                self.observer.on_draft(waited)
+
+    # ----- adaptive k ------------------------------------------------------
+    def _choose_k(self, after_tokens: int) -> int:
+        s, opts = self.state, self.options
+        room = min(s.remaining - after_tokens, self.max_context - len(s.history) - after_tokens) - 1
+        if not (opts.uses_draft or opts.uses_ngram) or room <= 0:
+            return 0
+        if not opts.adaptive_k:
+            return min(opts.k_max, room)
+        costs = self._round_costs()
+        k = choose_k(s.tracker.rate, costs, opts.k_max)
+        if k > 0 and not self._catch_up_pays(k, costs):
+            return 0
+        return min(k, room)
+
+    def _round_costs(self) -> LoadAwareCost:
+        """What a round costs at the current load, from the workers' fitted forward costs.
+
+        (Timing whole propose calls would count the draft's prefill of a long prompt as
+        drafting cost and talk adaptive k out of speculating for good.)
+        """
+        costs = LoadAwareCost(self.costs, streams=self.verifier.streams)
+        fit = self.verifier.fitted_cost()
+        if fit is not None:
+            costs.target_base_s, costs.target_per_token_s = fit.base_s, fit.per_token_s
+        if self.draft is None:
+            costs.draft_base_s = 1e-9  # a lookup, not a model: drafting is free
+        elif (fit := self.draft.channel.fitted_cost()) is not None:
+            # hybrid plans with the draft model's cost: the expensive case
+            costs.draft_base_s, costs.draft_per_token_s = fit.base_s, fit.per_token_s
+        return costs
+
+    def _catch_up_pays(self, k: int, costs: LoadAwareCost) -> bool:
+        """Whether drafting now repays feeding the draft what it has not seen of this sequence.
+
+        A draft that has been left out (a new prompt, or rounds at k = 0) must first read the
+        missing tokens: one long draft forward. Under load that forward holds up every stream
+        sharing the machine, so it is charged once per stream; it pays only if the time the
+        remaining tokens save at this k exceeds it. Without this, streams that load had pushed
+        to k = 0 restart drafting near their end, when the catch-up cannot pay back.
+
+        A lone stream always may: its catch-up delays nobody else, and the estimate (the
+        draft's per-token cost, fitted on decode-sized batches where int8 works row by row)
+        overstates a catch-up, which runs through the dense weights; applied alone, it kept
+        single streams at k = 0 after a bad patch (measured: mean k 1.3 instead of 2.8).
+        """
+        if self.draft is None or costs.streams <= 1:
+            return True
+        behind = self.draft.lag(self.state.history)
+        if behind <= MAX_K + 1:
+            return True  # a draft that took part in the last round: what it lacks rides on the next Propose
+        per_token_s = costs.draft_per_token_s or costs.fallback.draft_step_s
+        catch_up_s = behind * per_token_s * max(1, costs.streams)
+        plain_s_per_token = costs.round_seconds(0)
+        spec_s_per_token = costs.round_seconds(k) / expected_tokens(self.state.tracker.rate, k)
+        return self.state.remaining * (plain_s_per_token - spec_s_per_token) > catch_up_s
+
+    # ----- bookkeeping -----------------------------------------------------
+    def _record(self, k: int, drafted: int, accepted: int, source: str) -> None:
+        stats = self.state.stats
+        stats.rounds += 1
+        stats.k_counts[k] += 1
+        if drafted:
+            stats.spec_rounds += 1
+            stats.drafted += drafted
+            stats.accepted += accepted
+            stats.rejected += accepted < drafted
+            stats.ngram_rounds += source == NGRAM
+            self.state.tracker.observe(drafted, accepted)
+        if self.observer:
+            self.observer.on_round(k, drafted, accepted, source)
+
+    def _spawn(self, call: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(call)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        return task
+
+    async def _release(self) -> None:
+        """Free the KV on both sides, after any call still in flight (it could re-create the sequence)."""
+        pending = list(self._in_flight)
+        if pending:
+            done, _ = await asyncio.wait(pending, timeout=RELEASE_WAIT_S)
+            for task in done:  # retrieved, so that an abandoned call's error is not reported as lost
+                if not task.cancelled():
+                    task.exception()
+        releases = [self.verifier.release(self.seq_id)]
+        if self.draft is not None:
+            releases.append(self.draft.release())
+        await asyncio.shield(asyncio.gather(*releases, return_exceptions=True))

@@ -1,0 +1,67 @@
+"""Which proposer a request uses and how hard it speculates: the one place methods are named and resolved.
+
+Methods:
+- ``none``: target only (plain decoding through the same loop, k = 0);
+- ``ngram``: prompt lookup over the request's own text (no draft model needed);
+- ``draft``: the draft model;
+- ``hybrid``: n-gram lookup when the text repeats a run of ``hybrid_min_match``+
+  tokens, the draft model otherwise;
+- ``early-exit``: the target's own first layers as the draft. In process
+  only: it shares the target's weights, so over gRPC it would be a second
+  model inside the target worker rather than a draft fleet of its own;
+- ``auto``: ``hybrid`` when a draft model is configured (spec_bench: 1.91x
+  target-only against 1.73x for ``draft``), else ``ngram``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.errors import InvalidRequestError
+from tandem.spec.adaptive import MAX_K
+
+METHODS = ("auto", "none", "draft", "ngram", "hybrid", "early-exit")
+REMOTE_METHODS = ("auto", "none", "draft", "ngram", "hybrid")  # offered over gRPC
+DRAFT_METHODS = ("draft", "hybrid", "early-exit")  # need a draft model (early-exit: the target's layers)
+
+
+def resolve_method(method: str, has_draft: bool, offered: tuple[str, ...] = METHODS) -> str:
+    """``auto`` -> a concrete method; refuse unknown methods and methods that need a missing draft."""
+    if method not in offered:
+        raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(offered)}")
+    if method == "auto":
+        return "hybrid" if has_draft else "ngram"
+    if method in ("draft", "hybrid") and not has_draft:
+        raise InvalidRequestError(f"method {method!r} needs a draft model, and none is configured")
+    return method
+
+
+@dataclass(slots=True, frozen=True)
+class SpecOptions:
+    """How one request speculates (``method`` already resolved)."""
+
+    method: str = "ngram"
+    k_max: int = 4  # most draft tokens per round; 0 disables speculation
+    adaptive_k: bool = True  # False: always draft k_max (within the room left)
+    pipelined: bool = False  # draft round r+1 while round r is verified
+    ngram_min: int = 1
+    ngram_max: int = 4
+    hybrid_min_match: int = 3  # hybrid: an n-gram match this long wins over the draft model
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS or self.method == "auto":
+            raise InvalidRequestError(f"speculation method must be resolved, got {self.method!r}")
+        if not 0 <= self.k_max <= MAX_K:
+            raise InvalidRequestError(f"k (draft tokens per round) must be in 0..{MAX_K}, got {self.k_max}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        if not 1 <= self.hybrid_min_match:
+            raise InvalidRequestError(f"hybrid min match must be >= 1, got {self.hybrid_min_match}")
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.method in DRAFT_METHODS and self.k_max > 0
+
+    @property
+    def uses_ngram(self) -> bool:
+        return self.method in ("ngram", "hybrid") and self.k_max > 0

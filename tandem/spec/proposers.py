@@ -1,0 +1,77 @@
+"""Where a round's draft tokens come from: n-gram lookup in the coordinator, or a draft model over a channel.
+
+``DraftProposer`` is the only place that remembers what the draft side holds
+for a sequence (the tokens already sent to it), so each Propose sends just
+``committed_len`` and the tokens the draft has not seen. The draft side keeps
+its own KV for those tokens and rolls it back to ``committed_len`` by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tandem.sampling_params import SamplingParams
+from tandem.spec.ngram import lookup_match
+from tandem.spec.transport import DraftChannel
+
+NGRAM = "ngram"
+DRAFT = "draft"
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Draft tokens valid for a history of ``base_len`` tokens."""
+
+    base_len: int  # the history length these drafts continue
+    tokens: list[int]
+    probs: Sequence[Any] = ()  # one q per token, as the draft sampled from it; empty: deterministic
+    guess: int | None = None  # the draft's guess of the token after all drafts (pipelining)
+    source: str = NGRAM
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def ngram_proposal(history: list[int], k: int, min_n: int, max_n: int) -> tuple[Proposal, int]:
+    """The continuation of the longest earlier match of the history's suffix, and the match length."""
+    tokens, matched = lookup_match(history, k, min_n, max_n)
+    return Proposal(len(history), tokens, source=NGRAM), matched
+
+
+class DraftProposer:
+    """One request's view of its draft replica."""
+
+    def __init__(self, channel: DraftChannel, seq_id: str, sampling: SamplingParams) -> None:
+        self.channel = channel
+        self.seq_id = seq_id
+        self.sampling = sampling
+        self.sent: list[int] = []  # what the draft holds as this sequence's history
+        self.opened = False  # whether the draft may hold this sequence (then it must be released)
+
+    def lag(self, history: list[int]) -> int:
+        """Committed tokens the draft has not seen (it must read them before it can draft)."""
+        return len(history) - common_prefix_len(self.sent, history)
+
+    async def propose(self, tokens: list[int], k: int) -> tuple[list[int], Sequence[Any]]:
+        """Draft ``k`` tokens after ``tokens``, sending only what the draft does not hold yet."""
+        keep = common_prefix_len(self.sent, tokens)
+        new_tokens = list(tokens[keep:])
+        # Record what the draft will hold before awaiting: a later call is computed against it.
+        self.sent = list(tokens)
+        self.opened = True
+        try:
+            return await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling)
+        except BaseException:
+            self.sent = []  # unknown state on the draft side: the next call resends everything
+            raise
+
+    async def release(self) -> None:
+        if self.opened:
+            self.sent, self.opened = [], False
+            await self.channel.release(self.seq_id)

@@ -1,0 +1,152 @@
+"""One request's state in the speculation loop: its token history, stop conditions and statistics.
+
+The history (prompt + every committed token) is the one authoritative copy:
+it is what lets any worker's state be rebuilt elsewhere. Tokens are committed
+one by one so that stop token ids, stop strings and max_new_tokens all cut
+exactly where they occur, even in the middle of a run of accepted drafts.
+
+Plain data, no torch: the coordinator and the in-process generator share it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.errors import InvalidRequestError
+from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import AcceptanceTracker
+
+
+@dataclass(slots=True, frozen=True)
+class StopConditions:
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise InvalidRequestError("stop strings must not be empty")
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """What one request's rounds did; ``as_dict`` is what the CLI and the benchmarks print."""
+
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # of which the target kept
+    rejected: int = 0  # speculative rounds that ended at a rejected draft token (at most one per round)
+    rounds: int = 0  # target forwards after the prefill
+    spec_rounds: int = 0  # rounds that verified at least one draft token
+    ngram_rounds: int = 0  # of which proposed by n-gram lookup (the rest: the draft model)
+    k_counts: Counter[int] = field(default_factory=Counter)  # rounds per chosen k (bounded by MAX_K + 1 keys)
+    generated: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Seconds the loop waited on its workers, and the wall time of its rounds: their difference is
+    # the loop's own overhead.
+    draft_wait_s: float = 0.0
+    verify_wait_s: float = 0.0
+    round_wall_s: float = 0.0
+
+    @property
+    def elapsed_s(self) -> float:
+        """From the start (prefill included) to the last token."""
+        return (self.last_token_at or self.started_at) - self.started_at
+
+    @property
+    def first_token_s(self) -> float:
+        return (self.first_token_at or self.started_at) - self.started_at
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Draft tokens accepted per speculative round."""
+        return self.accepted / self.spec_rounds if self.spec_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted: the share of draft tokens that made it into the output."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return sum(k * n for k, n in self.k_counts.items()) / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "generated": self.generated,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "elapsed_s": round(self.elapsed_s, 4),
+            "first_token_s": round(self.first_token_s, 4),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rounds": self.rounds,
+            "ngram_rounds": self.ngram_rounds,
+            "mean_k": round(self.mean_k, 3),
+            "mean_accepted_len": round(self.mean_accepted_len, 3),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+        }
+
+
+class RequestState:
+    """A request in flight: history, stop conditions, optional text, acceptance and statistics.
+
+    ``text`` (a ``tandem.text_stream.TextStream``) is given when the request has
+    stop strings or streams text; the in-process generator works on ids alone.
+    """
+
+    def __init__(self, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
+                 text: Any | None = None) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if stop.stop_strings and text is None:
+            raise ValueError("stop strings need a TextStream to match against")
+        self.prompt_ids = list(prompt_ids)
+        self.history = list(prompt_ids)
+        self.sampling = sampling
+        self.stop = stop
+        self.text = text
+        self.tracker = AcceptanceTracker()
+        self.stats = GenerationStats()
+        self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
+
+    @property
+    def generated(self) -> list[int]:
+        return self.history[len(self.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.history) - len(self.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.stop.max_new_tokens - self.num_generated
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""
+        now = time.perf_counter()
+        for token in tokens:
+            if self.finish_reason:
+                return
+            self.history.append(token)
+            if self.stats.first_token_at is None:
+                self.stats.first_token_at = now
+            self.stats.last_token_at = now
+            if token in self.stop.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.text is not None and self.text.push(token):
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+        self.stats.generated = self.num_generated
+        if self.finish_reason and self.text is not None and not self.text.stopped:
+            self.text.finish()

@@ -1,0 +1,56 @@
+"""The two small interfaces the speculation loop runs against: a verifier and a draft channel.
+
+Each has two implementations: in-process engines behind a batcher
+(``tandem.inprocess``) and gRPC worker clients (``coordinator.workers``). The
+loop never knows which it talks to. Draft distributions (``probs``) are
+opaque here: the draft produces them in the wire format, the verifier
+consumes that very object, and nothing between the two decodes or re-encodes
+it (the acceptance test must see exactly the q the draft sampled from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class FittedCost:
+    """Seconds of one forward pass ~ ``base_s + per_token_s * tokens``, as the worker measured it."""
+
+    base_s: float
+    per_token_s: float
+
+
+class Verifier(Protocol):
+    """The target side: prefill a prompt, verify drafts, forget a sequence."""
+
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
+        """Ingest the prompt; the target's first token."""
+
+    async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
+                     draft_probs: Sequence[Any]) -> tuple[int, int]:
+        """Keep ``committed_len`` tokens, score the last one plus the drafts: (accepted, next token)."""
+
+    async def release(self, seq_id: str) -> None:
+        """Best effort: free the sequence's KV."""
+
+    def fitted_cost(self) -> FittedCost | None: ...
+
+    @property
+    def streams(self) -> int:
+        """Sequences sharing this target now (adaptive k plans for the load)."""
+
+
+class DraftChannel(Protocol):
+    """The draft side: Propose(seq, committed_len, new_tokens, k) as the draft worker defines it."""
+
+    async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
+                      sampling: SamplingParams) -> tuple[list[int], Sequence[Any]]:
+        """Keep ``committed_len`` tokens, append ``new_tokens``, draft k: (tokens, q per token or empty)."""
+
+    async def release(self, seq_id: str) -> None: ...
+
+    def fitted_cost(self) -> FittedCost | None: ...

@@ -1,0 +1,201 @@
+"""The one speculation loop against fake transports: exact output, stop conditions, pipelining, releases.
+
+The fake target is a deterministic function of the history and keeps its own
+history per sequence exactly as a target worker does (it checks every
+``committed_len`` it is sent); the fake draft agrees with it most of the time
+and holds its history as a draft worker does (keep ``committed_len`` tokens,
+append the new ones). So the loop's bookkeeping is checked by both sides on
+every call, and greedy output must equal the target's own sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import CostModel
+from tandem.spec.loop import SpeculationLoop
+from tandem.spec.options import SpecOptions
+from tandem.spec.request import RequestState, StopConditions
+from tandem.spec.transport import FittedCost
+
+VOCAB = 50
+
+
+def target_next(history: list[int]) -> int:
+    """The target's greedy choice: a fixed, history-dependent token that repeats itself now and then."""
+    if len(history) % 7 == 0:
+        return history[-3] if len(history) >= 3 else 1
+    return (sum(history[-4:]) * 31 + len(history)) % VOCAB
+
+
+def draft_next(history: list[int]) -> int:
+    """Agrees with the target except at every fourth position."""
+    good = target_next(history)
+    return good if len(history) % 4 else (good + 1) % VOCAB
+
+
+def target_only(prompt: list[int], n: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    history = list(prompt)
+    out: list[int] = []
+    while len(out) < n:
+        token = target_next(history)
+        history.append(token)
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+class FakeTarget:
+    def __init__(self) -> None:
+        self.histories: dict[str, list[int]] = {}
+        self.released: list[str] = []
+        self.verified_tokens = 0
+
+    streams = 1
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.1, 0.001)
+
+    async def prefill(self, seq_id, token_ids, sampling):
+        await asyncio.sleep(0)
+        token = target_next(list(token_ids))
+        self.histories[seq_id] = [*token_ids, token]
+        return token
+
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs):
+        await asyncio.sleep(0)
+        history = self.histories[seq_id]
+        assert committed_len == len(history), "the loop must verify against the whole committed history"
+        assert not draft_probs  # greedy: deterministic drafts
+        self.verified_tokens += len(draft_tokens)
+        accepted = 0
+        for token in draft_tokens:
+            if token != target_next(history):
+                break
+            history.append(token)
+            accepted += 1
+        nxt = target_next(history)
+        history.append(nxt)
+        return accepted, nxt
+
+    async def release(self, seq_id):
+        self.released.append(seq_id)
+        self.histories.pop(seq_id, None)
+
+
+class FakeDraft:
+    def __init__(self) -> None:
+        self.histories: dict[str, list[int]] = {}
+        self.calls = 0
+        self.released: list[str] = []
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.01, 0.001)
+
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling):
+        await asyncio.sleep(0)
+        self.calls += 1
+        held = self.histories.setdefault(seq_id, [])
+        assert committed_len <= len(held), "committed_len beyond what the draft holds"
+        history = held[:committed_len] + list(new_tokens)
+        self.histories[seq_id] = history
+        drafted: list[int] = []
+        for _ in range(k):
+            drafted.append(draft_next(history + drafted))
+        return drafted, []
+
+    async def release(self, seq_id):
+        self.released.append(seq_id)
+
+
+def run(options: SpecOptions, prompt=(3, 1, 4, 1, 5), n=40, stop_ids=frozenset(), with_draft=True):
+    target, draft = FakeTarget(), FakeDraft()
+    state = RequestState(list(prompt), SamplingParams(), StopConditions(n, frozenset(stop_ids)))
+    loop = SpeculationLoop(state, "s", options, target, draft if with_draft else None, CostModel(), 10_000)
+    asyncio.run(loop.run_to_end())
+    return state, target, draft
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "hybrid"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_greedy_output_equals_target_alone(method, pipelined):
+    k = 0 if method == "none" else 4
+    state, target, draft = run(SpecOptions(method, k, adaptive_k=False, pipelined=pipelined))
+    assert state.generated == target_only([3, 1, 4, 1, 5], 40)
+    assert state.finish_reason == "length"
+    assert target.released == ["s"]
+    if method in ("draft", "hybrid"):
+        assert state.stats.drafted > 0 and 0 < state.stats.accepted < state.stats.drafted  # rejections happened
+        assert draft.released == ["s"]
+    if method == "none":
+        assert state.stats.drafted == 0 and state.stats.rounds == 39 and draft.calls == 0
+    if method == "ngram":
+        assert draft.calls == 0 and state.stats.ngram_rounds == state.stats.spec_rounds > 0
+
+
+def test_hybrid_takes_long_ngram_matches_and_the_draft_otherwise(monkeypatch):
+    # A target that writes freely for 30 tokens, then repeats itself with period 10: n-gram lookup
+    # wins once the text repeats, the draft model drafts before.
+    free = target_next
+    monkeypatch.setattr(sys.modules[__name__], "target_next", lambda h: free(h) if len(h) < 30 else h[-10])
+    state, _, draft = run(SpecOptions("hybrid", 4, adaptive_k=False, hybrid_min_match=3), n=80)
+    assert state.generated == target_only([3, 1, 4, 1, 5], 80)
+    assert 0 < state.stats.ngram_rounds < state.stats.spec_rounds
+    assert draft.calls > 0
+
+
+def test_pipelining_reuses_drafts_made_during_verification():
+    unpipelined, _, d1 = run(SpecOptions("draft", 3, adaptive_k=False, pipelined=False))
+    pipelined, _, d2 = run(SpecOptions("draft", 3, adaptive_k=False, pipelined=True))
+    assert pipelined.generated == unpipelined.generated
+    # every round of the unpipelined run waits for one Propose; the pipelined run also drafts ahead
+    assert d1.calls == unpipelined.stats.spec_rounds
+
+
+def test_stop_token_inside_an_accepted_run_cuts_there():
+    expected = target_only([3, 1, 4, 1, 5], 40)
+    stop = expected[9]
+    cut = expected.index(stop) + 1
+    state, _, _ = run(SpecOptions("draft", 4, adaptive_k=False), stop_ids=frozenset({stop}))
+    assert state.generated == expected[:cut] and state.finish_reason == "stop"
+
+
+def test_length_limit_inside_a_run_and_k_never_exceeds_the_room():
+    state, target, _ = run(SpecOptions("draft", 8, adaptive_k=False), n=5)
+    assert state.generated == target_only([3, 1, 4, 1, 5], 5)
+    # 1 token from the prefill, 4 left: a round never drafts more than the room minus the target's own token
+    assert target.verified_tokens <= 3 * state.stats.rounds
+
+
+def test_adaptive_k_drafts_when_cheap_and_stops_when_drafts_are_always_wrong(monkeypatch):
+    state, _, _ = run(SpecOptions("draft", 6))
+    assert state.stats.drafted > 0 and state.generated == target_only([3, 1, 4, 1, 5], 40)
+    monkeypatch.setattr(sys.modules[__name__], "draft_next", lambda h: (target_next(h) + 1) % VOCAB)
+    bad, _, _ = run(SpecOptions("draft", 6), n=80)
+    assert bad.generated == target_only([3, 1, 4, 1, 5], 80)
+    assert bad.stats.k_counts[0] > bad.stats.rounds // 2  # it learned to stop drafting
+
+
+def test_a_failing_verifier_still_releases_both_sides():
+    class Broken(FakeTarget):
+        async def verify(self, *a):
+            raise RuntimeError("worker died")
+
+    target, draft = Broken(), FakeDraft()
+    state = RequestState([1, 2, 3], SamplingParams(), StopConditions(10))
+    loop = SpeculationLoop(state, "s", SpecOptions("draft", 2, adaptive_k=False, pipelined=True), target, draft,
+                           CostModel(), 1000)
+    with pytest.raises(RuntimeError, match="worker died"):
+        asyncio.run(loop.run_to_end())
+    assert target.released == ["s"] and draft.released == ["s"]
+
+
+def test_a_draft_method_needs_a_channel():
+    state = RequestState([1], SamplingParams(), StopConditions(3))
+    with pytest.raises(ValueError, match="needs a draft channel"):
+        SpeculationLoop(state, "s", SpecOptions("draft", 2), FakeTarget(), None, CostModel(), 100)
