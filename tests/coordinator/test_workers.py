@@ -1,0 +1,91 @@
+"""Routing between replicas, the client's deadline on worker calls, and what a worker's failure becomes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc.aio import Metadata
+
+from coordinator.workers import RequestChannel, WorkerClient, WorkerPool
+from tandem import errors
+from tandem.rpc.status import status_for, worker_failure
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import common_pb2, target_pb2
+
+
+def client(address: str, free: int, queue: int = 0, healthy: bool = True, active: int = 0) -> WorkerClient:
+    c = WorkerClient.__new__(WorkerClient)  # no channel: routing reads only the last Info
+    c.address, c.role, c.call_timeout_s = address, "target", 60.0
+    c.info = common_pb2.WorkerInfo(total_blocks=100, free_blocks=free, queue_depth=queue, active_sequences=active)
+    c.healthy, c.placed_since_poll, c.active = healthy, 0, 0
+    return c
+
+
+def test_pick_prefers_free_kv_then_a_short_queue_and_skips_unhealthy_replicas():
+    pool = WorkerPool("target", [client("a", 50), client("b", 90, healthy=False), client("c", 70, queue=3),
+                                 client("d", 70, queue=1)])
+    assert pool.pick().address == "d"
+
+
+def test_a_burst_spreads_over_replicas_before_the_next_poll():
+    pool = WorkerPool("target", [client("a", 100), client("b", 95)])
+    picks = [pool.pick().address for _ in range(4)]
+    assert set(picks) == {"a", "b"}
+
+
+def test_with_every_replica_unhealthy_the_pool_still_tries_one_and_with_none_it_says_so():
+    assert WorkerPool("target", [client("a", 1, healthy=False)]).pick().address == "a"
+    with pytest.raises(errors.WorkerUnavailableError, match="no target workers"):
+        WorkerPool("target", []).pick()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, Metadata(), Metadata(), details=details)
+
+
+@pytest.mark.parametrize("code,kind,status", [
+    (grpc.StatusCode.INVALID_ARGUMENT, errors.InternalError, grpc.StatusCode.INTERNAL),
+    (grpc.StatusCode.NOT_FOUND, errors.InternalError, grpc.StatusCode.INTERNAL),
+    (grpc.StatusCode.FAILED_PRECONDITION, errors.InternalError, grpc.StatusCode.INTERNAL),
+    (grpc.StatusCode.INTERNAL, errors.InternalError, grpc.StatusCode.INTERNAL),
+    (grpc.StatusCode.UNAVAILABLE, errors.WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, errors.WorkerDeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.KVCacheExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+])
+def test_a_worker_failure_is_never_the_clients_fault_and_names_no_address(code, kind, status):
+    exc = worker_failure(rpc_error(code, "sequence 'r-1' unknown on 10.0.0.7:50052"), "target", "10.0.0.7:50052")
+    assert isinstance(exc, kind) and status_for(exc) == status
+    assert "10.0.0.7" not in str(exc) and "r-1" not in str(exc)
+
+
+class RecordingClient:
+    call_timeout_s = 60.0
+    streams = 1
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    async def call(self, method, request, timeout):
+        self.timeouts.append(timeout)
+        return target_pb2.PrefillResponse(next_token=7) if method == "Prefill" else common_pb2.ReleaseResponse()
+
+    def fitted_cost(self):
+        return None
+
+
+def test_worker_calls_carry_the_clients_remaining_time():
+    async def scenario():
+        recorder = RecordingClient()
+        now = asyncio.get_running_loop().time()
+        await RequestChannel(recorder, now + 2.0).release("s")  # a release keeps its own short timeout
+        assert await RequestChannel(recorder, now + 2.0).prefill("s", [1], SamplingParams()) == 7
+        await RequestChannel(recorder, None).release("s")
+        late = RequestChannel(recorder, now - 1.0)
+        with pytest.raises(errors.WorkerDeadlineError):
+            await late.prefill("s", [1], SamplingParams())
+        return recorder.timeouts
+
+    release_timeout, prefill_timeout, _ = asyncio.run(scenario())
+    assert prefill_timeout <= 2.0 and release_timeout == 5.0
