@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.sampling import SamplingParams
-from tandem.spec.generator import GenerationRequest, SpeculativeGenerator
+from tandem.inprocess import GenerationRequest, SpeculativeGenerator
 
 # fp32: the same math in a different order (fused q/k/v and gate/up matmuls, paged gathers).
 # bf16: both sides round every op to 8 mantissa bits; differences grow layer by layer.

@@ -55,7 +55,7 @@ def reference(smollm2_dir):
     """Target-only greedy output, in process, for each prompt (chat template, 40 tokens)."""
     from tandem.config import EngineConfig
     from tandem.engine import ModelEngine
-    from tandem.spec.generator import GenerationRequest, SpeculativeGenerator
+    from tandem.inprocess import GenerationRequest, SpeculativeGenerator
     from tandem.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(smollm2_dir)
