@@ -54,6 +54,9 @@ class ClusterSpec:
     pipelining: bool = False
     coordinator_args: tuple[str, ...] = ()
     draft_args: tuple[str, ...] = ()  # extra `tandem serve draft` flags (quantization, vocabulary)
+    # The draft worker's command after the interpreter; tests swap in a fault-injecting wrapper that
+    # takes the same flags.
+    draft_command: tuple[str, ...] = ("-m", "tandem", "serve", "draft")
     worker_args: tuple[str, ...] = ()  # extra flags for every worker (batching)
     log_dir: Path | None = None
     cache_dir: str | None = None
@@ -132,15 +135,16 @@ class LocalCluster:
         args += self.spec.worker_args
         if role == "draft":
             args += self.spec.draft_args
+            return self._spawn(role, f"{role}-{index}", args, self.spec.draft_command)
         return self._spawn(role, f"{role}-{index}", args)
 
-    def _spawn(self, role: str, name: str, args: list[str]) -> Service:
+    def _spawn(self, role: str, name: str, args: list[str], command: tuple[str, ...] | None = None) -> Service:
         if self.spec.metrics:
             args = [*args, "--metrics-port", "0"]
         if self.spec.cache_dir:
             args = [*args, "--cache-dir", self.spec.cache_dir]
         log_path = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "tandem", "serve", role, *args]
+        cmd = [sys.executable, *(command or ("-m", "tandem", "serve", role)), *args]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                    start_new_session=True)
         service = Service(role, process, log_path)
