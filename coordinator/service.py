@@ -25,6 +25,7 @@ from tandem.rpc.wire import sampling_from_proto
 from tandem.spec.adaptive import MAX_K, CostModel
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, resolve_method
+from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
 from tandem.text_stream import TextStream
 from tandem.tokenizer import encode_prompt
@@ -56,6 +57,9 @@ class _MetricsObserver:
         self.metrics.chosen_k.observe(k)
         if drafted:
             self.metrics.accepted_len.observe(accepted)
+            self.metrics.proposals.labels(source).inc()
+            self.metrics.proposed_tokens.labels(source).inc(drafted)
+            self.metrics.accepted_tokens.labels(source).inc(accepted)
 
     def on_verify(self, seconds: float) -> None:
         self.metrics.verify_latency.observe(seconds)
@@ -63,11 +67,16 @@ class _MetricsObserver:
     def on_draft(self, seconds: float) -> None:
         self.metrics.draft_latency.observe(seconds)
 
+    def on_cache_lookup(self, seconds: float, tier: str | None) -> None:
+        self.metrics.cache_lookup_latency.observe(seconds)
+        self.metrics.cache_lookups.labels(tier or "miss").inc()
+
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: CoordinatorConfig, tokenizer: Any, targets: WorkerPool, drafts: WorkerPool,
-                 server: ManagedServer, metrics: CoordinatorMetrics) -> None:
+                 server: ManagedServer, metrics: CoordinatorMetrics, cache: ContinuationCache | None = None) -> None:
         self.cfg = cfg
+        self.cache = cache  # the continuation cache every request learns from and proposes with
         self.tokenizer = tokenizer
         self.targets = targets
         self.drafts = drafts
@@ -131,7 +140,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         seq_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # request ids are the client's: not unique
         loop = SpeculationLoop(state, seq_id, options, target.for_request(deadline),
                                draft.for_request(deadline) if draft else None, costs, self.max_context,
-                               self.observer)
+                               self.observer, self.cache)
         return _Request(request_id, state, options, target, draft, loop)
 
     async def _drive(self, run: _Request) -> AsyncIterator[None]:

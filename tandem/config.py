@@ -233,6 +233,8 @@ class CoordinatorConfig:
     info_poll_s: float = 1.0  # how often worker capacity is refreshed for routing
     ngram_min: int = 1
     ngram_max: int = 4
+    # The continuation cache shared by every coordinator (redis:// or rediss://); None: in-process only.
+    redis_url: str | None = None
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
@@ -250,3 +252,7 @@ class CoordinatorConfig:
             raise InvalidRequestError("timeouts and poll intervals must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        if self.redis_url:
+            from tandem.spec.shared_cache import parse_redis_url
+
+            parse_redis_url(self.redis_url)  # a malformed URL is refused at start, naming what is wrong

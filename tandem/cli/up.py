@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipelining", action="store_true",
                    help="draft round r+1 while round r is verified (pays when draft and target have their own "
                         "hardware; off by default here, where they share this machine's cores)")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="the coordinator shares its continuation cache through this Redis (see `tandem serve "
+                        "coordinator --help`); default: in-process")
     add_draft_flags(p)
     p.add_argument("--log-dir", type=Path, default=None, help="where each process writes its log")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
         log_dir=args.log_dir, cache_dir=args.cache_dir,
+        coordinator_args=("--redis-url", args.redis_url) if args.redis_url else (),
     )
     cluster = LocalCluster(spec)
     print(f"starting Tandem (logs in {cluster.log_dir})...", file=sys.stderr)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -26,10 +30,33 @@ class WorkerMetrics:
         self.active_sequences = Gauge(f"{prefix}_active_sequences", "sequences holding KV", registry=registry)
 
 
+class ContinuationCacheCollector(Collector):
+    """The continuation cache's own counters (Redis errors, dropped writes, breaker...), read at scrape time."""
+
+    COUNTERS = ("lookups", "local_hits", "shared_hits", "misses", "redis_lookups", "redis_skipped", "redis_errors",
+                "undecodable_entries", "writes_sent", "writes_dropped", "keys_trimmed")
+    GAUGES = ("local_entries", "local_approx_bytes", "pending_writes")
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.snapshot()
+        p = "tandem_coordinator_cache"
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"{p}_{name}", f"continuation cache: {name.replace('_', ' ')}",
+                                      value=snap.get(name, 0))
+        for name in self.GAUGES:
+            yield GaugeMetricFamily(f"{p}_{name}", f"continuation cache: {name.replace('_', ' ')}",
+                                    value=snap.get(name, 0))
+        yield GaugeMetricFamily(f"{p}_breaker_open", "1 while the Redis circuit breaker is open (local tier only)",
+                                value=float(snap.get("breaker_state") == "open"))
+
+
 class CoordinatorMetrics:
     """What the coordinator exports: the speculation loop's behaviour per request and per round."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, cache_snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         p = "tandem_coordinator"
         self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=registry)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens streamed to clients", registry=registry)
@@ -54,3 +81,17 @@ class CoordinatorMetrics:
                                   "round time not spent waiting for workers", buckets=LATENCY_BUCKETS,
                                   registry=registry)
         self.active = Gauge(f"{p}_active_requests", "requests in flight", registry=registry)
+        # Per proposal source: "ngram" (the request's own text), "cache" (what all requests generated), "draft".
+        self.proposals = Counter(f"{p}_proposals", "speculative rounds by proposal source", ["source"],
+                                 registry=registry)
+        self.proposed_tokens = Counter(f"{p}_proposed_tokens", "draft tokens verified, by source", ["source"],
+                                       registry=registry)
+        self.accepted_tokens = Counter(f"{p}_accepted_tokens", "draft tokens accepted, by source", ["source"],
+                                       registry=registry)
+        self.cache_lookups = Counter(f"{p}_cache_lookup_results", "continuation cache lookups by tier that answered",
+                                     ["tier"], registry=registry)
+        self.cache_lookup_latency = Histogram(f"{p}_cache_lookup_seconds", "continuation cache lookup latency",
+                                              buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1),
+                                              registry=registry)
+        if cache_snapshot is not None:
+            registry.register(ContinuationCacheCollector(cache_snapshot))

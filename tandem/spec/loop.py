@@ -27,13 +27,16 @@ from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 from tandem.spec.adaptive import MAX_K, CostModel, LoadAwareCost, choose_k, expected_tokens
 from tandem.spec.options import SpecOptions
-from tandem.spec.proposers import DRAFT, NGRAM, DraftProposer, Proposal, ngram_proposal
+from tandem.spec.proposers import CACHE, DRAFT, NGRAM, ContinuationCache, DraftProposer, Proposal, ngram_proposal
 from tandem.spec.request import RequestState
 from tandem.spec.transport import DraftChannel, Verifier
 
 T = TypeVar("T")
 
 RELEASE_WAIT_S = 60.0  # longest wait for calls still in flight before a sequence is released
+# The continuation cache learns a prompt's last tokens only: learning costs ~20 us a token on the
+# coordinator's event loop, and a long prompt's distant tokens rarely predict its continuation.
+PROMPT_TOKENS_LEARNED = 256
 
 
 class RoundObserver(Protocol):
@@ -42,6 +45,7 @@ class RoundObserver(Protocol):
     def on_round(self, k: int, drafted: int, accepted: int, source: str) -> None: ...
     def on_verify(self, seconds: float) -> None: ...
     def on_draft(self, seconds: float) -> None: ...
+    def on_cache_lookup(self, seconds: float, tier: str | None) -> None: ...  # tier None: a miss
 
 
 class SpeculationLoop:
@@ -49,7 +53,7 @@ class SpeculationLoop:
 
     def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
                  draft: DraftChannel | None, costs: CostModel, max_context: int,
-                 observer: RoundObserver | None = None) -> None:
+                 observer: RoundObserver | None = None, cache: ContinuationCache | None = None) -> None:
         if options.uses_draft and draft is None:
             raise ValueError(f"method {options.method!r} needs a draft channel")
         self.state = state
@@ -60,6 +64,8 @@ class SpeculationLoop:
         self.costs = costs
         self.max_context = max_context
         self.observer = observer
+        self.cache = cache if options.uses_ngram else None
+        self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
         self._in_flight: set[asyncio.Task] = set()
 
     # ----- the loop ------------------------------------------------------
@@ -88,6 +94,7 @@ class SpeculationLoop:
             early = self._spawn(self.draft.propose(s.prompt_ids, k + 2))
         first = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling)
         s.commit([first])
+        self._learn()
         if early is None:
             return None
         tokens, probs = await self._timed_draft(early)
@@ -116,6 +123,7 @@ class SpeculationLoop:
         if self.observer:
             self.observer.on_verify(waited)
         s.commit([*drafts[:accepted], next_token])
+        self._learn()
         self._record(k, len(drafts), accepted, proposal.source)
 
         next_proposal = None
@@ -128,7 +136,13 @@ class SpeculationLoop:
 
     # ----- proposals -------------------------------------------------------
     async def _proposal(self, k: int, ready: Proposal | None) -> Proposal:
-        """This round's proposal: an n-gram match where the method takes one, else the draft's."""
+        """This round's proposal (the policy, written once).
+
+        n-gram sources first: the request's own text and the continuation cache, the longer
+        match winning (the request's own text on a tie: it is this request's evidence). Under
+        ``hybrid`` an n-gram match of ``hybrid_min_match``+ tokens beats the draft model (a long
+        repeat is as good a guess as the draft's and costs nothing); otherwise the draft drafts.
+        """
         s, opts = self.state, self.options
         committed = len(s.history)
         if k == 0:
@@ -136,6 +150,10 @@ class SpeculationLoop:
         if opts.uses_ngram:
             min_n = opts.ngram_min if opts.method == "ngram" else opts.hybrid_min_match
             proposal, matched = ngram_proposal(s.history, k, min_n, max(min_n, opts.ngram_max))
+            if self.cache is not None:
+                hit = await self._cache_lookup(k)
+                if hit is not None and hit.tokens and hit.match_len > matched:
+                    proposal, matched = Proposal(committed, list(hit.tokens[:k]), source=CACHE), hit.match_len
             if self.draft is None or (matched >= opts.hybrid_min_match and proposal.tokens):
                 return proposal
         if ready is not None and ready.base_len == committed:
@@ -149,6 +167,22 @@ class SpeculationLoop:
         if extra and len(tokens) == k + 1:
             return Proposal(committed, tokens[:-1], probs[:-1], tokens[-1], DRAFT)
         return Proposal(committed, tokens, probs, source=DRAFT)
+
+    async def _cache_lookup(self, k: int) -> Any:
+        assert self.cache is not None
+        t0 = time.perf_counter()
+        hit = await self.cache.lookup(self.state.history, k)
+        if self.observer:
+            self.observer.on_cache_lookup(time.perf_counter() - t0, hit.source if hit is not None else None)
+        return hit
+
+    def _learn(self, final: bool = False) -> None:
+        """Teach the continuation cache what this request committed since the last call."""
+        if self.cache is None:
+            return
+        history = self.state.history
+        self.cache.learn(history, self._learned, final=final)
+        self._learned = len(history)
 
     async def _timed_draft(self, call: Awaitable[T]) -> T:
         t0 = time.perf_counter()
@@ -226,7 +260,8 @@ class SpeculationLoop:
             stats.drafted += drafted
             stats.accepted += accepted
             stats.rejected += accepted < drafted
-            stats.ngram_rounds += source == NGRAM
+            stats.ngram_rounds += source in (NGRAM, CACHE)
+            stats.cache_rounds += source == CACHE
             self.state.tracker.observe(drafted, accepted)
         if self.observer:
             self.observer.on_round(k, drafted, accepted, source)
@@ -239,6 +274,8 @@ class SpeculationLoop:
 
     async def _release(self) -> None:
         """Free the KV on both sides, after any call still in flight (it could re-create the sequence)."""
+        if self.state.finish_reason:
+            self._learn(final=True)  # the last tokens' continuations are known only now
         pending = list(self._in_flight)
         if pending:
             done, _ = await asyncio.wait(pending, timeout=RELEASE_WAIT_S)

@@ -9,13 +9,14 @@ its own KV for those tokens and rolls it back to ``committed_len`` by itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from tandem.sampling_params import SamplingParams
 from tandem.spec.ngram import lookup_match
 from tandem.spec.transport import DraftChannel
 
-NGRAM = "ngram"
+NGRAM = "ngram"  # the request's own text (prompt lookup)
+CACHE = "cache"  # the continuation cache: what every request generated (tandem.spec.shared_cache)
 DRAFT = "draft"
 
 
@@ -28,6 +29,15 @@ class Proposal:
     probs: Sequence[Any] = ()  # one q per token, as the draft sampled from it; empty: deterministic
     guess: int | None = None  # the draft's guess of the token after all drafts (pipelining)
     source: str = NGRAM
+
+
+class ContinuationCache(Protocol):
+    """What the loop needs of ``tandem.spec.shared_cache.SharedContinuations``."""
+
+    async def lookup(self, context: Sequence[int], k: int) -> Any:
+        """A ``CacheHit`` (tokens, match_len, count, source) or None."""
+
+    def learn(self, tokens: Sequence[int], start: int = 0, *, final: bool = False) -> None: ...
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

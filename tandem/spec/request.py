@@ -42,7 +42,8 @@ class GenerationStats:
     rejected: int = 0  # speculative rounds that ended at a rejected draft token (at most one per round)
     rounds: int = 0  # target forwards after the prefill
     spec_rounds: int = 0  # rounds that verified at least one draft token
-    ngram_rounds: int = 0  # of which proposed by n-gram lookup (the rest: the draft model)
+    ngram_rounds: int = 0  # of which proposed by n-gram lookup (own text or cache; the rest: the draft model)
+    cache_rounds: int = 0  # of which from the continuation cache
     k_counts: Counter[int] = field(default_factory=Counter)  # rounds per chosen k (bounded by MAX_K + 1 keys)
     generated: int = 0
     started_at: float = field(default_factory=time.perf_counter)
@@ -91,6 +92,7 @@ class GenerationStats:
             "accepted": self.accepted,
             "rounds": self.rounds,
             "ngram_rounds": self.ngram_rounds,
+            "cache_rounds": self.cache_rounds,
             "mean_k": round(self.mean_k, 3),
             "mean_accepted_len": round(self.mean_accepted_len, 3),
             "acceptance_rate": round(self.acceptance_rate, 4),

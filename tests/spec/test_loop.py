@@ -199,3 +199,27 @@ def test_a_draft_method_needs_a_channel():
     state = RequestState([1], SamplingParams(), StopConditions(3))
     with pytest.raises(ValueError, match="needs a draft channel"):
         SpeculationLoop(state, "s", SpecOptions("draft", 2), FakeTarget(), None, CostModel(), 100)
+
+
+def test_the_continuation_cache_proposes_what_an_earlier_request_generated():
+    from tandem.spec.shared_cache import SharedContinuations
+
+    async def two_requests():
+        cache = SharedContinuations("fake-tokenizer", None)  # the embedded, in-process tier
+        await cache.start()
+        states = []
+        for _ in range(2):
+            target = FakeTarget()
+            state = RequestState([3, 1, 4, 1, 5], SamplingParams(), StopConditions(40))
+            loop = SpeculationLoop(state, "s", SpecOptions("ngram", 4, adaptive_k=False), target, None,
+                                   CostModel(), 10_000, cache=cache)
+            await loop.run_to_end()
+            states.append(state)
+        await cache.close()
+        return states
+
+    first, second = asyncio.run(two_requests())
+    expected = target_only([3, 1, 4, 1, 5], 40)
+    assert first.generated == second.generated == expected
+    assert second.stats.cache_rounds > 0
+    assert second.stats.accepted > first.stats.accepted  # what the first generated, the second reuses
