@@ -83,18 +83,25 @@ class LocalCluster:
             if self.spec.draft:
                 workers += [self._spawn_worker("draft", self.spec.draft, i) for i in range(self.spec.draft_replicas)]
             self._wait(workers, timeout_s)
-            args = ["--tokenizer", self.spec.target, "--port", str(self.spec.port)]
-            args += [a for s in workers if s.role == "target" for a in ("--target-addr", s.address)]
-            args += [a for s in workers if s.role == "draft" for a in ("--draft-addr", s.address)]
-            if not self.spec.pipelining:
-                args.append("--no-pipelining")
-            coordinator = self._spawn("coordinator", "coordinator", [*args, *self.spec.coordinator_args])
-            self._wait([coordinator], timeout_s)
-            wait_serving(coordinator.address, timeout_s=30)
-            return coordinator.address
+            return self.add_coordinator(self.spec.port, self.spec.coordinator_args, timeout_s).address
         except BaseException:
             self.stop()
             raise
+
+    def add_coordinator(self, port: int = 0, extra_args: tuple[str, ...] = (), timeout_s: float = 120.0) -> Service:
+        """One more coordinator over the same workers (replicas of the coordinator share nothing else)."""
+        workers = [s for s in self.services if s.role != "coordinator"]
+        args = ["--tokenizer", self.spec.target, "--port", str(port)]
+        args += [a for s in workers if s.role == "target" for a in ("--target-addr", s.address)]
+        args += [a for s in workers if s.role == "draft" for a in ("--draft-addr", s.address)]
+        if not self.spec.pipelining:
+            args.append("--no-pipelining")
+        index = sum(s.role == "coordinator" for s in self.services)
+        coordinator = self._spawn("coordinator", f"coordinator-{index}" if index else "coordinator",
+                                  [*args, *extra_args])
+        self._wait([coordinator], timeout_s)
+        wait_serving(coordinator.address, timeout_s=30)
+        return coordinator
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the coordinator and let it drain, then the workers its requests still needed."""
