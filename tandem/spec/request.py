@@ -138,7 +138,7 @@ class RequestState:
         now = time.perf_counter()
         for token in tokens:
             if self.finish_reason:
-                return
+                break
             self.history.append(token)
             if self.stats.first_token_at is None:
                 self.stats.first_token_at = now
