@@ -39,8 +39,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
     drafts = WorkerPool.from_addresses("draft", cfg.draft_addrs, cfg.call_timeout_s)
     server = ManagedServer("coordinator", cfg.server)
     # One cache per tokenizer: the fingerprint namespaces it, so that different models never mix.
-    cache = SharedContinuations(fingerprint, cfg.redis_url)
-    metrics = CoordinatorMetrics(server.registry, cache.snapshot)
+    cache = SharedContinuations(fingerprint, cfg.redis_url) if cfg.continuation_cache else None
+    metrics = CoordinatorMetrics(server.registry, cache.snapshot if cache else None)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     pollers: list[asyncio.Task] = []
@@ -53,8 +53,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
                     f"{client.role} worker {client.address} uses another tokenizer than {cfg.tokenizer_dir}")
         info = targets.clients[0].info
         service.vocab_size, service.max_context = info.vocab_size, info.max_context
-        cache.vocab_size = info.vocab_size  # shared entries outside the vocabulary are never proposed
-        await cache.start()
+        if cache is not None:
+            cache.vocab_size = info.vocab_size  # shared entries outside the vocabulary are never proposed
+            await cache.start()
         service.model_stop_ids = frozenset(info.stop_token_ids)
         pollers.extend(asyncio.create_task(p.poll_forever(cfg.info_poll_s)) for p in (targets, drafts))
         log.info("coordinator: %d target and %d draft workers ready", len(targets.clients), len(drafts.clients))
@@ -64,6 +65,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
     finally:
         for task in pollers:
             task.cancel()
-        await cache.close()
+        if cache is not None:
+            await cache.close()
         await targets.close()
         await drafts.close()

@@ -235,6 +235,7 @@ class CoordinatorConfig:
     ngram_max: int = 4
     # The continuation cache shared by every coordinator (redis:// or rediss://); None: in-process only.
     redis_url: str | None = None
+    continuation_cache: bool = True  # False: n-gram proposals from the request's own text only
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
@@ -252,6 +253,8 @@ class CoordinatorConfig:
             raise InvalidRequestError("timeouts and poll intervals must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        if self.redis_url and not self.continuation_cache:
+            raise InvalidRequestError("--redis-url shares the continuation cache, which --no-continuation-cache turns off")
         if self.redis_url:
             from tandem.spec.shared_cache import parse_redis_url
 

@@ -80,6 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     coord.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each internal call, seconds")
     coord.add_argument("--ngram-min", type=int, default=1)
     coord.add_argument("--ngram-max", type=int, default=4)
+    coord.add_argument("--no-continuation-cache", action="store_true",
+                       help="n-gram proposals from each request's own text only (no cache of what requests generated)")
     coord.add_argument("--redis-url", default=None, metavar="URL",
                        help="share the continuation cache with every coordinator through Redis: redis://HOST:PORT/DB "
                             "or rediss:// (TLS); a password in the URL or in $TANDEM_REDIS_PASSWORD. Default: an "
@@ -120,7 +122,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         target_addrs=_addresses(args.target_addr), draft_addrs=_addresses(args.draft_addr),
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
     )
     from coordinator.main import serve
 
