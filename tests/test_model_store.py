@@ -23,8 +23,15 @@ from tandem import model_store
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.model_convert import convert_gguf
 from tandem.model_store import (
-    CATALOG, MARKER_NAME, ModelSource, WheelPart, default_cache_root, list_models, pip_download,
-    prepare, resolve_model,
+    CATALOG,
+    MARKER_NAME,
+    ModelSource,
+    WheelPart,
+    default_cache_root,
+    list_models,
+    pip_download,
+    prepare,
+    resolve_model,
 )
 
 # --------------------------------------------------------------------------- fixtures
