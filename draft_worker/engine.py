@@ -1,20 +1,55 @@
-"""The draft worker's state and its batched Propose step."""
+"""The draft worker's state and its batched Propose step.
+
+Per sequence the draft keeps ONE record (``DraftSequence``): the tokens it
+holds (the history as last sent, plus the drafts it fed itself) and the
+request's generator. Its KV cache always holds a prefix of those tokens (all
+of them right after drafting; a Propose with k = 0 only records).
+
+A Propose keeps the first ``committed_len`` tokens, appends ``new_tokens``
+and drafts ``k`` more: the cache is rolled back to the longest prefix it
+shares with the new tokens (rejected guesses vanish exactly), what is new is
+fed (the whole prompt the first time: the draft's prefill), then k decode
+steps run. All sequences of a batch share each step's forward pass; a
+sequence whose k is reached leaves the batch.
+
+Sampled drafts: each step's q rows are encoded for the wire once
+(``distributions.encode_for_sampling``), each token is drawn from exactly
+what those messages decode to, and the reply carries those very messages,
+so the target's acceptance test uses the q each token was drawn from.
+
+A batch first checks every call and admits it to the KV pool (counting the
+blocks its whole k-step run will hold) without changing anything; a refused
+call leaves its sequence exactly as it was. Releases apply in queue order
+relative to a Propose of the same sequence (see ``tandem.rpc.calls``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine import ModelEngine
-from tandem.errors import InvalidRequestError, StaleSequenceError, UnknownSequenceError
-from tandem.rpc.wire import wire_roundtrip
-from tandem.sampling import SamplingParams
-from tandem.spec.draft_model import DraftModelProposer
-from tandem.spec.proposal import Proposal, ProposeRequest
+from tandem.engine import ForwardItem, ModelEngine
+from tandem.errors import (
+    InvalidRequestError,
+    KVCacheExhaustedError,
+    StaleSequenceError,
+    UnknownSequenceError,
+    check_token_ids,
+)
+from tandem.rpc import distributions
+from tandem.rpc.calls import ReleaseCall
+from tandem.sampling import SamplingParams, probabilities, sample
+from tandem.spec.adaptive import MAX_K
+from tandem.v1 import common_pb2
+
+__all__ = ["ProposeCall", "ReleaseCall", "DraftReply", "DraftEngine", "DraftSequence", "early_exit_engine",
+           "MAX_PROPOSE", "DRAFT_SEED_OFFSET"]
 
 # The draft's sampling stream must be independent of the target's (same seed otherwise).
 DRAFT_SEED_OFFSET = 0x5EED
+# k drafts, plus the pipelining guesses: of the first token (during prefill) and of the bonus token.
+MAX_PROPOSE = MAX_K + 2
 
 
 @dataclass(slots=True)
@@ -26,78 +61,245 @@ class ProposeCall:
     sampling: SamplingParams
 
 
+@dataclass(slots=True)
+class DraftReply:
+    tokens: list[int]
+    probs: list[common_pb2.SparseDistribution]  # one per token when sampling; empty when greedy
+
+
+@dataclass(slots=True)
+class DraftSequence:
+    tokens: list[int]  # what the draft holds; its KV cache holds a prefix of these
+    generator: torch.Generator | None = None  # made on the sequence's first sampled Propose
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A checked Propose: what it will do, computed without changing anything."""
+
+    index: int
+    call: ProposeCall
+    tokens: list[int]  # the sequence's tokens after keep + new_tokens
+    keep: int  # KV prefix still valid for ``tokens``
+    kv_len: int  # KV length after drafting
+    drafted: list[int] = field(default_factory=list)
+    probs: list[common_pb2.SparseDistribution] = field(default_factory=list)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def early_exit_engine(target: ModelEngine, num_layers: int, *, num_blocks: int | None = None) -> ModelEngine:
+    """Self-drafting: an engine over the target's first ``num_layers`` layers, its final norm and lm_head.
+
+    Shares the target's weights (no extra memory for them) but has a KV pool of
+    its own for those layers (as many blocks as the target's unless told), so
+    drafting never disturbs the target's cache. ``DraftEngine(early_exit_engine(t, n))``
+    drafts in process.
+    """
+    total = target.config.num_layers
+    if not 0 < num_layers < total:
+        raise ValueError(f"early-exit layers must be in 1..{total - 1} for this model, got {num_layers}")
+    return ModelEngine.with_new_cache(
+        target.model,
+        num_blocks or target.kv_cache.num_blocks,
+        target.kv_cache.block_size,
+        target.backend.name,
+        num_layers=num_layers,
+    )
+
+
 class DraftEngine:
-    """Per-sequence committed histories plus a batched ``DraftModelProposer``."""
+    """Per-sequence draft state plus batched drafting through one ``ModelEngine``."""
 
     def __init__(self, engine: ModelEngine) -> None:
         self.engine = engine
-        # Sampled drafts travel as compressed q; the draft samples from that same compressed q.
-        self.proposer = DraftModelProposer(engine, q_transform=wire_roundtrip)
-        self.histories: dict[str, list[int]] = {}
-        self.generators: dict[str, torch.Generator] = {}
+        self.sequences: dict[str, DraftSequence] = {}
 
     @property
     def vocab_size(self) -> int:
         return self.engine.config.vocab_size
 
-    def call_cost(self, call: ProposeCall) -> int:
-        return len(call.new_tokens) + call.k
-
-    def run_batch(self, calls: list[ProposeCall]) -> list[Proposal | BaseException]:
-        results: list[Proposal | BaseException | None] = [None] * len(calls)
-        requests: list[ProposeRequest] = []
-        indices: list[int] = []
-        seen: set[str] = set()
-        for i, call in enumerate(calls):
-            try:
-                if call.seq_id in seen:
-                    raise InvalidRequestError(f"sequence {call.seq_id!r} has two Propose calls in flight")
-                requests.append(self._prepare(call))
-                indices.append(i)
-                seen.add(call.seq_id)
-            except Exception as exc:  # noqa: BLE001 - one bad call fails alone
-                results[i] = exc
-        if requests:
-            for i, proposal in zip(indices, self.proposer.propose(requests)):
-                results[i] = proposal
-        return results  # type: ignore[return-value]
-
-    def _prepare(self, call: ProposeCall) -> ProposeRequest:
-        history = self.histories.get(call.seq_id)
-        if history is None:
-            if call.committed_len:
-                raise UnknownSequenceError(f"draft holds no sequence {call.seq_id!r}")
-            history = self.histories[call.seq_id] = []
-        if call.committed_len > len(history):
-            raise StaleSequenceError(
-                f"sequence {call.seq_id!r}: committed_len {call.committed_len} > the {len(history)} tokens held"
-            )
-        del history[call.committed_len:]
-        history.extend(call.new_tokens)
-        if not history:
-            raise InvalidRequestError(f"sequence {call.seq_id!r} has no tokens to draft from")
-        if call.k < 0:
-            raise InvalidRequestError(f"k must be >= 0, got {call.k}")
-        generator = None
-        if not call.sampling.is_greedy:
-            generator = self.generators.get(call.seq_id)
-            if generator is None:
-                seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
-                generator = SamplingParams(1.0, seed=seed).make_generator()
-                self.generators[call.seq_id] = generator
-        return ProposeRequest(call.seq_id, history, call.k, call.sampling, generator)
+    @property
+    def max_context(self) -> int:
+        return self.engine.config.max_position_embeddings
 
     @property
     def num_sequences(self) -> int:
-        return len(self.histories)
+        return len(self.sequences)
 
-    def release(self, seq_id: str) -> bool:
-        held = self.histories.pop(seq_id, None) is not None
-        self.generators.pop(seq_id, None)
-        self.proposer.release(seq_id)
+    def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
+        return len(call.new_tokens) + call.k if isinstance(call, ProposeCall) else 0
+
+    # ----- one batch -----------------------------------------------------
+    def run_batch(self, calls: list[ProposeCall | ReleaseCall]) -> list[DraftReply | bool | BaseException]:
+        results: list[DraftReply | bool | BaseException | None] = [None] * len(calls)
+        proposing: set[str] = set()
+        late: list[int] = []
+        for i, call in enumerate(calls):  # releases queued before any Propose of their sequence
+            if isinstance(call, ReleaseCall):
+                if call.seq_id in proposing:
+                    late.append(i)
+                else:
+                    results[i] = self._release(call.seq_id)
+            else:
+                proposing.add(call.seq_id)
+
+        plans: list[_Plan] = []
+        planned: set[str] = set()
+        for i, call in enumerate(calls):  # check every Propose; change nothing
+            if isinstance(call, ReleaseCall):
+                continue
+            try:
+                if call.seq_id in planned:
+                    raise InvalidRequestError(f"sequence {call.seq_id!r} has two Propose calls in this batch")
+                plans.append(self._check(i, call))
+                planned.add(call.seq_id)
+            except Exception as exc:  # noqa: BLE001 - one bad call fails alone
+                results[i] = exc
+        self._admit(plans, results)
+        admitted = [p for p in plans if results[p.index] is None]
+
+        for plan in admitted:
+            self._apply(plan)
+        drafting = [p for p in admitted if p.call.k > 0]
+        try:
+            self._draft(drafting)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails the calls still drafting
+            for plan in drafting:
+                if len(plan.drafted) < plan.call.k:
+                    results[plan.index] = exc
+        for plan in admitted:
+            if results[plan.index] is None:
+                results[plan.index] = DraftReply(plan.drafted, plan.probs)
+
+        for i in late:  # releases queued after a Propose of their sequence
+            results[i] = self._release(calls[i].seq_id)
+        return results  # type: ignore[return-value]
+
+    def _check(self, index: int, call: ProposeCall) -> _Plan:
+        if not call.seq_id:
+            raise InvalidRequestError("seq_id is empty")
+        if not 0 <= call.k <= MAX_PROPOSE:
+            raise InvalidRequestError(f"k must be in 0..{MAX_PROPOSE}, got {call.k}")
+        if call.committed_len < 0:
+            raise InvalidRequestError(f"committed_len must be >= 0, got {call.committed_len}")
+        check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
+        seq = self.sequences.get(call.seq_id)
+        if seq is None and call.committed_len:
+            raise UnknownSequenceError(f"draft holds no sequence {call.seq_id!r}")
+        held = [] if seq is None else seq.tokens
+        if call.committed_len > len(held):
+            raise StaleSequenceError(
+                f"sequence {call.seq_id!r}: committed_len {call.committed_len} > the {len(held)} tokens held"
+            )
+        tokens = [*held[: call.committed_len], *call.new_tokens]
+        if not tokens:
+            raise InvalidRequestError(f"sequence {call.seq_id!r} has no tokens to draft from")
+        if len(tokens) > self.max_context:
+            raise InvalidRequestError(
+                f"sequence {call.seq_id!r}: {len(tokens)} tokens exceed the context of {self.max_context}"
+            )
+        cached = held[: self.engine.seq_len(call.seq_id)]
+        keep = common_prefix_len(cached, tokens)
+        if call.k == 0:
+            return _Plan(index, call, tokens, keep, kv_len=keep)
+        # Feed at least the last token: its logits are where drafting starts.
+        keep = min(keep, len(tokens) - 1)
+        return _Plan(index, call, tokens, keep, kv_len=len(tokens) + call.k - 1)
+
+    def _admit(self, plans: list[_Plan], results: list) -> None:
+        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold through all k steps; change nothing."""
+        cache = self.engine.kv_cache
+        need = {}
+        for plan in plans:
+            seq_id = plan.call.seq_id
+            held = len(cache.sequence(seq_id).block_ids) if cache.has_sequence(seq_id) else 0
+            need[plan.index] = cache.blocks_needed(plan.kv_len) - held
+        free = cache.num_free_blocks + sum(-n for n in need.values() if n <= 0)
+        for plan in plans:
+            n = need[plan.index]
+            if n <= 0:
+                continue
+            if n <= free:
+                free -= n
+            else:
+                results[plan.index] = KVCacheExhaustedError(
+                    f"KV cache full: sequence {plan.call.seq_id!r} needs {n} more blocks, {free} are left; retry later"
+                )
+
+    def _apply(self, plan: _Plan) -> None:
+        """Record the admitted call's tokens and roll its KV back to the prefix still valid."""
+        call = plan.call
+        seq = self.sequences.get(call.seq_id)
+        if seq is None:
+            seq = self.sequences[call.seq_id] = DraftSequence([])
+        seq.tokens = plan.tokens
+        if self.engine.seq_len(call.seq_id) > plan.keep:
+            self.engine.rollback(call.seq_id, plan.keep)
+        if not call.sampling.is_greedy and seq.generator is None:
+            seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
+            seq.generator = SamplingParams(1.0, seed=seed).make_generator()
+
+    def _draft(self, plans: list[_Plan]) -> None:
+        """k decode steps, every sequence still drafting in each step's one forward pass."""
+        feed = {p.index: p.tokens[p.keep :] for p in plans}
+        active = list(plans)
+        while active:
+            logits = self.engine.forward([ForwardItem(p.call.seq_id, feed[p.index], num_logits=1) for p in active])
+            for plan in active:  # the fed tokens are in the cache now
+                if plan.drafted:
+                    self.sequences[plan.call.seq_id].tokens.append(plan.drafted[-1])
+            rows = dict(zip((p.index for p in active), logits))  # each [1, vocab]
+            greedy = [p for p in active if p.call.sampling.is_greedy]
+            if greedy:
+                picks = torch.cat([rows[p.index] for p in greedy]).argmax(-1).tolist()
+                for plan, token in zip(greedy, picks):
+                    plan.drafted.append(token)
+            self._sample_step([p for p in active if not p.call.sampling.is_greedy], rows)
+            active = [p for p in active if len(p.drafted) < p.call.k]
+            feed = {p.index: [p.drafted[-1]] for p in active}
+
+    def _sample_step(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
+        """One sampled token per plan: q for all of them encoded once, each token drawn from decode(messages)."""
+        if not plans:
+            return
+        groups: dict[tuple, list[_Plan]] = {}  # rows with the same processing share one probabilities() call
+        for plan in plans:
+            s = plan.call.sampling
+            groups.setdefault((s.temperature, s.top_p, s.top_k), []).append(plan)
+        order = [p for group in groups.values() for p in group]
+        q = torch.cat([
+            probabilities(torch.cat([rows[p.index] for p in group]), group[0].call.sampling)
+            for group in groups.values()
+        ])  # [R, vocab], on the model's device
+        wire = distributions.encode_for_sampling(q)  # one device-to-host copy for all R rows
+        for r, plan in enumerate(order):
+            # Draw from decode(message) itself, over its support (the rest of the row is 0).
+            index = int(sample(wire.probs[r][None], self.sequences[plan.call.seq_id].generator)[0])
+            plan.drafted.append(int(wire.token_ids[r][index]))
+            plan.probs.append(wire.messages[r])
+
+    # ----- bookkeeping ---------------------------------------------------
+    def _release(self, seq_id: str) -> bool:
+        held = self.sequences.pop(seq_id, None) is not None
+        if self.engine.kv_cache.has_sequence(seq_id):
+            self.engine.release(seq_id)
         return held
 
     def warmup(self) -> None:
+        """The engine's own warm-up, then greedy and sampled Propose and a Release once."""
         self.engine.warmup()
-        self.run_batch([ProposeCall("__warmup__", 0, [1, 2, 3, 4], 4, SamplingParams())])
-        self.release("__warmup__")
+        seq = "__warmup__"
+        calls = [ProposeCall(seq, 0, [1, 2, 3, 4], 4, SamplingParams()),
+                 ProposeCall(seq, 4, [], 2, SamplingParams(temperature=1.0, seed=0)),
+                 ReleaseCall(seq)]
+        for call in calls:
+            (result,) = self.run_batch([call])
+            if isinstance(result, BaseException):
+                raise result

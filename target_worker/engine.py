@@ -4,6 +4,20 @@ Per sequence it keeps the committed token history (the worker's own output
 is authoritative), the sampling parameters and the request's generator. KV
 invariant, as in process: the cache holds every committed token but the
 last one.
+
+A batch runs in phases, all on the model thread (the batcher's):
+
+1. releases queued before any other call of their sequence in the batch;
+2. every Prefill and Verify is checked against the state as it is (unknown
+   sequence, committed_len, context, token ids, a second call of the same
+   sequence, draft_probs decoded and checked) and then admitted to the KV
+   pool, counting exactly the blocks it would take or give back; a call that
+   fails either is answered with its error and its sequence is left exactly
+   as it was;
+3. only then do the admitted calls change anything: histories are cut to
+   committed_len, KV rolled back, ONE forward pass runs over all of them,
+   the rejection sampler decides, KV is trimmed to the accepted prefix;
+4. releases queued after a call of their sequence.
 """
 
 from __future__ import annotations
@@ -14,9 +28,20 @@ from typing import Union
 import torch
 
 from tandem.engine import ForwardItem, ModelEngine
-from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSequenceError, UnknownSequenceError
+from tandem.errors import (
+    InvalidRequestError,
+    KVCacheExhaustedError,
+    StaleSequenceError,
+    UnknownSequenceError,
+    check_token_ids,
+)
+from tandem.rpc import distributions
+from tandem.rpc.calls import ReleaseCall
 from tandem.sampling import SamplingParams, pick_tokens
 from tandem.spec.rejection import Verdict, verify
+from tandem.v1 import common_pb2
+
+__all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict"]
 
 
 @dataclass(slots=True)
@@ -31,10 +56,10 @@ class VerifyCall:
     seq_id: str
     committed_len: int
     draft_tokens: list[int]
-    draft_probs: torch.Tensor | None  # [k, vocab] or None for a deterministic draft
+    draft_probs: list[common_pb2.SparseDistribution]  # one per draft token; [] = a deterministic draft
 
 
-Call = Union[PrefillCall, VerifyCall]
+Call = Union[PrefillCall, VerifyCall, ReleaseCall]
 
 
 @dataclass(slots=True)
@@ -44,8 +69,19 @@ class TargetSequence:
     generator: torch.Generator | None = field(default=None)
 
 
+@dataclass(slots=True)
+class _Plan:
+    """A checked Prefill or Verify: what it will do, computed without changing anything."""
+
+    index: int
+    call: PrefillCall | VerifyCall
+    item: ForwardItem
+    kv_len: int  # KV length of the sequence once the forward pass has run
+    q: torch.Tensor | None = None  # decoded draft_probs [k, vocab] (CPU), sampled Verify only
+
+
 class TargetEngine:
-    """Runs batches of Prefill and Verify calls through one ``ModelEngine``."""
+    """Runs batches of Prefill, Verify and Release calls through one ``ModelEngine``."""
 
     def __init__(self, engine: ModelEngine) -> None:
         self.engine = engine
@@ -59,93 +95,179 @@ class TargetEngine:
     def max_context(self) -> int:
         return self.engine.config.max_position_embeddings
 
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
-        return len(call.token_ids) if isinstance(call, PrefillCall) else len(call.draft_tokens) + 1
+        if isinstance(call, PrefillCall):
+            return len(call.token_ids)
+        if isinstance(call, VerifyCall):
+            return len(call.draft_tokens) + 1
+        return 0
 
     # ----- one batch -----------------------------------------------------
-    def run_batch(self, calls: list[Call]) -> list[int | Verdict | BaseException]:
-        results: list[int | Verdict | BaseException | None] = [None] * len(calls)
-        items: list[ForwardItem] = []
-        admitted: list[int] = []
-        appends: dict[str, int] = {}
-        for i, call in enumerate(calls):
+    def run_batch(self, calls: list[Call]) -> list[int | Verdict | bool | BaseException]:
+        results: list[int | Verdict | bool | BaseException | None] = [None] * len(calls)
+        computing: set[str] = set()
+        late: list[int] = []
+        for i, call in enumerate(calls):  # phase 1
+            if isinstance(call, ReleaseCall):
+                if call.seq_id in computing:
+                    late.append(i)
+                else:
+                    results[i] = self._release(call.seq_id)
+            else:
+                computing.add(call.seq_id)
+
+        plans: list[_Plan] = []
+        planned: set[str] = set()
+        for i, call in enumerate(calls):  # phase 2: check, change nothing
+            if isinstance(call, ReleaseCall):
+                continue
             try:
-                item = self._prepare(call)
+                if call.seq_id in planned:
+                    raise InvalidRequestError(f"sequence {call.seq_id!r} has two calls in this batch")
+                plans.append(self._check(i, call))
+                planned.add(call.seq_id)
             except Exception as exc:  # noqa: BLE001 - one bad call fails alone
                 results[i] = exc
-                continue
-            if item.seq_id in appends:
-                results[i] = InvalidRequestError(f"sequence {item.seq_id!r} has two calls in flight")
-                continue
-            # Admit while the pool has room; the rest are told to retry (RESOURCE_EXHAUSTED).
-            trial = {**appends, item.seq_id: len(item.token_ids)}
-            if not self.engine.kv_cache.can_append(trial):
-                results[i] = KVCacheExhaustedError(
-                    f"KV cache full ({self.engine.kv_cache.num_free_blocks} blocks free); retry later"
-                )
-                if isinstance(call, PrefillCall):
-                    self.sequences.pop(call.seq_id, None)
-                continue
-            appends = trial
-            items.append(item)
-            admitted.append(i)
-        if items:
-            logits = self.engine.forward(items)
-            for i, row in zip(admitted, logits):
-                try:
-                    results[i] = self._finish(calls[i], row)
-                except Exception as exc:  # noqa: BLE001
-                    results[i] = exc
+        self._admit(plans, results)
+        admitted = [p for p in plans if results[p.index] is None]
+
+        if admitted:  # phase 3
+            for plan in admitted:
+                self._apply(plan)
+            try:
+                logits = self.engine.forward([p.item for p in admitted])
+            except Exception as exc:  # noqa: BLE001 - the pass failed: each call gets the error
+                for plan in admitted:
+                    self._forward_failed(plan)
+                    results[plan.index] = exc
+            else:
+                for plan, rows in zip(admitted, logits):
+                    try:
+                        results[plan.index] = self._finish(plan, rows)
+                    except Exception as exc:  # noqa: BLE001
+                        self._forward_failed(plan)
+                        results[plan.index] = exc
+
+        for i in late:  # phase 4
+            results[i] = self._release(calls[i].seq_id)
         return results  # type: ignore[return-value]
 
-    def _prepare(self, call: Call) -> ForwardItem:
+    def _check(self, index: int, call: PrefillCall | VerifyCall) -> _Plan:
+        if not call.seq_id:
+            raise InvalidRequestError("seq_id is empty")
         if isinstance(call, PrefillCall):
-            if call.seq_id in self.sequences:
-                self.release(call.seq_id)  # a re-prefill (rebuild) replaces the old state
-            generator = None if call.sampling.is_greedy else call.sampling.make_generator()
-            self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator)
-            return ForwardItem(call.seq_id, call.token_ids, num_logits=1)
+            if not call.token_ids:
+                raise InvalidRequestError("token_ids is empty: nothing to prefill")
+            check_token_ids("token_ids", call.token_ids, self.vocab_size)
+            if len(call.token_ids) >= self.max_context:
+                raise InvalidRequestError(
+                    f"prompt of {len(call.token_ids)} tokens exceeds the context of {self.max_context}"
+                )
+            item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1)
+            return _Plan(index, call, item, kv_len=len(call.token_ids))
         seq = self.sequences.get(call.seq_id)
         if seq is None:
             raise UnknownSequenceError(f"target holds no sequence {call.seq_id!r}")
+        k = len(call.draft_tokens)
         if not 1 <= call.committed_len <= len(seq.history):
             raise StaleSequenceError(
                 f"sequence {call.seq_id!r}: committed_len {call.committed_len} outside 1..{len(seq.history)}"
             )
-        if call.committed_len + len(call.draft_tokens) >= self.max_context:
+        if call.committed_len + k >= self.max_context:
             raise InvalidRequestError(f"sequence {call.seq_id!r} would exceed the context of {self.max_context}")
-        if call.draft_probs is not None and call.draft_probs.shape[0] != len(call.draft_tokens):
-            raise InvalidRequestError("draft_probs must have one distribution per draft token")
-        del seq.history[call.committed_len:]
-        self.engine.rollback(call.seq_id, call.committed_len - 1)
-        return ForwardItem(call.seq_id, [seq.history[-1], *call.draft_tokens], num_logits=len(call.draft_tokens) + 1)
+        check_token_ids("draft_tokens", call.draft_tokens, self.vocab_size)
+        if call.draft_probs and len(call.draft_probs) != k:
+            raise InvalidRequestError(
+                f"draft_probs must be empty or hold one distribution per draft token: {len(call.draft_probs)} for {k}"
+            )
+        q = None
+        if call.draft_probs and not seq.sampling.is_greedy:  # greedy verification never reads q
+            q = distributions.decode_distributions(call.draft_probs, self.vocab_size)  # [k, vocab]
+            drawn = q[torch.arange(k), torch.tensor(call.draft_tokens, dtype=torch.int64)]
+            if not (drawn > 0).all():
+                raise InvalidRequestError("a draft token has probability 0 under the distribution it was drawn from")
+        tokens = [seq.history[call.committed_len - 1], *call.draft_tokens]
+        item = ForwardItem(call.seq_id, tokens, num_logits=k + 1)
+        return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
 
-    def _finish(self, call: Call, logits: torch.Tensor) -> int | Verdict:
+    def _admit(self, plans: list[_Plan], results: list) -> None:
+        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold; change nothing.
+
+        A call's need is its blocks after the batch minus the blocks it holds now
+        (negative for a verify that rolls back more than it appends). Calls
+        that give blocks back are admitted first, then the others in order.
+        """
+        cache = self.engine.kv_cache
+        need = {}
+        for plan in plans:
+            held = len(cache.sequence(plan.call.seq_id).block_ids) if cache.has_sequence(plan.call.seq_id) else 0
+            need[plan.index] = cache.blocks_needed(plan.kv_len) - held
+        free = cache.num_free_blocks + sum(-n for n in need.values() if n <= 0)
+        for plan in plans:
+            n = need[plan.index]
+            if n <= 0:
+                continue
+            if n <= free:
+                free -= n
+            else:
+                results[plan.index] = KVCacheExhaustedError(
+                    f"KV cache full: sequence {plan.call.seq_id!r} needs {n} more blocks, {free} are left; retry later"
+                )
+
+    def _apply(self, plan: _Plan) -> None:
+        """The admitted call's changes before the forward pass."""
+        call = plan.call
+        if isinstance(call, PrefillCall):
+            self._release(call.seq_id)  # a re-prefill (rebuild) replaces the old state
+            generator = None if call.sampling.is_greedy else call.sampling.make_generator()
+            self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator)
+        else:
+            del self.sequences[call.seq_id].history[call.committed_len:]
+            self.engine.rollback(call.seq_id, call.committed_len - 1)
+
+    def _forward_failed(self, plan: _Plan) -> None:
+        """Leave a consistent state: a prefill is forgotten; a verify stays at its committed_len."""
+        call = plan.call
+        if isinstance(call, PrefillCall):
+            self._release(call.seq_id)
+        elif self.engine.seq_len(call.seq_id) > call.committed_len - 1:
+            self.engine.rollback(call.seq_id, call.committed_len - 1)
+
+    def _finish(self, plan: _Plan, logits: torch.Tensor) -> int | Verdict:
+        call = plan.call
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall):
             token = int(pick_tokens(logits, seq.sampling, seq.generator)[0])
             seq.history.append(token)
             return token
-        verdict = verify(logits, call.draft_tokens, call.draft_probs, seq.sampling, seq.generator)
+        q = None if plan.q is None else plan.q.to(logits.device)
+        verdict = verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
         self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         seq.history.extend([*call.draft_tokens[: verdict.num_accepted], verdict.next_token])
         return verdict
 
     # ----- bookkeeping ---------------------------------------------------
-    @property
-    def num_sequences(self) -> int:
-        return len(self.sequences)
-
-    def release(self, seq_id: str) -> bool:
+    def _release(self, seq_id: str) -> bool:
         held = self.sequences.pop(seq_id, None) is not None
         if self.engine.kv_cache.has_sequence(seq_id):
             self.engine.release(seq_id)
         return held
 
     def warmup(self) -> None:
-        """The engine's own warm-up (kernels, cost fit), then the Prefill and 5-token Verify paths once."""
+        """The engine's own warm-up (kernels, cost fit), then the Prefill, Verify and Release paths once."""
         self.engine.warmup()
-        self.run_batch([PrefillCall("__warmup__", [1, 2, 3, 4], SamplingParams())])
-        self.run_batch([VerifyCall("__warmup__", 5, [1, 2, 3, 4], None)])
-        self.release("__warmup__")
+        seq = "__warmup__"
+        greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
+        drafts = [1, 2, 3, 4]
+        q = torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab_size).float()
+        for sampling, probs in ((greedy, []), (sampled, distributions.encode_distributions(q))):
+            results = self.run_batch([PrefillCall(seq, [1, 2, 3, 4], sampling)])
+            results += self.run_batch([VerifyCall(seq, 5, drafts, probs), ReleaseCall(seq)])
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]

@@ -42,3 +42,43 @@ def save_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides) -> P
                 p.normal_(0, 0.2)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int, eos_token_id: int = TINY_COMMON["eos_token_id"],
+                        bos_token_id: int | None = TINY_COMMON["bos_token_id"]) -> Path:
+    """Write a real ``tokenizers`` WordLevel tokenizer (tokenizer.json + tokenizer_config.json); returns ``out_dir``.
+
+    Ids ``eos_token_id`` and ``bos_token_id`` are the special tokens ``</s>`` and ``<s>``, the
+    highest other id is ``<unk>``, and every other id is one printable ASCII character (``!``,
+    ``"``, ``#``...; ids past those 94 are ``w{id}``). Text is read character by character, so
+    ``"!#"`` is two tokens. ``tandem.tokenizer.load_tokenizer`` loads it with the same ids
+    whatever the model's family: for Qwen2 directories transformers insists on its own
+    byte-level BPE class, which rebuilds the model from this vocabulary with no merges, and
+    for single ASCII characters that reads text the same way.
+    """
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = {eos_token_id: "</s>"}
+    if bos_token_id is not None:
+        specials[bos_token_id] = "<s>"
+    specials[max(i for i in range(vocab_size) if i not in specials)] = "<unk>"
+    chars = iter(chr(c) for c in range(33, 127))
+    names = {i: specials.get(i) or next(chars, f"w{i}") for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel({name: i for i, name in names.items()}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex("."), behavior="isolated")]
+    )
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(list(specials.values()))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    # Every special named here: a tokenizer class with defaults of its own (Qwen2's <|endoftext|>)
+    # would otherwise add tokens past the model's vocabulary.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>",
+              "pad_token": "</s>", "bos_token": "<s>" if bos_token_id is not None else None,
+              "model_max_length": TINY_COMMON["max_position_embeddings"]}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

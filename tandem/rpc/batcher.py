@@ -16,6 +16,12 @@ same time, each slowing the other. So the loop waits for them, up to
 waits. Under load this brings streams into step: a full verify batch sends
 every stream to the draft worker at once, and back. A sequence that stops
 calling (released, or drafting nothing at k = 0) drops out after two batches.
+
+The model thread: by default each batcher has a thread of its own, and
+``run_batch`` (every change to the engine's state) runs only there. In one
+process, a draft engine's batcher and a target engine's batcher can be given
+one shared single-thread ``executor``, so the two models never compute at
+the same time (on a 2-core CPU they would only slow each other down).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, TypeVar
 
@@ -49,6 +55,7 @@ class Batcher(Generic[Item, Result]):
         on_batch: Callable[[int, int, float], None] | None = None,
         key: Callable[[Item], Hashable] | None = None,
         gather_wait_s: Callable[[], float] = lambda: 0.0,
+        executor: Executor | None = None,
     ) -> None:
         self.run_batch = run_batch
         self.cost = cost
@@ -59,8 +66,15 @@ class Batcher(Generic[Item, Result]):
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # sequences of the last two batches
         self._queue: list[_Pending[Item]] = []
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The model thread. A shared executor (see the module doc) belongs to the caller: stop() leaves it running.
+        self._owns_executor = executor is None
+        self._executor: Executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._task: asyncio.Task | None = None
+
+    @property
+    def executor(self) -> Executor:
+        """Where ``run_batch`` runs; run other engine work (warm-up) here too."""
+        return self._executor
 
     @property
     def queue_depth(self) -> int:
@@ -77,7 +91,8 @@ class Batcher(Generic[Item, Result]):
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, item: Item) -> Result:
         pending = _Pending(item, self.cost(item))

@@ -71,7 +71,8 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     server.add_service(role.add_to_server, service, role.service_full_name)
 
     async def warmup() -> None:
-        await asyncio.to_thread(role_engine.warmup)
+        # On the model thread, like every later change to the engine's state.
+        await asyncio.get_running_loop().run_in_executor(batcher.executor, role_engine.warmup)
         batcher.start()
         log.info("%s: warmed up (%d threads)", role.name, torch.get_num_threads())
 

@@ -7,12 +7,13 @@ from typing import Any
 import grpc
 
 from tandem.rpc.batcher import Batcher
+from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.server import ManagedServer
 from tandem.v1 import common_pb2
 
 
 class WorkerServiceBase:
-    """Holds a role engine (``.engine``, ``.release``, ``.num_sequences``) and its batcher."""
+    """Holds a role engine (``.engine``, ``.num_sequences``; ``run_batch`` takes ``ReleaseCall``) and its batcher."""
 
     role = "worker"
 
@@ -26,8 +27,11 @@ class WorkerServiceBase:
         self.stop_token_ids = stop_token_ids
 
     async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
-        self.batcher.forget(request.seq_id)
-        return common_pb2.ReleaseResponse(released=self.engine.release(request.seq_id))
+        # Through the batcher, so the KV pool changes only on the model thread. Taken while draining too:
+        # a release only frees.
+        held: bool = await self.batcher.submit(ReleaseCall(request.seq_id))
+        self.batcher.forget(request.seq_id)  # after the release's own batch, which counted it as cycling
+        return common_pb2.ReleaseResponse(released=held)
 
     async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
         model = self.engine.engine

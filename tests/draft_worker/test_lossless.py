@@ -1,0 +1,132 @@
+"""Speculative sampling through DraftEngine and TargetEngine is lossless, and the test can tell when it is not.
+
+The draft and target engines talk as they do over gRPC (wire messages of q,
+decoded by the target on its own), in process. Output tokens 2 and 3 of many
+seeded runs must follow the target's own two-token distribution (chi-square).
+The fault injection of ``tests.integration.faulty_draft_worker`` (the one an
+end-to-end test runs in a real worker process) is applied here too: its
+coarse wire format sent once must pass, its double encoding must fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from draft_worker.engine import DraftEngine, ProposeCall
+from tandem.rpc.calls import ReleaseCall
+from tandem.sampling import SamplingParams
+from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+from tests.integration import faulty_draft_worker
+
+SIGNIFICANCE = 1e-3
+PROMPT = [0, 3, 2, 5]
+VOCAB = 6
+
+
+@pytest.fixture(scope="module")
+def six_token_pair(tmp_path_factory):
+    """A target and an unrelated draft with 6 tokens, so two-token outcomes fit a chi-square table."""
+    from tests.tiny_models import save_tiny_model
+
+    kw = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
+    target = save_tiny_model(tmp_path_factory.mktemp("t6"), "qwen2", seed=3, **kw)
+    draft = save_tiny_model(tmp_path_factory.mktemp("d6"), "qwen2", seed=4, **kw)
+    return target, draft
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Many tiny ops: one thread is faster, and on a busy 2-core machine far faster (no OpenMP waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load(model_dir):
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+
+    return ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=16384, block_size=4))
+
+
+def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    expected = np.asarray(probs, dtype=np.float64) / np.sum(probs) * len(samples)
+    keep = expected >= 5  # merge rare outcomes into one bin so the chi-square approximation holds
+    observed, expect = np.append(counts[keep], counts[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
+    if expect[-1] == 0:
+        observed, expect = observed[:-1], expect[:-1]
+    return float(chisquare(observed, expect).pvalue)
+
+
+def exact_two_token_distribution(engine, prompt: list[int], temperature: float) -> np.ndarray:
+    """P(t2, t3) of the target alone, marginalised over t1, as a flat [vocab * vocab] array."""
+    from tandem.engine import ForwardItem
+
+    def dist(tokens):
+        logits = engine.forward([ForwardItem("exact", tokens)])[0][0]
+        engine.release("exact")
+        return torch.softmax(logits / temperature, -1).double().numpy()
+
+    joint = np.zeros((VOCAB, VOCAB))
+    p1 = dist(prompt)
+    for t1 in range(VOCAB):
+        p2 = dist([*prompt, t1])
+        for t2 in range(VOCAB):
+            joint[t2] += p1[t1] * p2[t2] * dist([*prompt, t1, t2])
+    return joint.reshape(-1)
+
+
+def ok(results: list) -> list:
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        raise failed[0]
+    return results
+
+
+def tokens_two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range, temperature: float) -> list[int]:
+    """Tokens 2 and 3 (as ``t2 * VOCAB + t3``) of one run per seed: prefill, a k=2 round, a k=1 round if needed."""
+    ids = [f"s{seed}" for seed in seeds]
+    sampling = {i: SamplingParams(temperature, seed=seed) for i, seed in zip(ids, seeds)}
+    first = ok(target.run_batch([PrefillCall(i, PROMPT, sampling[i]) for i in ids]))
+    proposals = ok(draft.run_batch([ProposeCall(i, 0, [*PROMPT, t1], 2, sampling[i]) for i, t1 in zip(ids, first)]))
+    assert all(len(p.tokens) == len(p.probs) == 2 for p in proposals)
+    verdicts = ok(target.run_batch([VerifyCall(i, len(PROMPT) + 1, p.tokens, p.probs) for i, p in zip(ids, proposals)]))
+    out = {}
+    again = []
+    for i, p, v in zip(ids, proposals, verdicts):
+        if v.num_accepted == 0:
+            again.append((i, v.next_token))  # token 2 is the recovered one; token 3 needs another round
+        else:
+            out[i] = (p.tokens[0], p.tokens[1] if v.num_accepted == 2 else v.next_token)
+    if again:
+        second = ok(draft.run_batch([ProposeCall(i, len(PROMPT) + 1, [t2], 1, sampling[i]) for i, t2 in again]))
+        final = ok(target.run_batch([VerifyCall(i, len(PROMPT) + 2, p.tokens, p.probs)
+                                     for (i, _), p in zip(again, second)]))
+        for (i, t2), p, v in zip(again, second, final):
+            out[i] = (t2, p.tokens[0] if v.num_accepted == 1 else v.next_token)
+    ok(target.run_batch([ReleaseCall(i) for i in ids]))
+    ok(draft.run_batch([ReleaseCall(i) for i in ids]))
+    return [out[i][0] * VOCAB + out[i][1] for i in ids]
+
+
+@pytest.mark.parametrize("fault,lossless", [
+    (None, True),
+    ("coarse", True),  # a coarse format, sent once: the draft samples from exactly what the target decodes
+    ("double-encoding", False),  # samples from decode(encode(q)), sends encode(decode(encode(q)))
+], ids=["float16-format", "coarse-format-sent-once", "coarse-format-encoded-twice"])
+def test_speculative_sampling_through_the_engines_follows_the_target(six_token_pair, monkeypatch, fault, lossless):
+    if fault:
+        faulty_draft_worker.install(monkeypatch.setattr, fault)
+    target_dir, draft_dir = six_token_pair
+    target, draft = TargetEngine(load(target_dir)), DraftEngine(load(draft_dir))
+    temperature, n, chunk = 1.0, 4000, 500
+    samples = [s for start in range(0, n, chunk)
+               for s in tokens_two_and_three(target, draft, range(start, start + chunk), temperature)]
+    assert target.num_sequences == draft.num_sequences == 0
+    pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target.engine, PROMPT, temperature))
+    assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

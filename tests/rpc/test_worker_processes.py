@@ -1,0 +1,164 @@
+"""Worker processes on a tiny model: they start, report TANDEM_READY, and serve their calls over gRPC.
+
+Three processes on a 6-token model (with the tiny tokenizer of
+``tests.tiny_models``): a target worker, a draft worker and the fault-injected
+draft worker of ``tests.integration.faulty_draft_worker``, which must really
+run with its coarse format and its double encoding.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.rpc.distributions import decode_distributions
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)")
+VOCAB = 6
+PROMPT = [0, 3, 2, 5]
+WORKER_ARGS = ["--port", "0", "--host", "127.0.0.1", "--kv-cache-tokens", "1024", "--block-size", "4",
+               "--threads", "1", "--log-level", "WARNING"]
+DRAFT_ARGS = ["--quantization", "none", "--vocab", "0"]  # the draft's q is then the model's own softmax
+
+
+class Worker:
+    def __init__(self, name: str, command: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.port: int | None = None
+        self.ready = threading.Event()
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_path.open("w"),
+                                     text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            match = READY.search(line)
+            if match:
+                self.port = int(match.group(2))
+                self.ready.set()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.ready.wait(timeout_s):
+            raise AssertionError(f"{self.name} not ready after {timeout_s}s; log:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny6")
+    save_tiny_model(path, "qwen2", seed=3, vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
+    return save_tiny_tokenizer(path, VOCAB, eos_token_id=1, bos_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    serve = [sys.executable, "-m", "tandem", "serve"]
+    faulty = [sys.executable, "-m", "tests.integration.faulty_draft_worker", "--fault", "double-encoding"]
+    started = {
+        "target": Worker("target", [*serve, "target", "--model", str(model_dir), *WORKER_ARGS], logs / "target.log"),
+        "draft": Worker("draft", [*serve, "draft", "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS],
+                        logs / "draft.log"),
+        "faulty": Worker("faulty", [*faulty, "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS],
+                         logs / "faulty.log"),
+    }
+    try:
+        for worker in started.values():
+            worker.wait_ready(300)
+        yield started
+    finally:
+        codes = {name: worker.stop() for name, worker in started.items()}
+    assert codes == {"target": 0, "draft": 0, "faulty": 0}, codes  # SIGTERM drains and exits cleanly
+
+
+def stubs(port: int, stub_class):
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return channel, stub_class(channel)
+
+
+def sampling(seed: int) -> common_pb2.SamplingOptions:
+    return common_pb2.SamplingOptions(temperature=1.0, seed=seed)
+
+
+def test_workers_report_ready_with_a_port(workers):
+    for name, role in (("target", "target"), ("draft", "draft"), ("faulty", "draft")):
+        assert workers[name].port and f"role={role}" in workers[name].lines[0]
+
+
+def test_a_speculative_round_over_grpc(workers):
+    t_channel, target = stubs(workers["target"].port, target_pb2_grpc.TargetWorkerStub)
+    d_channel, draft = stubs(workers["draft"].port, draft_pb2_grpc.DraftWorkerStub)
+    with t_channel, d_channel:
+        t_info, d_info = target.Info(common_pb2.WorkerInfoRequest()), draft.Info(common_pb2.WorkerInfoRequest())
+        assert t_info.vocab_size == d_info.vocab_size == VOCAB
+        assert t_info.tokenizer_fingerprint == d_info.tokenizer_fingerprint and list(t_info.stop_token_ids) == [1]
+
+        first = target.Prefill(target_pb2.PrefillRequest(seq_id="s", token_ids=PROMPT, sampling=sampling(1)))
+        proposal = draft.Propose(draft_pb2.ProposeRequest(seq_id="s", committed_len=0,
+                                                          new_tokens=[*PROMPT, first.next_token], k=2,
+                                                          sampling=sampling(1)))
+        assert len(proposal.tokens) == len(proposal.probs) == 2
+        verdict = target.Verify(target_pb2.VerifyRequest(seq_id="s", committed_len=len(PROMPT) + 1,
+                                                         draft_tokens=proposal.tokens, draft_probs=proposal.probs))
+        assert 0 <= verdict.num_accepted <= 2 and 0 <= verdict.next_token < VOCAB
+
+        # Domain errors come back as their status codes.
+        with pytest.raises(grpc.RpcError) as err:
+            target.Verify(target_pb2.VerifyRequest(seq_id="nobody", committed_len=1))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as err:
+            target.Verify(target_pb2.VerifyRequest(seq_id="s", committed_len=len(PROMPT) + 1,
+                                                   draft_tokens=proposal.tokens, draft_probs=proposal.probs[:1]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            draft.Propose(draft_pb2.ProposeRequest(seq_id="s", committed_len=99, k=1))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        for stub in (target, draft):
+            assert stub.Release(common_pb2.ReleaseRequest(seq_id="s")).released
+            assert not stub.Release(common_pb2.ReleaseRequest(seq_id="s")).released
+            info = stub.Info(common_pb2.WorkerInfoRequest())
+            assert info.active_sequences == 0 and info.free_blocks == info.total_blocks
+
+
+def test_the_faulty_worker_sends_q_coarse_and_encoded_twice(workers, model_dir, monkeypatch):
+    """Its reply decodes to encode(decode(encode(q))) in the coarse format: what its module doc promises."""
+    from tandem.config import EngineConfig
+    from tandem.engine import ForwardItem, ModelEngine
+    from tandem.rpc import distributions
+    from tests.integration import faulty_draft_worker
+
+    channel, faulty = stubs(workers["faulty"].port, draft_pb2_grpc.DraftWorkerStub)
+    with channel:
+        reply = faulty.Propose(draft_pb2.ProposeRequest(seq_id="f", committed_len=0, new_tokens=PROMPT, k=1,
+                                                        sampling=sampling(3)))
+        faulty.Release(common_pb2.ReleaseRequest(seq_id="f"))
+    received = decode_distributions(list(reply.probs), VOCAB)[0]
+
+    engine = ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=64, block_size=4))
+    q = torch.softmax(engine.forward([ForwardItem("x", PROMPT)])[0], -1)  # [1, vocab]
+    faulty_draft_worker.install(monkeypatch.setattr, "coarse")
+    once = distributions.encode_for_sampling(q).dense()
+    twice = decode_distributions(distributions.encode_distributions(once), VOCAB)
+    assert torch.allclose(received, twice[0], atol=1e-6)
+    assert (received - once[0]).abs().max() > 1e-2
