@@ -8,7 +8,7 @@ import grpc
 
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.wire import sampling_to_proto
-from tandem.sampling import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 

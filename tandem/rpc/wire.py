@@ -7,7 +7,7 @@ workers only.
 
 from __future__ import annotations
 
-from tandem.sampling import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.v1 import common_pb2
 
 
