@@ -134,9 +134,9 @@ def measure(model: str, model_dir: Path, reps: int) -> list[dict[str, Any]]:
         ids = corpus_ids(tokenizer, length)
         texts: dict[str, list[str]] = {"old": [], "old_stop": [], "new": []}
         seconds = interleaved_medians([
-            (lambda: run_full_redecode(tokenizer, ids, False, texts["old"]), None),
-            (lambda: run_full_redecode(tokenizer, ids, True, texts["old_stop"]), None),
-            (lambda: run_text_stream(tokenizer, ids, texts["new"]), None),
+            (lambda ids=ids, texts=texts: run_full_redecode(tokenizer, ids, False, texts["old"]), None),
+            (lambda ids=ids, texts=texts: run_full_redecode(tokenizer, ids, True, texts["old_stop"]), None),
+            (lambda ids=ids, texts=texts: run_text_stream(tokenizer, ids, texts["new"]), None),
         ], reps=reps, warmup=1)
         assert texts["old"] == texts["old_stop"] == texts["new"], "the two ways streamed different text"
         old, old_stop, new = (s * 1000 / length for s in seconds)

@@ -32,8 +32,16 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    DEFAULT_SPEC_BENCH, fmt, grouped_bars, load_prompts, markdown_table, new_figure, save_figure,
-    threshold_line, write_json, write_markdown,
+    DEFAULT_SPEC_BENCH,
+    fmt,
+    grouped_bars,
+    load_prompts,
+    markdown_table,
+    new_figure,
+    save_figure,
+    threshold_line,
+    write_json,
+    write_markdown,
 )
 from benchmarks.runners import engine_config, resolve_model_dir, run_ours  # noqa: E402
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options, draft_worker_args  # noqa: E402
@@ -164,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     # The coordinator allows pipelining; each request says whether it wants it (off is the local default).
     spec = ClusterSpec(target=args.target, draft=args.draft, dtype=args.dtype, pipelining=True,
                        draft_args=tuple(draft_worker_args(args)),
-                       worker_args=() if args.gather_fraction is None else ("--gather-fraction", str(args.gather_fraction)))
+                       worker_args=() if args.gather_fraction is None
+                       else ("--gather-fraction", str(args.gather_fraction)))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=1800) as client:
         through_services(cluster, client, prompts[:1], args, "draft", 1)  # warm-up
         for method, pipelining in (("draft", False), ("draft", True), ("none", False)):
@@ -191,14 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table([{c: fmt(r.get(c)) for c in columns} for r in records], columns)
     lines = [
         threshold_line("services / in-process tokens/s at batch 1", summary["services_over_in_process"], ">=", 0.9),
-        threshold_line(f"{args.concurrency}-stream aggregate / one stream", summary["aggregate_over_single_stream"], ">=", 2.0),
+        threshold_line(f"{args.concurrency}-stream aggregate / one stream",
+                       summary["aggregate_over_single_stream"], ">=", 2.0),
         threshold_line(f"speculative / target-only aggregate at {args.concurrency} streams",
                        summary["spec_over_target_only_at_concurrency"], ">=", 1.0),
         f"  info  coordinator overhead per round (inside the coordinator): "
         f"{summary['coordinator_overhead_ms_per_round']:.2f} ms",
         f"  info  time per round outside any model forward (unpipelined, gRPC + queueing + coordinator): "
         f"{summary['non_forward_ms_per_round_unpipelined']:.2f} ms",
-        f"  info  identical greedy outputs, in-process vs services: {summary['identical_outputs_in_process_vs_services']}",
+        f"  info  identical greedy outputs, in-process vs services: "
+        f"{summary['identical_outputs_in_process_vs_services']}",
     ]
     print(table)
     print("\n".join(lines))

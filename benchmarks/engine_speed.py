@@ -34,8 +34,8 @@ from benchmarks.common import (  # noqa: E402
     load_prompts,
     markdown_table,
     new_figure,
-    quick_default,
     peak_rss_mb,
+    quick_default,
     save_figure,
     threshold_line,
     write_json,
@@ -74,11 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="prompts to decode (default: 4; --quick: 2)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens generated per prompt, exactly (default: 64; --quick: 32)")
-    p.add_argument("--prefix-len", type=int, default=128, help="cached prefix of the forward probe (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=None, help="timed forwards per size; the median is kept (default: 10; --quick: 3)")
+    p.add_argument("--prefix-len", type=int, default=128,
+                   help="cached prefix of the forward probe (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed forwards per size; the median is kept (default: 10; --quick: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample (default: %(default)s)")
-    p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, help="Spec-Bench question.jsonl (default: %(default)s)")
-    p.add_argument("--cache-dir", default=None, help="Tandem model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+    p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH,
+                   help="Spec-Bench question.jsonl (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None,
+                   help="Tandem model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="results directory (default: %(default)s)")
     return p

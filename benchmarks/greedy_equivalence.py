@@ -44,7 +44,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def compare(args: argparse.Namespace, dtype: str, prompts: list) -> dict:
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
-    pipeline = LocalPipeline.load(engine_config(target_dir, dtype), "draft", SpecOptions("draft", args.k, adaptive_k=False),
+    pipeline = LocalPipeline.load(engine_config(target_dir, dtype), "draft",
+                                  SpecOptions("draft", args.k, adaptive_k=False),
                                   engine_config(draft_dir, dtype, **draft_engine_options(args)))
     spec_gen = pipeline.generator()
     plain_gen = pipeline.generator(options=SpecOptions("none", 0))

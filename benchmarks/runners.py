@@ -20,8 +20,8 @@ from benchmarks.common import interleaved_medians, timed
 from tandem import model_store
 from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
-from tandem.sampling import SamplingParams
 from tandem.inprocess import GenerationRequest, GenerationStats, SpeculativeGenerator
+from tandem.sampling import SamplingParams
 
 PROBE_SEQ = "benchmark-probe"
 

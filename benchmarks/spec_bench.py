@@ -95,35 +95,48 @@ Runner = Callable[[list[int], int], "RunOutput"]  # (prompt ids, max new tokens)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec_bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="qwen-coder-1.5b", help="target model: catalog name, HF directory or .gguf (default: %(default)s)")
-    p.add_argument("--draft", default="qwen-coder-0.5b", help="draft model for spec-draft and hf-assisted (default: %(default)s)")
+    p.add_argument("--target", default="qwen-coder-1.5b",
+                   help="target model: catalog name, HF directory or .gguf (default: %(default)s)")
+    p.add_argument("--draft", default="qwen-coder-0.5b",
+                   help="draft model for spec-draft and hf-assisted (default: %(default)s)")
     add_draft_flags(p)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {', '.join(METHODS)}; target-only is always added "
                         "(it is the baseline) (default: %(default)s)")
-    p.add_argument("--categories", default=",".join(ALL_CATEGORIES), help="comma-separated prompt categories (default: %(default)s)")
+    p.add_argument("--categories", default=",".join(ALL_CATEGORIES),
+                   help="comma-separated prompt categories (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: 3; --quick: 1)")
     p.add_argument("--limit", type=int, default=None, help="cap on the total number of prompts (smoke runs)")
     p.add_argument("--select", choices=("sample", "first"), default="sample",
-                   help="which prompts of a category: a seeded sample or the first ones in file order (default: %(default)s)")
+                   help="which prompts of a category: a seeded sample or the first ones in file order "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per prompt at most (default: 128; --quick: 32)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens generated per prompt at most (default: 128; --quick: 32)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per category, 32 tokens, 3 cost reps")
     p.add_argument("--k", type=int, default=4, help="most draft tokens per round of our methods (default: %(default)s)")
     p.add_argument("--fixed-k", action="store_true", help="our methods always draft --k tokens instead of adapting k")
-    p.add_argument("--ngram-min", type=int, default=1, help="spec-ngram: shortest n-gram matched (default: %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=1,
+                   help="spec-ngram: shortest n-gram matched (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, default=4, help="spec-ngram: longest n-gram matched (default: %(default)s)")
-    p.add_argument("--early-exit-layers", type=int, default=None, help="spec-early-exit: target layers used (default: a quarter)")
+    p.add_argument("--early-exit-layers", type=int, default=None,
+                   help="spec-early-exit: target layers used (default: a quarter)")
     p.add_argument("--hf-assistant-tokens", type=int, default=None,
-                   help="hf-assisted: draft tokens per round, constant schedule (default: --k; transformers' own default is 20)")
+                   help="hf-assisted: draft tokens per round, constant schedule "
+                        "(default: --k; transformers' own default is 20)")
     p.add_argument("--hf-pld-tokens", type=int, default=10,
-                   help="hf-prompt-lookup: prompt_lookup_num_tokens (default: %(default)s, as transformers' docs suggest)")
+                   help="hf-prompt-lookup: prompt_lookup_num_tokens "
+                        "(default: %(default)s, as transformers' docs suggest)")
     p.add_argument("--hf-pld-ngram", type=int, default=None,
                    help="hf-prompt-lookup: max_matching_ngram_size (default: transformers' own, 2)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of every model (default: %(default)s)")
-    p.add_argument("--cost-reps", type=int, default=None, help="timed forwards when measuring the cost ratio c (default: 10; --quick: 3)")
-    p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, help="Spec-Bench question.jsonl (default: %(default)s)")
-    p.add_argument("--cache-dir", default=None, help="Tandem model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype of every model (default: %(default)s)")
+    p.add_argument("--cost-reps", type=int, default=None,
+                   help="timed forwards when measuring the cost ratio c (default: 10; --quick: 3)")
+    p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH,
+                   help="Spec-Bench question.jsonl (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None,
+                   help="Tandem model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="results directory (default: %(default)s)")
     return p
@@ -142,7 +155,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.methods = [BASELINE, *[m for m in dict.fromkeys(methods) if m != BASELINE]]
     args.categories = [c.strip() for c in args.categories.split(",") if c.strip()]
     if min(args.per_category, args.max_new_tokens, args.cost_reps, args.k, args.hf_assistant_tokens) <= 0:
-        raise SystemExit("--per-category, --max-new-tokens, --cost-reps, --k and --hf-assistant-tokens must be positive")
+        raise SystemExit("--per-category, --max-new-tokens, --cost-reps, --k and --hf-assistant-tokens "
+                         "must be positive")
     if args.limit is not None and args.limit <= 0:
         raise SystemExit("--limit must be positive")
     return args
@@ -161,13 +175,12 @@ class Bench:
 
 def load_bench(args: argparse.Namespace) -> Bench:
     """Load each model once (ours and transformers' as the methods need) and build the runners."""
+    from benchmarks.runners import engine_config, resolve_model_dir
     from draft_worker.engine import early_exit_engine
     from tandem.engine import ModelEngine
     from tandem.pipeline import check_same_tokenizer
     from tandem.spec.options import SpecOptions
     from tandem.tokenizer import load_tokenizer, stop_token_ids
-
-    from benchmarks.runners import engine_config, resolve_model_dir
 
     needs_draft = bool({"spec-draft", "spec-hybrid", "hf-assisted"} & set(args.methods))
     target_dir = resolve_model_dir(args.target, args.cache_dir)
@@ -213,9 +226,8 @@ def cost_ratio(target: Any, drafter: Any, reps: int) -> float:
 
 def ours_runner(target: Any, drafter: Any, options: Any, stop_ids: frozenset[int]) -> Runner:
     """A runner over one generator kept for the whole run, so its cost model stays warm as in a server."""
-    from tandem.inprocess import SpeculativeGenerator
-
     from benchmarks.runners import run_ours
+    from tandem.inprocess import SpeculativeGenerator
 
     generator = SpeculativeGenerator(target, drafter, options)
     return lambda ids, n: run_ours(generator, ids, n, stop_ids)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 
 from draft_worker.engine import DraftReply, ProposeCall
-from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.rpc.wire import sampling_from_proto
+from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 

@@ -254,7 +254,8 @@ class CoordinatorConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
         if self.redis_url and not self.continuation_cache:
-            raise InvalidRequestError("--redis-url shares the continuation cache, which --no-continuation-cache turns off")
+            raise InvalidRequestError("--redis-url shares the continuation cache, "
+                                      "which --no-continuation-cache turns off")
         if self.redis_url:
             from tandem.spec.shared_cache import parse_redis_url
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.engine import ModelEngine

@@ -10,8 +10,8 @@ why rollback is exact: a slot past ``length`` is never read.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 

@@ -23,7 +23,6 @@ A batch runs in phases, all on the model thread (the batcher's):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
@@ -59,7 +58,7 @@ class VerifyCall:
     draft_probs: list[common_pb2.SparseDistribution]  # one per draft token; [] = a deterministic draft
 
 
-Call = Union[PrefillCall, VerifyCall, ReleaseCall]
+Call = PrefillCall | VerifyCall | ReleaseCall
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.rpc.wire import sampling_from_proto
+from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.spec.rejection import Verdict
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_worker.engine import PrefillCall, VerifyCall

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
-from tandem.sampling import SamplingParams
 from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+from tandem.sampling import SamplingParams
 
 # fp32: the same math in a different order (fused q/k/v and gate/up matmuls, paged gathers).
 # bf16: both sides round every op to 8 mantissa bits; differences grow layer by layer.
@@ -38,7 +38,8 @@ def prefill_and_decode_logits(engine: ModelEngine, ids: list[int], split: int) -
 def test_tiny_models_match_transformers(family, dtype, request):
     model_dir = request.getfixturevalue(family)
     ids = torch.randint(3, 97, (24,), generator=torch.Generator().manual_seed(0)).tolist()
-    engine = ModelEngine.load(EngineConfig(model_dir, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]))
+    engine = ModelEngine.load(EngineConfig(model_dir,
+                                           dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]))
     ours = prefill_and_decode_logits(engine, ids, split=10)
     ref = hf_logits(model_dir, dtype, ids)
     assert ours.shape == ref.shape
@@ -71,7 +72,8 @@ def test_smollm2_logits_match_transformers(smollm2_dir, dtype):
     from tandem.tokenizer import load_tokenizer
 
     ids = load_tokenizer(smollm2_dir).encode("The capital of France is Paris. The capital of Germany is")
-    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]))
+    engine = ModelEngine.load(EngineConfig(smollm2_dir,
+                                           dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]))
     ours = prefill_and_decode_logits(engine, ids, split=len(ids) - 4)
     ref = hf_logits(smollm2_dir, dtype, ids)
     assert (ours - ref).abs().max().item() < TOLERANCE_SMOLLM2[dtype]

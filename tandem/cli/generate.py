@@ -100,7 +100,9 @@ def options_from_args(args: argparse.Namespace) -> tuple[str, SpecOptions]:
     return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecOptions, EngineConfig, EngineConfig | None]:
+def configs_from_args(
+    args: argparse.Namespace,
+) -> tuple[SamplingParams, SpecOptions, EngineConfig, EngineConfig | None]:
     """Validate every flag, then resolve the models; nothing heavy is loaded yet."""
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     method, options = options_from_args(args)
@@ -111,11 +113,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpecOpt
 
         torch.set_num_threads(args.threads)
     root = model_store.cache_root_from(args.cache_dir, os.environ)
-    target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device, attention_backend=args.attention)
+    target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device,
+                          attention_backend=args.attention)
     draft = None
     if method in ("draft", "hybrid"):
-        draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device, attention_backend=args.attention,
-                             **draft_engine_options(args))
+        draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device,
+                             attention_backend=args.attention, **draft_engine_options(args))
     return sampling, options, target, draft
 
 
@@ -175,7 +178,10 @@ def run_remote(args: argparse.Namespace) -> int:
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
-        stats_dict = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True) if stats else {}
+        stats_dict = (
+            MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            if stats else {}
+        )
         print(json.dumps({"text": "".join(text_parts), "token_ids": tokens,
                           "finish_reason": last.finish_reason if last else "", "stats": stats_dict}))
     else:

@@ -24,7 +24,8 @@ def _addresses(values: list[str] | None) -> list[str]:
 
 def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=default_port, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--port", type=int, default=default_port,
+                   help="gRPC port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: a free one; default: off)")
     p.add_argument("--drain-grace", type=float, default=10.0,

@@ -15,8 +15,8 @@ import threading
 from pathlib import Path
 
 from tandem import model_store
-from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
+from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.config import DTYPES
 

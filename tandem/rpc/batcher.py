@@ -29,9 +29,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -12,7 +12,8 @@ address and the worker's own message go to the coordinator's log.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -36,7 +37,8 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 # A worker's status, as the coordinator passes it on: capacity and liveness keep their meaning;
 # everything else was a fault of the coordinator's internal call (or of the worker), not the client's.
 _WORKER_FAILURES: dict[grpc.StatusCode, tuple[type[errors.TandemError], str]] = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (errors.KVCacheExhaustedError, "the {role} workers are out of KV cache; retry later"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (errors.KVCacheExhaustedError,
+                                         "the {role} workers are out of KV cache; retry later"),
     grpc.StatusCode.UNAVAILABLE: (errors.WorkerUnavailableError, "a {role} worker is unavailable"),
     grpc.StatusCode.CANCELLED: (errors.WorkerUnavailableError, "a {role} worker call was cancelled"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (errors.WorkerDeadlineError, "a {role} worker did not answer in time"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-
 # A larger k must promise this much more throughput than a smaller one: ties go to the smaller k,
 # which wastes less work under load.
 TIE_MARGIN = 1.02
@@ -117,7 +116,8 @@ class LoadAwareCost:
             verify = self.target_base_s + self.target_per_token_s * n * (k + 1)
         else:
             verify = self.fallback.verify_base_s * (1 + self.fallback.verify_slope * k)
-        draft_step = self.draft_base_s + self.draft_per_token_s * n if self.draft_base_s > 0 else self.fallback.draft_step_s
+        draft_step = (self.draft_base_s + self.draft_per_token_s * n if self.draft_base_s > 0
+                      else self.fallback.draft_step_s)
         return k * draft_step + verify
 
 

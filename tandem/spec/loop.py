@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol, TypeVar
 
 from tandem.spec.adaptive import MAX_K, CostModel, LoadAwareCost, choose_k, expected_tokens
 from tandem.spec.options import SpecOptions

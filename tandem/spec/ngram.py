@@ -7,7 +7,7 @@ followed it are the proposal. No model, no state: cost is a vectorised scan.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

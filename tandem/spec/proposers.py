@@ -8,8 +8,9 @@ its own KV for those tokens and rolls it back to ``committed_len`` by itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from tandem.sampling_params import SamplingParams
 from tandem.spec.ngram import lookup_match

@@ -10,8 +10,9 @@ it (the acceptance test must see exactly the q the draft sampled from).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from tandem.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ import pytest
 from tandem.client import TandemClient, build_request
 from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.sampling import SamplingParams
-from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -287,7 +287,9 @@ def test_sigterm_drains_and_exits_cleanly(smollm2_dir, tmp_path):
         chunks.extend(stream)
     cluster.stop()
     assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 40
-    assert all(s.process.returncode == 0 for s in cluster.services), [(s.role, s.process.returncode) for s in cluster.services]
+    assert all(s.process.returncode == 0 for s in cluster.services), [
+        (s.role, s.process.returncode) for s in cluster.services
+    ]
 
 
 def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(smollm2_dir, tmp_path):
@@ -306,7 +308,7 @@ def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(smollm2_dir, tmp_pat
             if line.startswith("ready:"):
                 break
         address = lines[-1].split("--addr")[1].strip()
-        pids = [int(l.split("pid")[1]) for l in lines if " pid " in l]
+        pids = [int(ln.split("pid")[1]) for ln in lines if " pid " in ln]
         assert len(pids) == 3
         proc = subprocess.run([sys.executable, "-m", "tandem", "generate", "def add(a, b):", "--addr", address,
                                "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=120)

@@ -139,7 +139,7 @@ def test_entry_bound_holds_under_many_inserts_and_evicts_least_recent():
     rng = random.Random(0)
     c = cache(max_entries=5_000)
     c.learn([7, 7, 1000, 1001, 1002], final=True)
-    for i in range(100):
+    for _ in range(100):
         c.learn([rng.randrange(5000) for _ in range(200)], final=True)
         assert c.size <= 5_000
         # a context asked for more often than the table turns over stays (LRU counts lookups)

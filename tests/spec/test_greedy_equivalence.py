@@ -12,6 +12,7 @@ from tandem.sampling import SamplingParams
 from tandem.spec.options import SpecOptions
 
 PROMPTS = [[5, 17, 33], [9, 9, 9, 9, 9, 9, 9, 9], list(range(10, 40)), [61]]
+DEFAULT_SAMPLING = SamplingParams()
 
 
 def load(model_dir, tokens: int = 8192, **draft_options) -> ModelEngine:
@@ -20,7 +21,7 @@ def load(model_dir, tokens: int = 8192, **draft_options) -> ModelEngine:
 
 
 def run(target: ModelEngine, draft: ModelEngine | None = None, method: str = "none", prompts=PROMPTS, n: int = 40,
-        stop=frozenset(), sampling=SamplingParams(), k_max: int = 0, adaptive_k: bool = False, **options) -> list:
+        stop=frozenset(), sampling=DEFAULT_SAMPLING, k_max: int = 0, adaptive_k: bool = False, **options) -> list:
     """Every prompt through the in-process generator (the one loop), together: their calls share batches."""
     spec = SpecOptions(method, k_max, adaptive_k, **options)
     requests = [GenerationRequest(p, max_new_tokens=n, sampling=sampling, stop_token_ids=stop) for p in prompts]

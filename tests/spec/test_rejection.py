@@ -14,7 +14,6 @@ import torch
 from scipy.stats import chisquare
 
 from tandem.sampling import SamplingParams
-from tandem.spec import rejection
 from tandem.spec.rejection import Verdict, verify, verify_greedy, verify_sampled
 
 SIGNIFICANCE = 1e-3
@@ -153,7 +152,8 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab
     prompt, temperature, n = [0, 3, 2, 5], 1.0, 4000
     if not lossless:
         broken = lambda logits, tokens, probs, params, gen: (  # noqa: E731
-            broken_resample_from_p(logits, tokens, probs, params, gen) if tokens else verify(logits, tokens, probs, params, gen))
+            broken_resample_from_p(logits, tokens, probs, params, gen) if tokens
+            else verify(logits, tokens, probs, params, gen))
         monkeypatch.setattr(target_engine_module, "verify", broken)
     # Token 1 comes from the target's prefill, tokens 2 and 3 from speculative rounds.
     requests = [GenerationRequest(prompt, max_new_tokens=4, sampling=SamplingParams(temperature, seed=s))

@@ -21,7 +21,8 @@ class CharTokenizer:
 
 def state(max_new=50, stop_ids=(0,), stop_strings=()) -> RequestState:
     stop = StopConditions(max_new, frozenset(stop_ids), stop_strings)
-    return RequestState([ord("x")], SamplingParams(), stop, TextStream(CharTokenizer(), stop_strings, stop.stop_token_ids))
+    return RequestState([ord("x")], SamplingParams(), stop,
+                        TextStream(CharTokenizer(), stop_strings, stop.stop_token_ids))
 
 
 def ids(text: str) -> list[int]:
