@@ -42,22 +42,26 @@ def wire_values(values: torch.Tensor) -> torch.Tensor:
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """``[R, vocab]`` q -> one int32 tensor on q's device: ``[R counts | N token ids | N float16 bit patterns]``.
+    """``[R, vocab]`` q -> one integer tensor on q's device: ``[R row ends | N flat indices | N float16 bits]``.
 
-    Rows are laid out one after the other (``nonzero`` is row-major), ids increasing within a row.
+    The support is found on the flattened q (``nonzero`` returns it in order,
+    row after row), so row r's flat indices are its token ids plus
+    ``r * vocab``; ``searchsorted`` finds where each row ends without reading
+    anything back. int32 unless q has 2^31 elements or more.
     """
     if q.dim() != 2:
         raise ValueError(f"q must be [rows, vocab], got shape {tuple(q.shape)}")
-    rows, ids = (q >= MIN_WIRE_PROB).nonzero().unbind(-1)  # [N] each: the support, row by row
-    # [R]; not bincount, which on a GPU reads the largest row index back to size its output
-    counts = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device).scatter_add_(0, rows, torch.ones_like(rows))
-    bits = wire_values(q[rows, ids]).view(torch.int16)  # [N]
-    return torch.cat([counts.to(torch.int32), ids.to(torch.int32), bits.to(torch.int32)])
+    num_rows, vocab = q.shape
+    flat = (q >= MIN_WIRE_PROB).reshape(-1).nonzero().squeeze(-1)  # [N] increasing
+    ends = torch.searchsorted(flat, torch.arange(1, num_rows + 1, device=q.device) * vocab)  # [R]
+    bits = wire_values(torch.take(q, flat)).view(torch.int16)  # [N]
+    dtype = torch.int32 if q.numel() < 2**31 else torch.int64
+    return torch.cat([ends.to(dtype), flat.to(dtype), bits.to(dtype)])
 
 
 @dataclass(slots=True)
 class HostRows:
-    """A packed batch on the host: per row, its token ids (int64) and float16 wire values."""
+    """A packed batch on the host: per row, its token ids and float16 wire values (numpy)."""
 
     token_ids: list[np.ndarray]
     values: list[np.ndarray]
@@ -66,15 +70,15 @@ class HostRows:
 
 def to_host(q: torch.Tensor) -> HostRows:
     """``[R, vocab]`` on any device -> ``HostRows``, with ONE device-to-host copy."""
+    num_rows, vocab = q.shape
     packed = pack(q.detach()).cpu().numpy()  # the one copy; the rest only slices it
-    num_rows = q.shape[0]
-    counts = packed[:num_rows].astype(np.int64)
-    total = int(counts.sum())
-    ids = packed[num_rows : num_rows + total].astype(np.int64)
+    ends = packed[:num_rows].astype(np.int64)
+    total = int(ends[-1]) if num_rows else 0
+    flat = packed[num_rows : num_rows + total]
     values = packed[num_rows + total :].astype(np.int16).view(np.float16)
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    return HostRows([ids[a:b] for a, b in spans], [values[a:b] for a, b in spans], q.shape[-1])
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    spans = list(zip(starts, ends))
+    return HostRows([flat[a:b] - r * vocab for r, (a, b) in enumerate(spans)], [values[a:b] for a, b in spans], vocab)
 
 
 def messages(rows: HostRows) -> list[common_pb2.SparseDistribution]:
@@ -101,7 +105,7 @@ class WireRows:
     """
 
     messages: list[common_pb2.SparseDistribution]
-    token_ids: list[np.ndarray]  # [N_r] int64, increasing
+    token_ids: list[np.ndarray]  # [N_r] integers, increasing
     probs: list[torch.Tensor]  # [N_r] float32, > 0
     vocab_size: int
 

@@ -18,6 +18,10 @@ server starts:
   from decode(encode(q)) but its reply carries encode(decode(encode(q))),
   so the target's acceptance test uses a q the token was not drawn from.
 
+Meant for tiny vocabularies (the 6-token test models): over a real one,
+the double encoding may drop a drawn token from the support, which the
+target refuses as a malformed call rather than accepting wrongly.
+
 ``--fault coarse`` applies the coarse format alone: the control, which must
 pass the statistical test that ``double-encoding`` fails.
 
