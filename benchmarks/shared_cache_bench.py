@@ -141,14 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(CONFIGS),
                    help=f"rollout configurations, comma-separated subset of {', '.join(CONFIGS)}; "
                         "target-only is always added (the baseline) (default: all)")
-    p.add_argument("--prompts", type=int, default=None, help="HumanEval prompts of the rollouts (default: 4; --quick: 2)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="HumanEval prompts of the rollouts (default: 4; --quick: 2)")
     p.add_argument("--samples", type=int, default=None, help="samples per prompt (default: 4; --quick: 2)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens per rollout sample at most (default: 128; --quick: 24)")
     p.add_argument("--temperature", type=float, default=0.8, help="rollout sampling temperature (default: %(default)s)")
     p.add_argument("--mix-prompts", type=int, default=None,
                    help="Spec-Bench prompts, spread over its six categories; 0 skips part 2 (default: 12; --quick: 4)")
-    p.add_argument("--mix-tokens", type=int, default=None, help="greedy tokens per mix prompt (default: 96; --quick: 24)")
+    p.add_argument("--mix-tokens", type=int, default=None,
+                   help="greedy tokens per mix prompt (default: 96; --quick: 24)")
     p.add_argument("--lookup-samples", type=int, default=None,
                    help="lookups per latency scenario (>= 100); 0 skips part 3 (default: 2000; --quick: 300)")
     p.add_argument("--k", type=int, default=4, help="most draft tokens per round, adaptive (default: %(default)s)")
@@ -161,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smoke run on SmolLM2 (target and draft): 2 prompts x 2 samples x 24 tokens, "
                         "4 mix prompts x 24 tokens, 300 lookups per scenario")
     p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH,
-                   help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench/question.jsonl beside the repo)")
-    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="results directory (default: benchmarks/results)")
+                   help="Spec-Bench question.jsonl (default: benchmarks/data/spec_bench/question.jsonl)")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR,
+                   help="results directory (default: benchmarks/results)")
     return p
 
 

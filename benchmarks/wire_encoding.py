@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             support = int((q >= distributions.MIN_WIRE_PROB).sum(-1).float().mean())
             record = {"q": kind, "rows": rows, "support_per_row": support}
             names = ("encode_old_ms", "encode_new_ms", "step_old_ms", "step_new_ms")
-            calls = [(lambda: old_encode(q), None), (lambda: distributions.encode_distributions(q), None),
-                     (lambda: old_step(q, gen), None), (lambda: new_step(q, gen), None)]
+            calls = [(lambda q=q: old_encode(q), None), (lambda q=q: distributions.encode_distributions(q), None),
+                     (lambda q=q, gen=gen: old_step(q, gen), None), (lambda q=q, gen=gen: new_step(q, gen), None)]
             # Old and new alternate within each round: machine noise hits both alike.
             for name, seconds in zip(names, interleaved_medians(calls, args.reps, args.warmup)):
                 record[name] = seconds * 1e3
