@@ -94,3 +94,63 @@ def test_failed_forward_rolls_back_the_appended_tokens(tiny_qwen2_dir):
     with pytest.raises(IndexError):
         engine.forward([ForwardItem("a", [4]), ForwardItem("b", [10_000])])  # b: token id past the vocabulary
     assert engine.seq_len("a") == 3 and not engine.kv_cache.has_sequence("b")
+
+
+# ----- the kernels under the bf16 promise, on real shapes -------------------------
+# The tiny model's matmuls are too small to show every kernel switch; these shapes are
+# SmolLM2's gate/up and Qwen2-0.5B's fused q/k/v (with bias), where oneDNN's bf16 matmul
+# rounds one row differently at 1, 2-3 and 4+ rows on some CPUs.
+
+@pytest.mark.parametrize("in_features,out_features,bias", [(576, 3072, False), (896, 1152, True)])
+def test_bf16_linear_row_does_not_depend_on_how_many_rows_share_the_call(in_features, out_features, bias):
+    from tandem.models.layers import RowStableLinear
+
+    torch.manual_seed(3)
+    layer = RowStableLinear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    x = torch.randn(64, in_features).to(torch.bfloat16)  # [64, in]
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])  # [8, out], one call per row
+        for rows in (2, 3, 4, 5, 8, 17, 64):
+            n = min(rows, 8)
+            assert torch.equal(layer(x[:rows])[:n], alone[:n]), f"{rows} rows"
+
+
+def test_bf16_prefill_block_does_not_depend_on_its_neighbours():
+    from tandem.models.layers import RowBlocks, RowStableLinear
+
+    torch.manual_seed(4)
+    layer = RowStableLinear(576, 1536, bias=False).to(torch.bfloat16)
+    chunk, short = torch.randn(20, 576).to(torch.bfloat16), torch.randn(5, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = layer(chunk, RowBlocks.from_query_lens([20], 16))  # [20, out]
+        mixed = layer(torch.cat((short[:1], chunk, short[1:])), RowBlocks.from_query_lens([1, 20, 4], 16))
+        short_alone = layer(short)  # [5, out]
+    assert torch.equal(mixed[1:21], alone)
+    assert torch.equal(torch.cat((mixed[:1], mixed[21:])), short_alone)
+
+
+def test_row_blocks_group_short_runs_and_isolate_prompt_chunks():
+    from tandem.models.layers import RowBlocks
+
+    blocks = RowBlocks.from_query_lens([1, 5, 40, 1, 17, 3, 1], max_short_run=16)
+    assert blocks.sizes == (6, 40, 1, 17, 4)
+    assert blocks.prefill == (False, True, False, True, False)
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_token_is_bitwise_the_same_decoded_verified_or_batched(smollm2_dir):
+    """The promise on a real model: what the tiny model cannot show (see the shapes above)."""
+    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16", kv_cache_tokens=1024))
+    prompt = list(range(1000, 1040))
+    for seq in ("a", "b"):
+        engine.forward([ForwardItem(seq, prompt, num_logits=0)])
+    drafts = [1500, 1501, 1502, 1503, 1504]
+    steps = torch.cat([engine.forward([ForwardItem("a", [t])])[0] for t in drafts])  # [5, vocab]
+    engine.rollback("a", len(prompt))
+    verified = engine.forward([ForwardItem("a", drafts, num_logits=5)])[0]
+    assert torch.equal(verified, steps)
+    engine.rollback("a", len(prompt))
+    batched = engine.forward([
+        ForwardItem("b", [7]), ForwardItem("a", drafts, num_logits=5), ForwardItem("c", list(range(2000, 2030))),
+    ])
+    assert torch.equal(batched[1], steps)

@@ -8,6 +8,7 @@ logits match theirs on the same weights.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,25 +16,122 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@dataclass(frozen=True, slots=True)
+class RowBlocks:
+    """How a forward's flat token rows split for the linear layers; built once per forward.
+
+    ``sizes`` are consecutive row counts in token order. A block flagged in ``prefill``
+    is one sequence's long query run (a prompt chunk) and gets a matmul call of its own;
+    the other blocks hold the rows of short runs (decode, verify), whose kernel is
+    row-invariant, so they may be grouped with anything.
+    """
+
+    sizes: tuple[int, ...]
+    prefill: tuple[bool, ...]
+
+    @classmethod
+    def from_query_lens(cls, query_lens: list[int], max_short_run: int) -> RowBlocks:
+        sizes: list[int] = []
+        prefill: list[bool] = []
+        for qlen in query_lens:
+            long_run = qlen > max_short_run
+            if sizes and not long_run and not prefill[-1]:
+                sizes[-1] += qlen  # consecutive short runs share one call
+            else:
+                sizes.append(qlen)
+                prefill.append(long_run)
+        return cls(tuple(sizes), tuple(prefill))
+
+
 class RowStableLinear(nn.Linear):
     """A linear layer whose every output row is the same whether computed alone or in a batch.
 
-    oneDNN (and cuBLAS) pick a matrix-vector kernel for a single row and a
-    matrix-matrix kernel for several, and the two sum in different orders;
-    in bf16 the results then round differently now and then. Padding a
-    single row to two makes decode steps use the kernel that verification
-    uses, so a token's hidden state does not depend on how many tokens share
-    its forward pass (measured here in bf16: rows agree bitwise for 2..64
-    rows, not for 1). The padding row costs nothing measurable: the pass is
-    bound by reading the weights. fp32 goes through MKL, whose kernels change
-    below 8 rows; padding there would double the cost of a decode step for
-    differences of 1e-7, so fp32 is left alone.
+    CPU, bf16: rows of short runs (decode, verify) go through ``row_invariant_linear``,
+    whose reduction order is fixed by the number of input features alone, so a token's
+    output does not depend on how many rows share the call. A prefill run (a block
+    flagged in ``RowBlocks``: one sequence's prompt chunk) gets a oneDNN call of its
+    own (``onednn_linear``): its rows then depend on that chunk only, whatever else
+    shares the forward pass, and prefill keeps oneDNN's speed.
+
+    fp32 goes through MKL, whose kernels change with the row count; the differences
+    are about 1e-7 and fp32 makes no bitwise promise, so it is left alone.
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if x.shape[0] != 1 or x.dtype == torch.float32:
+    def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        if x.device.type != "cpu":
+            return self._padded_forward(x)
+        if blocks is None or not any(blocks.prefill):
+            return row_invariant_linear(x, self.weight, self.bias)
+        if len(blocks.sizes) == 1:
+            return onednn_linear(x, self.weight, self.bias)
+        pieces = [  # [rows, out] each
+            onednn_linear(rows, self.weight, self.bias) if prefill else row_invariant_linear(rows, self.weight, self.bias)
+            for rows, prefill in zip(x.split(blocks.sizes), blocks.prefill)
+        ]
+        return torch.cat(pieces)
+
+    def _padded_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        """CUDA: cuBLAS takes a matrix-vector kernel for one row; two rows take verification's.
+
+        The original trick, kept as it was: untested here (no GPU), and cuBLAS may change
+        kernels at larger row counts too.
+        """
+        if x.shape[0] != 1:
             return super().forward(x)
         return super().forward(torch.cat((x, torch.zeros_like(x)))).narrow(0, 0, 1)
+
+
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` on a CPU, each output row bitwise independent of the other rows.
+
+    PyTorch sends a bf16 matmul of 2+ rows to oneDNN, whose reduction order over the
+    input features changes with the row count: its GEMM driver splits that reduction
+    between threads for some shapes and not others. Measured on an Intel Xeon without
+    avx512_bf16, 2 threads, random inputs: Qwen2-0.5B's 896x151936 head rounds row 0
+    one way at 1 row (ATen's gemv), another at 2-3 rows, a third at 4+. (With 1 thread
+    2..128 rows agreed; on an AMD EPYC with avx512_bf16, 2..64 did: that is why padding
+    a lone row to two used to be enough.) With oneDNN off, PyTorch uses ATen's own
+    kernels, which compute every output element as one fp32-accumulated dot product
+    over the input features (gemv for 1 row, the same dot per element for more), so the
+    order is fixed by the number of input features: 1..128 rows agree bitwise on every
+    shape we tried, with and without bias, and that holds whatever the CPU.
+
+    The price is in rows, not bytes: the dot products convert and reduce per output
+    element, so each extra row costs more than in oneDNN. Measured here (1 thread, CPU
+    time, 896x9728): 1 row 3.4 ms either way (the old padding to 2 rows cost 5.5 ms),
+    5 rows 12.5 ms against oneDNN's 7.5, 16 rows 35 against 16, 64 rows 138 against 48.
+    Hence prefill runs, which are long and never compared with other rows, use oneDNN.
+    """
+    if _mkldnn_enabled():  # one flag for the whole process; fp32 (MKL) and int8 matmuls ignore it
+        torch.backends.mkldnn.enabled = False
+    return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` through oneDNN, PyTorch's usual route for bf16, despite the flag above.
+
+    Fast at many rows; its reduction order depends on the row count, so use it only
+    where a call's rows are always the same set (one sequence's prompt chunk). Falls
+    back to ``F.linear`` where oneDNN cannot run bf16 (no AVX512) or lacks the op.
+    """
+    if not _ONEDNN_BF16 or x.dtype == torch.float32 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _onednn_bf16_available() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):  # a build without oneDNN, or an older one
+        return False
+
+
+_ONEDNN_BF16 = _onednn_bf16_available()
+# The public property costs ~3 us a read, ~15x the C call behind it: this sits in every linear layer.
+_mkldnn_enabled = getattr(torch._C, "_get_mkldnn_enabled", lambda: torch.backends.mkldnn.enabled)
 
 
 class RMSNorm(nn.Module):
@@ -57,9 +155,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = RowStableLinear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = RowStableLinear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x, blocks).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up, blocks)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

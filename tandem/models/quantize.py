@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.models.layers import RowBlocks
 from tandem.models.transformer import CausalLM
 
 
@@ -64,7 +65,8 @@ class Int8Linear(nn.Module):
         return cls(weight_q.contiguous(), scales.to(weight.dtype), None if bias is None else bias.detach().clone(),
                    weight.detach() if keep_dense else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
+        """``blocks`` is accepted for RowStableLinear's signature and ignored: drafts make no bitwise promise."""
         if self.dense_weight is not None and x.shape[0] > INT8_MAX_ROWS:
             return nn.functional.linear(x, self.dense_weight, self.bias)
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scales.to(x.dtype))

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from tandem.attention.base import AttentionBackend, AttentionMetadata
+from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.config import ModelConfig
 from tandem.kv_cache import PagedKVCache
-from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowStableLinear, apply_rotary
+from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowBlocks, RowStableLinear, apply_rotary
 
 
 class Attention(nn.Module):
@@ -41,9 +42,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         backend_state: Any,
+        blocks: RowBlocks,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, blocks).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         out = backend.forward(
             q, kv_cache.key[self.layer_index], kv_cache.value[self.layer_index], meta, backend_state, self.scale
         )  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), blocks)
 
 
 class DecoderLayer(nn.Module):
@@ -62,9 +64,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        backend_state: Any,
+        blocks: RowBlocks,
+    ) -> torch.Tensor:  # [T, hidden]
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend, backend_state, blocks)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x), blocks)
 
 
 class CausalLM(nn.Module):
@@ -94,8 +107,10 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         state = backend.prepare(meta)
+        # Prompt chunks longer than attention's row-wise limit get matmul calls of their own.
+        blocks = RowBlocks.from_query_lens(meta.query_lens, ROWWISE_MAX_QUERY)
         for layer in self.layers[: num_layers or len(self.layers)]:
-            x = layer(x, cos, sin, kv_cache, meta, backend, state)
+            x = layer(x, cos, sin, kv_cache, meta, backend, state, blocks)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
