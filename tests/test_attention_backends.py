@@ -24,7 +24,9 @@ def random_batch(context_lens, query_lens, block_size, dtype=torch.float32, seed
     slot_rows = []
     for i, (c, q) in enumerate(zip(context_lens, query_lens)):
         slots = cache.append_slots({i: c + q})[i]
-        cache.write(0, slots, torch.randn(c + q, HKV, D, generator=g).to(dtype), torch.randn(c + q, HKV, D, generator=g).to(dtype))
+        keys = torch.randn(c + q, HKV, D, generator=g).to(dtype)
+        values = torch.randn(c + q, HKV, D, generator=g).to(dtype)
+        cache.write(0, slots, keys, values)
         slot_rows.append(slots[c:])
     meta = AttentionMetadata.build(
         list(query_lens), list(context_lens), torch.cat(slot_rows),

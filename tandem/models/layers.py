@@ -67,7 +67,9 @@ class RowStableLinear(nn.Linear):
         if len(blocks.sizes) == 1:
             return onednn_linear(x, self.weight, self.bias)
         pieces = [  # [rows, out] each
-            onednn_linear(rows, self.weight, self.bias) if prefill else row_invariant_linear(rows, self.weight, self.bias)
+            onednn_linear(rows, self.weight, self.bias)
+            if prefill
+            else row_invariant_linear(rows, self.weight, self.bias)
             for rows, prefill in zip(x.split(blocks.sizes), blocks.prefill)
         ]
         return torch.cat(pieces)

@@ -31,7 +31,6 @@ from torch import nn
 from tandem.models.layers import RowBlocks
 from tandem.models.transformer import CausalLM
 
-
 # Above this many rows the dense matmul is faster than the int8 one (measured crossover: 8..32 rows).
 INT8_MAX_ROWS = 16
 
@@ -58,7 +57,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_dense: bool = False) -> Int8Linear:
-        """Symmetric per-row quantization of a float ``[out, in]`` weight."""
+        """Symmetric per-row quantization of a ``[out, in]`` float weight."""
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
         weight_q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
