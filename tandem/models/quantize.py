@@ -56,7 +56,8 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight_q.shape
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_dense: bool = False) -> Int8Linear:
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    keep_dense: bool = False) -> Int8Linear:
         """Symmetric per-row quantization of a ``[out, in]`` float weight."""
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
