@@ -41,6 +41,7 @@ from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling import SamplingParams, probabilities, sample
 from tandem.spec.adaptive import MAX_K
+from tandem.spec.proposers import common_prefix_len
 from tandem.v1 import common_pb2
 
 __all__ = ["ProposeCall", "ReleaseCall", "DraftReply", "DraftEngine", "DraftSequence", "early_exit_engine",
@@ -84,14 +85,6 @@ class _Plan:
     kv_len: int  # KV length after drafting
     drafted: list[int] = field(default_factory=list)
     probs: list[common_pb2.SparseDistribution] = field(default_factory=list)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def early_exit_engine(target: ModelEngine, num_layers: int, *, num_blocks: int | None = None) -> ModelEngine:
