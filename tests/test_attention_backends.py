@@ -135,3 +135,37 @@ def test_real_flash_kernel_matches_reference():  # pragma: no cover - runs on GP
     got = FlashAttention(256, flash_attn).forward(query.cuda(), cache.key[0], cache.value[0], meta_cuda, None, D**-0.5)
     want = run(ReferenceAttention(), cache, meta, query)
     assert (got.cpu().float() - want.float()).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN-on", "oneDNN-off"])
+def test_sdpa_bf16_token_is_bitwise_the_same_decoded_verified_or_batched(onednn, monkeypatch):
+    """The attention half of the bf16 promise, on Qwen2-0.5B's head layout (14 query heads on 2 KV heads).
+
+    With oneDNN on or off (RowStableLinear turns it off for the process; SDPA's inner matmuls follow).
+    """
+    heads, kv_heads, dim, block = 14, 2, 64, 16
+    g = torch.Generator().manual_seed(5)
+    cache = PagedKVCache(1, 32, block, kv_heads, dim, torch.bfloat16)
+    lens = {"a": 105, "b": 43, "c": 60}
+    slots = cache.append_slots(lens)
+    for seq, n in lens.items():
+        kv = torch.randn(2, n, kv_heads, dim, generator=g).to(torch.bfloat16)
+        cache.write(0, slots[seq], kv[0], kv[1])
+    queries = {s: torch.randn(n, heads, dim, generator=g).to(torch.bfloat16) for s, n in lens.items()}
+    backend = SdpaAttention(torch.bfloat16)
+
+    def attend(runs: list[tuple[str, int, int]]) -> torch.Tensor:  # (sequence, context, new tokens) each
+        meta = AttentionMetadata.build(
+            [q for _, _, q in runs], [c for _, c, _ in runs],
+            torch.cat([slots[s][c : c + q] for s, c, q in runs]),
+            cache.block_table([s for s, _, _ in runs]), block, torch.device("cpu"),
+        )
+        query = torch.cat([queries[s][c : c + q] for s, c, q in runs])
+        return backend.forward(query, cache.key[0], cache.value[0], meta, backend.prepare(meta), dim**-0.5)
+
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    decoded = torch.cat([attend([("a", 100 + i, 1)]) for i in range(5)])  # [5, H, D]
+    verified = attend([("a", 100, 5)])
+    batched = attend([("b", 40, 3), ("a", 100, 5), ("c", 40, 20)])[3:8]
+    assert torch.equal(verified, decoded)
+    assert torch.equal(batched, decoded)

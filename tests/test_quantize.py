@@ -66,12 +66,30 @@ def test_bad_draft_options_are_named(tiny_qwen2_dir, options, field):
         EngineConfig(tiny_qwen2_dir, **options)
 
 
-def test_prefill_sized_inputs_use_the_dense_weight():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_inputs_use_the_int8_weights_too(dtype):
+    """Long inputs may take a faster kernel (see Int8Linear), never a different weight."""
     from tandem.models.quantize import INT8_MAX_ROWS
 
     torch.manual_seed(2)
     weight = torch.randn(32, 16)
-    layer = Int8Linear.from_weight(weight, keep_dense=True)
-    long_x, short_x = torch.randn(INT8_MAX_ROWS + 1, 16), torch.randn(2, 16)
-    assert torch.equal(layer(long_x), torch.nn.functional.linear(long_x, weight))
-    assert not torch.equal(layer(short_x), torch.nn.functional.linear(short_x, weight))
+    layer = Int8Linear.from_weight(weight.to(dtype), bias=torch.randn(32).to(dtype))
+    long_x = torch.randn(3 * INT8_MAX_ROWS, 16).to(dtype)
+    in_short_calls = torch.cat([layer(part) for part in long_x.split(INT8_MAX_ROWS)])  # int8 kernel only
+    on_dequantized = torch.nn.functional.linear(long_x, layer.dequantized(dtype), layer.bias)
+    # bf16: the dequantized weight itself is rounded to bf16 (2^-9 relative), over 16 inputs of size ~1.
+    tolerance = {torch.float32: {"rtol": 0, "atol": 1e-4}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 0.1}}[dtype]
+    torch.testing.assert_close(layer(long_x), in_short_calls, **tolerance)
+    torch.testing.assert_close(layer(long_x), on_dequantized, **tolerance)
+    dense = torch.nn.functional.linear(long_x, weight.to(dtype), layer.bias)
+    assert not torch.equal(layer(long_x), dense)  # the int8 grid, not the dense weight
+
+
+def test_lean_draft_holds_no_dense_copy_of_its_layers(tiny_qwen2_dir):
+    lean = load(tiny_qwen2_dir, quantization="int8")
+    int8_layers = [m for m in lean.model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8_layers) == 4 * lean.config.num_layers + 1
+    for m in int8_layers:  # every tensor it holds is a registered one: no unregistered dense copy
+        assert not [k for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+    layer_matrices = [n for n, t in lean.model.layers.state_dict().items() if t.dim() == 2 and t.is_floating_point()]
+    assert layer_matrices == []

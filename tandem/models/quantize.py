@@ -7,13 +7,12 @@ from. So a draft may trade a little agreement with the target for speed,
 and on a CPU a decode step is bound by reading the weights:
 
 * int8 weights with one scale per output channel halve the bytes read.
-  ``aten._weight_int8pack_mm`` dequantizes in registers; measured here it
-  runs a 896x151936 bf16 matmul in 4.2 ms against 11.6 ms for bf16 weights.
-  It works row by row, though: at 400 rows (a prompt's prefill) it took
-  21.9 ms where the bf16 matmul took 9.2. So the dense weight is kept too,
-  and inputs of more than ``INT8_MAX_ROWS`` rows use it. (The draft's cache
-  then holds prompt K/V from the dense weights and drafted K/V from the
-  int8 ones; both are the draft's guesses, which the target checks.)
+  ``aten._weight_int8pack_mm`` dequantizes in registers; on the machine
+  this was first written on it ran a 896x151936 bf16 matmul in 4.2 ms
+  against 11.6 ms for bf16 weights. It works row by row, though, so a
+  prompt's prefill may go faster on a dense weight: see ``Int8Linear``
+  for when, and why no dense copy is kept beside the int8 one. (All of the
+  draft's K/V then comes from the int8 weights.)
 * Byte-level BPE vocabularies are ordered by merge rank, so the first ids
   are the most common tokens. Keeping lm_head rows for the first
   ``vocab_limit`` ids cuts Qwen's 151936-row head (27% of the 0.5B draft's
@@ -28,49 +27,79 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.layers import RowBlocks
+from tandem.models.layers import RowBlocks, onednn_linear
 from tandem.models.transformer import CausalLM
 
-# Above this many rows the dense matmul is faster than the int8 one (measured crossover: 8..32 rows).
+# Above this many rows a dense matmul may beat the int8 one (crossover measured at 8..32 rows where it does).
 INT8_MAX_ROWS = 16
 
 
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale).T + bias`` with ``q`` int8 ``[out, in]`` and one scale per output row.
 
-    Inputs of more than ``INT8_MAX_ROWS`` rows go through ``dense_weight`` when one is kept.
+    No dense copy of the weight is kept. A lean Qwen2.5-0.5B draft (int8, 32768-id
+    head) in bf16 held one beside the int8 weights for prefill: 682 MB of its 1312 MB
+    of tensors, so its RSS (1834 MB after a prefill and a decode step) exceeded the
+    plain bf16 model's (1715 MB). Without it: 630 MB of tensors, RSS 1140 MB (in fp32,
+    with load_model no longer keeping the checkpoint's mmap alive: 3441 -> 1600 MB).
+    What prefill gained from the copy depends on the CPU, and a copy made per call
+    gets most of it:
+
+    * bf16 on a CPU without avx512_bf16/AMX (oneDNN emulates bf16): the int8 kernel
+      beats the dense bf16 matmul at every row count measured (896x9728, 1 thread:
+      1 row 1.7 vs 2.9 ms, 128 rows 71 vs 88 ms), and a whole 128-token prefill of
+      that draft took 4.16 s through int8 against 4.33 s with the dense copy
+      (512 tokens: 16.2 vs 16.8 s). The int8 kernel serves every input.
+    * fp32: the int8 kernel has no fast path (896x9728 at 128 rows: 2.0 s against
+      40 ms for MKL), so inputs of more than ``INT8_MAX_ROWS`` rows dequantize the
+      weight for the call (a transient ``[out, in]`` tensor) and use MKL: the
+      128-token prefill took 3.3 s that way, 1.7 s with a dense copy, 127 s in int8.
+    * bf16 with avx512_bf16 or AMX: oneDNN's bf16 matmul was the faster one at
+      prefill sizes where this was first measured, so long inputs dequantize for the
+      call as in fp32 (not measured here: this machine has neither).
     """
 
-    def __init__(
-        self,
-        weight_q: torch.Tensor,
-        scales: torch.Tensor,
-        bias: torch.Tensor | None,
-        dense_weight: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, weight_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("weight_q", weight_q)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out], activation dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.dense_weight = dense_weight  # [out, in] float, or None
         self.out_features, self.in_features = weight_q.shape
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    keep_dense: bool = False) -> Int8Linear:
-        """Symmetric per-row quantization of a ``[out, in]`` float weight."""
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """Symmetric per-row quantization of a float ``[out, in]`` weight."""
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
         weight_q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(weight_q.contiguous(), scales.to(weight.dtype), None if bias is None else bias.detach().clone(),
-                   weight.detach() if keep_dense else None)
+        return cls(weight_q.contiguous(), scales.to(weight.dtype), None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
         """``blocks`` is accepted for RowStableLinear's signature and ignored: drafts make no bitwise promise."""
-        if self.dense_weight is not None and x.shape[0] > INT8_MAX_ROWS:
-            return nn.functional.linear(x, self.dense_weight, self.bias)
-        out = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scales.to(x.dtype))
+        if x.shape[0] > INT8_MAX_ROWS and _dense_beats_int8(x.dtype):
+            return onednn_linear(x, self.dequantized(x.dtype), self.bias)
+        out = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scales.to(x.dtype))  # [T, out]
         return out if self.bias is None else out + self.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """``q * scale`` as a new ``[out, in]`` tensor of ``dtype``, for one call."""
+        return self.weight_q * self.scales.to(dtype)[:, None]  # int8 * float promotes: one pass
+
+
+def _native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware (avx512_bf16 or AMX), so oneDNN's bf16 matmul is fast."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # older torch: assume the common case, emulated bf16
+        return False
+
+
+_NATIVE_BF16 = _native_bf16()
+
+
+def _dense_beats_int8(dtype: torch.dtype) -> bool:
+    """Whether a prompt-sized input is faster on a per-call dequantized weight (see Int8Linear)."""
+    return dtype != torch.bfloat16 or _NATIVE_BF16
 
 
 def shrink_for_drafting(model: CausalLM, quantization: str, vocab_limit: int | None) -> CausalLM:
@@ -78,14 +107,16 @@ def shrink_for_drafting(model: CausalLM, quantization: str, vocab_limit: int | N
     head_rows = model.config.vocab_size if vocab_limit is None else min(vocab_limit, model.config.vocab_size)
     head_weight = model.lm_head.weight[:head_rows]  # [V', hidden]; a view, so a tied embedding stays shared
     if quantization == "int8":
-        for layer in model.layers:  # prefills keep the dense weights: see INT8_MAX_ROWS
+        for layer in model.layers:  # the dense weights are freed as their modules go: see Int8Linear
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = Int8Linear.from_weight(attn.qkv_proj.weight, attn.qkv_proj.bias, keep_dense=True)
-            attn.o_proj = Int8Linear.from_weight(attn.o_proj.weight, keep_dense=True)
-            mlp.gate_up_proj = Int8Linear.from_weight(mlp.gate_up_proj.weight, keep_dense=True)
-            mlp.down_proj = Int8Linear.from_weight(mlp.down_proj.weight, keep_dense=True)
-        model.lm_head = Int8Linear.from_weight(head_weight)  # one row per sequence: always int8
+            attn.qkv_proj = Int8Linear.from_weight(attn.qkv_proj.weight, attn.qkv_proj.bias)
+            attn.o_proj = Int8Linear.from_weight(attn.o_proj.weight)
+            mlp.gate_up_proj = Int8Linear.from_weight(mlp.gate_up_proj.weight)
+            mlp.down_proj = Int8Linear.from_weight(mlp.down_proj.weight)
+        model.lm_head = Int8Linear.from_weight(head_weight)  # scores few rows per sequence: int8 fits
     elif head_rows < model.config.vocab_size:
+        if model.lm_head.weight is not model.embed_tokens.weight:
+            head_weight = head_weight.clone()  # an untied head's other rows are freed with it
         head = nn.Linear(model.config.hidden_size, head_rows, bias=False)
         head.weight = nn.Parameter(head_weight, requires_grad=False)
         model.lm_head = head

@@ -71,7 +71,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: to
             raise ModelFileError(
                 f"tensor for {name} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
             )
-        state[name] = value.to(dtype=dtype, device=device)
+        # A copy even when dtype and device already match: safetensors hands out views of the file's
+        # mmap, and one kept view keeps the whole mapping alive, with every page load_model read
+        # counted in the RSS (a lean fp32 Qwen2.5-0.5B draft: 2547 MB RSS for 890 MB of tensors).
+        state[name] = value.to(dtype=dtype, device=device, copy=len(parts) == 1)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
