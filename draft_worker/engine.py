@@ -238,6 +238,8 @@ class DraftEngine:
         if not call.sampling.is_greedy and seq.generator is None:
             seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
             seq.generator = SamplingParams(1.0, seed=seed).make_generator()
+        if seq.generator is not None:  # seeded: the draws of the positions drafted next, on any replica
+            call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
 
     def _draft(self, plans: list[_Plan]) -> None:
         """k decode steps, every sequence still drafting in each step's one forward pass."""
