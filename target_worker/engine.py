@@ -220,28 +220,13 @@ class TargetEngine:
         return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
 
     def _admit(self, plans: list[_Plan], results: list) -> None:
-        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold; change nothing.
-
-        A call's need is its blocks after the batch minus the blocks it holds now
-        (negative for a verify that rolls back more than it appends). Calls
-        that give blocks back are admitted first, then the others in order.
-        """
-        cache = self.engine.kv_cache
-        need = {}
-        for plan in plans:
-            held = len(cache.sequence(plan.call.seq_id).block_ids) if cache.has_sequence(plan.call.seq_id) else 0
-            need[plan.index] = cache.blocks_needed(plan.kv_len) - held
-        free = cache.num_free_blocks + sum(-n for n in need.values() if n <= 0)
-        for plan in plans:
-            n = need[plan.index]
-            if n <= 0:
-                continue
-            if n <= free:
-                free -= n
-            else:
+        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold; change nothing."""
+        lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
+        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths)):
+            if short is not None:
                 results[plan.index] = KVCacheExhaustedError(
-                    f"KV cache full: sequence {plan.call.seq_id!r} needs {n} more blocks, {free} are left; retry later"
-                )
+                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
+                    "retry later")
 
     def _apply(self, plan: _Plan) -> None:
         """The admitted call's changes before the forward pass."""
