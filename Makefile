@@ -16,7 +16,7 @@ STUBS := $(foreach name,common draft target generation,tandem/v1/$(name)_pb2.py 
 SETUP_STAMP := $(VENV)/.tandem-setup
 SETUP_DEV_STAMP := $(VENV)/.tandem-setup-dev
 
-.PHONY: setup setup-dev models-ci models demo test test-fast install-check bench bench-quick lint clean
+.PHONY: setup setup-dev models-ci models demo test test-fast soak install-check bench bench-quick lint clean
 
 setup: $(SETUP_STAMP)  ## .venv with Tandem installed editable (CPU torch first; stubs generated)
 
@@ -52,6 +52,11 @@ test: setup-dev models-ci  ## the whole test suite (unit + integration on real m
 
 test-fast: setup-dev  ## unit tests only, no model downloads
 	$(PYTHON) -m pytest -q -m "not slow"
+
+SOAK_SECONDS ?= 300
+soak: setup-dev models-ci  ## 64 concurrent streams for SOAK_SECONDS; figures to benchmarks/results/soak.json
+	TANDEM_SOAK_SECONDS=$(SOAK_SECONDS) TANDEM_SOAK_REPORT=benchmarks/results/soak.json \
+		$(PYTHON) -m pytest -q -s tests/integration/test_soak.py
 
 install-check: models-ci  ## `pip install .` (not editable) into a fresh venv, then run it from outside the checkout
 	VENV_PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash .ci/install_check.sh

@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from coordinator.workers import WorkerClient, WorkerPool
+from coordinator.placement import Placement
+from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
@@ -42,8 +43,7 @@ class _Request:
     request_id: str
     state: RequestState
     options: SpecOptions
-    target: WorkerClient
-    draft: WorkerClient | None
+    placement: Placement
     loop: SpeculationLoop
     emitted_tokens: int = 0
 
@@ -131,25 +131,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> _Request:
         self.server.check_accepting()
         state, options = self._validate(request)
-        target = self.targets.pick()
-        draft = self.drafts.pick() if options.uses_draft else None
-        key = (options.method, draft.address if draft else "", target.address)
-        costs = self.costs.setdefault(key, CostModel())
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
+                              self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc())
+        key = (options.method, placement.draft.address if placement.draft else "", placement.target.address)
+        costs = self.costs.setdefault(key, CostModel())
         request_id = request.request_id or uuid.uuid4().hex[:16]
         seq_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # request ids are the client's: not unique
-        loop = SpeculationLoop(state, seq_id, options, target.for_request(deadline),
-                               draft.for_request(deadline) if draft else None, costs, self.max_context,
-                               self.observer, self.cache)
-        return _Request(request_id, state, options, target, draft, loop)
+        loop = SpeculationLoop(state, seq_id, options, placement.verifier(), placement.draft_channel(), costs,
+                               self.max_context, self.observer, self.cache, replicas=placement)
+        return _Request(request_id, state, options, placement, loop)
 
     async def _drive(self, run: _Request) -> AsyncIterator[None]:
         state, metrics = run.state, self.metrics
         metrics.active.inc()
-        run.target.active += 1
-        if run.draft is not None:
-            run.draft.active += 1
+        run.placement.enter()
         outcome = "error"
         emitted = 0
         last = state.stats.started_at
@@ -171,12 +168,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             outcome = "cancelled"
             raise
         finally:
-            run.target.active -= 1
-            if run.draft is not None:
-                run.draft.active -= 1
+            run.placement.leave()
             metrics.active.dec()
             metrics.requests.labels(outcome).inc()
             stats = state.stats
+            if stats.preemptions:
+                metrics.preemptions.inc(stats.preemptions)
             if stats.drafted:
                 metrics.acceptance_rate.observe(stats.acceptance_rate)
             if stats.rounds:
@@ -237,7 +234,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             accepted=st.accepted, rounds=st.rounds, mean_accepted_len=st.mean_accepted_len,
             acceptance_rate=st.acceptance_rate, tokens_per_s=st.tokens_per_s,
             time_to_first_token_s=st.first_token_s, elapsed_s=st.elapsed_s, method=run.options.method,
-            draft_worker=run.draft.address if run.draft else "", target_worker=run.target.address)
+            draft_worker=run.placement.draft.address if run.placement.draft else "",
+            target_worker=run.placement.target.address, target_moves=st.target_moves, draft_moves=st.draft_moves,
+            preemptions=st.preemptions)
 
 
 def _field(name: str, make: Any) -> Any:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 2.0
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the client's deadline
+REPLACEMENT_POLL_S = 0.5  # while a request waits for a healthy replica to move to
 
 
 class WorkerClient:
@@ -57,7 +58,7 @@ class WorkerClient:
             return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.healthy = False
+                self.healthy = False  # skipped by new requests until its Info answers again
             raise worker_failure(exc, self.role, self.address) from None
 
     async def refresh(self) -> None:
@@ -110,6 +111,19 @@ class RequestChannel:
             timeout = min(timeout, left)
         return timeout
 
+    async def _call(self, method: str, request: Any) -> Any:
+        """One call bounded by the request's deadline; a replica that outlasts the internal call
+        timeout instead (it hangs) is marked unhealthy and reported as unavailable, so that the
+        request moves and new requests skip it until its Info answers again."""
+        timeout = self._timeout()
+        try:
+            return await self.client.call(method, request, timeout)
+        except WorkerDeadlineError:
+            if timeout < self.client.call_timeout_s:
+                raise  # the client's own deadline: nothing to move for
+            self.client.healthy = False
+            raise WorkerUnavailableError(f"a {self.client.role} worker did not answer in time") from None
+
     @property
     def streams(self) -> int:
         return self.client.streams
@@ -117,24 +131,23 @@ class RequestChannel:
     def fitted_cost(self) -> FittedCost | None:
         return self.client.fitted_cost()
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
-        reply = await self.client.call("Prefill", target_pb2.PrefillRequest(
-            seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling)), self._timeout())
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
+        reply = await self._call("Prefill", target_pb2.PrefillRequest(
+            seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len))
         return reply.next_token
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution]) -> tuple[int, int]:
         # draft_probs are the draft's own messages, passed on untouched: the q it sampled from.
-        reply = await self.client.call("Verify", target_pb2.VerifyRequest(
-            seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs),
-            self._timeout())
+        reply = await self._call("Verify", target_pb2.VerifyRequest(
+            seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs))
         return reply.num_accepted, reply.next_token
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
-        reply = await self.client.call("Propose", draft_pb2.ProposeRequest(
+        reply = await self._call("Propose", draft_pb2.ProposeRequest(
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
-            sampling=sampling_to_proto(sampling)), self._timeout())
+            sampling=sampling_to_proto(sampling)))
         return list(reply.tokens), list(reply.probs)
 
     async def release(self, seq_id: str) -> None:
@@ -154,13 +167,32 @@ class WorkerPool:
     def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float) -> WorkerPool:
         return cls(role, [WorkerClient(a, role, call_timeout_s) for a in addresses])
 
-    def pick(self) -> WorkerClient:
-        healthy = [c for c in self.clients if c.healthy] or self.clients
-        if not healthy:
+    def pick(self, avoid: WorkerClient | None = None) -> WorkerClient:
+        """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort."""
+        candidates = [c for c in self.clients if c.healthy and c is not avoid]
+        candidates = candidates or [c for c in self.clients if c.healthy] or self.clients
+        if not candidates:
             raise WorkerUnavailableError(f"no {self.role} workers configured")
-        best = max(healthy, key=lambda c: c.score())
+        best = max(candidates, key=lambda c: c.score())
         best.placed_since_poll += 1
         return best
+
+    async def replacement(self, failed: WorkerClient | None, wait_s: float) -> WorkerClient | None:
+        """A healthy replica other than ``failed``, waiting up to ``wait_s`` for one (a restarting
+        replica, ``failed`` itself included once it answers again); None if none turns up."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            healthy = [c for c in self.clients if c.healthy and c is not failed]
+            if healthy:
+                return self.pick(avoid=failed)
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(REPLACEMENT_POLL_S)
+            if failed is not None:
+                await failed.refresh()  # back (restarted, or no longer hung)? then it counts again
+                if failed.healthy:
+                    failed = None
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(c.refresh() for c in self.clients))

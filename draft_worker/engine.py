@@ -208,23 +208,12 @@ class DraftEngine:
 
     def _admit(self, plans: list[_Plan], results: list) -> None:
         """Refuse (KVCacheExhaustedError) the calls the pool cannot hold through all k steps; change nothing."""
-        cache = self.engine.kv_cache
-        need = {}
-        for plan in plans:
-            seq_id = plan.call.seq_id
-            held = len(cache.sequence(seq_id).block_ids) if cache.has_sequence(seq_id) else 0
-            need[plan.index] = cache.blocks_needed(plan.kv_len) - held
-        free = cache.num_free_blocks + sum(-n for n in need.values() if n <= 0)
-        for plan in plans:
-            n = need[plan.index]
-            if n <= 0:
-                continue
-            if n <= free:
-                free -= n
-            else:
+        lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
+        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths)):
+            if short is not None:
                 results[plan.index] = KVCacheExhaustedError(
-                    f"KV cache full: sequence {plan.call.seq_id!r} needs {n} more blocks, {free} are left; retry later"
-                )
+                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
+                    "retry later")
 
     def _apply(self, plan: _Plan) -> None:
         """Record the admitted call's tokens and roll its KV back to the prefix still valid."""
@@ -238,6 +227,8 @@ class DraftEngine:
         if not call.sampling.is_greedy and seq.generator is None:
             seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
             seq.generator = SamplingParams(1.0, seed=seed).make_generator()
+        if seq.generator is not None:  # seeded: the draws of the positions drafted next, on any replica
+            call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
 
     def _draft(self, plans: list[_Plan]) -> None:
         """k decode steps, every sequence still drafting in each step's one forward pass."""

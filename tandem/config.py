@@ -236,6 +236,8 @@ class CoordinatorConfig:
     # The continuation cache shared by every coordinator (redis:// or rediss://); None: in-process only.
     redis_url: str | None = None
     continuation_cache: bool = True  # False: n-gram proposals from the request's own text only
+    max_moves: int = 3  # times one request may move to another replica of a role after a fault
+    move_wait_s: float = 30.0  # how long a moving request waits for a healthy target replica
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
@@ -249,7 +251,9 @@ class CoordinatorConfig:
             raise InvalidRequestError("default max new tokens must be positive")
         if self.default_k < 0:
             raise InvalidRequestError(f"default k must be >= 0, got {self.default_k}")
-        if self.call_timeout_s <= 0 or self.info_poll_s <= 0:
+        if self.max_moves < 0:
+            raise InvalidRequestError(f"--max-moves must be >= 0, got {self.max_moves}")
+        if self.call_timeout_s <= 0 or self.info_poll_s <= 0 or self.move_wait_s < 0:
             raise InvalidRequestError("timeouts and poll intervals must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")

@@ -73,8 +73,8 @@ class LocalTarget:
     def fitted_cost(self) -> FittedCost | None:
         return _fitted(self.engine.engine)
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
-        return await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling))
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
+        return await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len))
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any]) -> tuple[int, int]:

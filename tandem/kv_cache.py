@@ -83,6 +83,27 @@ class PagedKVCache:
         have, length = (len(seq.block_ids), seq.length) if seq else (0, 0)
         return max(0, self.blocks_needed(length + num_new) - have)
 
+    def admit(self, lengths: list[tuple[SeqId, int]]) -> list[int | None]:
+        """Which of a batch's calls the pool can hold, changing nothing.
+
+        ``lengths``: per call, its sequence and the KV length it will have after the batch.
+        A call's need is the blocks at that length minus the blocks it holds now (negative for
+        one that rolls back more than it appends). Calls that give blocks back count first,
+        then the others in order. Returns, per call, None when admitted, else the blocks it
+        would need beyond what is left.
+        """
+        need = [self.blocks_needed(length) - (len(self._seqs[s].block_ids) if s in self._seqs else 0)
+                for s, length in lengths]
+        free = self.num_free_blocks + sum(-n for n in need if n <= 0)
+        refused: list[int | None] = []
+        for n in need:
+            if n <= free:
+                free -= max(0, n)
+                refused.append(None)
+            else:
+                refused.append(n - free)
+        return refused
+
     def can_append(self, appends: dict[SeqId, int]) -> bool:
         return sum(self.extra_blocks_for(s, n) for s, n in appends.items()) <= len(self._free)
 

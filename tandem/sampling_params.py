@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,3 +40,15 @@ class SamplingParams:
 
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         return torch.Generator(device=device).manual_seed(seed)
+
+    def seed_at(self, generator: torch.Generator, position: int, stream: int = 0) -> None:
+        """Seeded requests draw the randomness of each position from (seed, stream, position) alone.
+
+        A request rebuilt on another replica after a fault then goes on with the very draws it
+        would have made where it was, so a seeded stream survives a move (given the same rounds).
+        ``stream`` keeps the draft's draws apart from the target's. Unseeded requests keep one
+        stream from ``make_generator``.
+        """
+        if self.seed is not None:
+            digest = hashlib.blake2b(f"{self.seed}:{stream}:{position}".encode(), digest_size=8).digest()
+            generator.manual_seed(int.from_bytes(digest, "little") >> 1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
@@ -48,6 +49,7 @@ class PrefillCall:
     seq_id: str
     token_ids: list[int]
     sampling: SamplingParams
+    prompt_len: int = 0  # a rebuild: the prompt's length, the rest was generated; 0: all of it is prompt
 
 
 @dataclass(slots=True)
@@ -76,7 +78,20 @@ class _Plan:
     call: PrefillCall | VerifyCall
     item: ForwardItem
     kv_len: int  # KV length of the sequence once the forward pass has run
+    # A rebuild's runs fed (alone, no logits) before the batched pass: the prompt, then generated
+    # tokens in runs short enough for the row-invariant kernels that computed them the first time.
+    before: list[list[int]] = field(default_factory=list)
     q: torch.Tensor | None = None  # decoded draft_probs [k, vocab] (CPU), sampled Verify only
+
+
+def rebuild_runs(token_ids: list[int], prompt_len: int) -> list[list[int]]:
+    """How a Prefill feeds its tokens: the prompt as one run, then (a rebuild) the generated tokens
+    in runs of at most ``ROWWISE_MAX_QUERY``. Rows of such short runs go through the row-invariant
+    kernels that verification used, so the rebuilt KV is bitwise the KV the request had."""
+    prompt_len = prompt_len or len(token_ids)
+    generated = token_ids[prompt_len:]
+    return [list(token_ids[:prompt_len]),
+            *(generated[i:i + ROWWISE_MAX_QUERY] for i in range(0, len(generated), ROWWISE_MAX_QUERY))]
 
 
 class TargetEngine:
@@ -138,6 +153,7 @@ class TargetEngine:
         if admitted:  # phase 3
             for plan in admitted:
                 self._apply(plan)
+            admitted = self._rebuild(admitted, results)
             try:
                 logits = self.engine.forward([p.item for p in admitted])
             except Exception as exc:  # noqa: BLE001 - the pass failed: each call gets the error
@@ -167,8 +183,17 @@ class TargetEngine:
                 raise InvalidRequestError(
                     f"prompt of {len(call.token_ids)} tokens exceeds the context of {self.max_context}"
                 )
-            item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1)
-            return _Plan(index, call, item, kv_len=len(call.token_ids))
+            if not call.prompt_len:
+                item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1)
+                return _Plan(index, call, item, kv_len=len(call.token_ids))
+            # A rebuild: the whole history; the KV of all but its last token, and nothing sampled.
+            if not 0 < call.prompt_len < len(call.token_ids):
+                raise InvalidRequestError(
+                    f"prompt_len {call.prompt_len}: a rebuild needs 1..{len(call.token_ids) - 1} (the history "
+                    f"holds at least one generated token)")
+            *before, last = rebuild_runs(call.token_ids[:-1], call.prompt_len)
+            item = ForwardItem(call.seq_id, last, num_logits=0)
+            return _Plan(index, call, item, kv_len=len(call.token_ids) - 1, before=before)
         seq = self.sequences.get(call.seq_id)
         if seq is None:
             raise UnknownSequenceError(f"target holds no sequence {call.seq_id!r}")
@@ -195,28 +220,13 @@ class TargetEngine:
         return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
 
     def _admit(self, plans: list[_Plan], results: list) -> None:
-        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold; change nothing.
-
-        A call's need is its blocks after the batch minus the blocks it holds now
-        (negative for a verify that rolls back more than it appends). Calls
-        that give blocks back are admitted first, then the others in order.
-        """
-        cache = self.engine.kv_cache
-        need = {}
-        for plan in plans:
-            held = len(cache.sequence(plan.call.seq_id).block_ids) if cache.has_sequence(plan.call.seq_id) else 0
-            need[plan.index] = cache.blocks_needed(plan.kv_len) - held
-        free = cache.num_free_blocks + sum(-n for n in need.values() if n <= 0)
-        for plan in plans:
-            n = need[plan.index]
-            if n <= 0:
-                continue
-            if n <= free:
-                free -= n
-            else:
+        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold; change nothing."""
+        lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
+        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths)):
+            if short is not None:
                 results[plan.index] = KVCacheExhaustedError(
-                    f"KV cache full: sequence {plan.call.seq_id!r} needs {n} more blocks, {free} are left; retry later"
-                )
+                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
+                    "retry later")
 
     def _apply(self, plan: _Plan) -> None:
         """The admitted call's changes before the forward pass."""
@@ -229,6 +239,19 @@ class TargetEngine:
             del self.sequences[call.seq_id].history[call.committed_len:]
             self.engine.rollback(call.seq_id, call.committed_len - 1)
 
+    def _rebuild(self, plans: list[_Plan], results: list) -> list[_Plan]:
+        """Feed each rebuild's earlier runs, one sequence at a time; the plans still to run."""
+        ready = []
+        for plan in plans:
+            try:
+                for run in plan.before:
+                    self.engine.forward([ForwardItem(plan.call.seq_id, run, num_logits=0)])
+                ready.append(plan)
+            except Exception as exc:  # noqa: BLE001 - this rebuild fails alone
+                self._forward_failed(plan)
+                results[plan.index] = exc
+        return ready
+
     def _forward_failed(self, plan: _Plan) -> None:
         """Leave a consistent state: a prefill is forgotten; a verify stays at its committed_len."""
         call = plan.call
@@ -240,6 +263,10 @@ class TargetEngine:
     def _finish(self, plan: _Plan, logits: torch.Tensor) -> int | Verdict:
         call = plan.call
         seq = self.sequences[call.seq_id]
+        if isinstance(call, PrefillCall) and call.prompt_len:
+            return seq.history[-1]  # a rebuild: the history is known, nothing to sample
+        if seq.generator is not None:  # seeded: this position's draws, wherever the sequence was rebuilt
+            seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
         if isinstance(call, PrefillCall):
             token = int(pick_tokens(logits, seq.sampling, seq.generator)[0])
             seq.history.append(token)

@@ -20,7 +20,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
-        call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling))
+        call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling),
+                           request.prompt_len)
         token: int = await self.batcher.submit(call)
         return target_pb2.PrefillResponse(next_token=token)
 

@@ -68,3 +68,14 @@ def test_write_stores_at_the_mapped_slots():
     flat = cache.key[1].view(-1, 1, 2)
     assert torch.equal(flat[slots], key)
     assert torch.equal(cache.value[1].view(-1, 1, 2)[slots], -key)
+
+
+def test_admission_counts_blocks_given_back_first_and_changes_nothing():
+    cache = PagedKVCache(num_layers=1, num_blocks=6, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"a": 16})  # 4 blocks held, 2 free
+    free_before = cache.num_free_blocks
+    # b wants 3 blocks (only 2 free) but a rolls back to 4 tokens first, giving 3 back
+    assert cache.admit([("b", 12), ("a", 4)]) == [None, None]
+    assert cache.admit([("b", 8), ("c", 4)]) == [None, 1]  # b takes both free blocks: c is 1 short
+    assert cache.admit([("b", 40)]) == [8]
+    assert cache.num_free_blocks == free_before and cache.length("a") == 16

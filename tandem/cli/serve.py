@@ -78,7 +78,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="default most draft tokens per round (default: %(default)s)")
     coord.add_argument("--no-pipelining", action="store_true",
                        help="draft round r+1 only after round r is verified")
-    coord.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each internal call, seconds")
+    coord.add_argument("--call-timeout", type=float, default=60.0,
+                       help="deadline of each internal call, seconds: a worker that takes longer is taken for hung, "
+                            "marked unhealthy until its Info answers again, and its requests move "
+                            "(default: %(default)s)")
+    coord.add_argument("--max-moves", type=int, default=3,
+                       help="times one request may move to another target (or draft) replica after the one it runs "
+                            "on fails (killed, hung past --call-timeout, restarted); its KV is rebuilt there from "
+                            "the coordinator's token history (default: %(default)s)")
+    coord.add_argument("--move-wait", type=float, default=30.0,
+                       help="seconds a moving request waits for a healthy target replica (default: %(default)s)")
     coord.add_argument("--ngram-min", type=int, default=1)
     coord.add_argument("--ngram-max", type=int, default=4)
     coord.add_argument("--no-continuation-cache", action="store_true",
@@ -124,6 +133,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
+        max_moves=args.max_moves, move_wait_s=args.move_wait,
     )
     from coordinator.main import serve
 

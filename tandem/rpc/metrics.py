@@ -82,6 +82,10 @@ class CoordinatorMetrics:
                                   "round time not spent waiting for workers", buckets=LATENCY_BUCKETS,
                                   registry=registry)
         self.active = Gauge(f"{p}_active_requests", "requests in flight", registry=registry)
+        self.moves = Counter(f"{p}_replica_moves", "requests moved to another replica after a fault, by role",
+                             ["role"], registry=registry)
+        self.preemptions = Counter(f"{p}_preemptions", "times a request's target KV was freed for a full pool "
+                                   "and rebuilt later", registry=registry)
         # Per proposal source: "ngram" (the request's own text), "cache" (what all requests generated), "draft".
         self.proposals = Counter(f"{p}_proposals", "speculative rounds by proposal source", ["source"],
                                  registry=registry)

@@ -17,20 +17,30 @@ guessing the first token.
 
 Invariant: the target's KV holds every committed token but the last, which
 the next verification feeds; k = 0 is plain decoding through the same path.
+
+Faults (when the caller gives a ``ReplicaSource``, as the coordinator does): a
+target replica that fails the request is replaced and the new one rebuilt
+from the committed history (a prefill of all of it but the last token), and
+the call is repeated there; a full KV pool frees the request's KV (it is
+preempted), waits and rebuilds; a draft replica that fails is replaced, or
+the request goes on with n-gram proposals. The history lives here, so no
+token is lost or repeated, and greedy output is the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
 from tandem.spec.adaptive import MAX_K, CostModel, LoadAwareCost, choose_k, expected_tokens
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import CACHE, DRAFT, NGRAM, ContinuationCache, DraftProposer, Proposal, ngram_proposal
 from tandem.spec.request import RequestState
-from tandem.spec.transport import DraftChannel, Verifier
+from tandem.spec.transport import DraftChannel, ReplicaSource, Verifier
 
 T = TypeVar("T")
 
@@ -38,6 +48,14 @@ RELEASE_WAIT_S = 60.0  # longest wait for calls still in flight before a sequenc
 # The continuation cache learns a prompt's last tokens only: learning costs ~20 us a token on the
 # coordinator's event loop, and a long prompt's distant tokens rarely predict its continuation.
 PROMPT_TOKENS_LEARNED = 256
+# A replica's failure of a request: it is gone or hung (UNAVAILABLE), or it refused a call the
+# coordinator made correctly (INTERNAL: e.g. it restarted and no longer knows the sequence).
+REPLICA_FAULTS = (WorkerUnavailableError, InternalError)
+# A full KV pool: the request frees its KV and waits, from KV_BACKOFF_S doubling to KV_BACKOFF_MAX_S
+# (jittered, so preempted requests do not return in lockstep), at most KV_WAIT_MAX_S in all.
+KV_BACKOFF_S = 0.05
+KV_BACKOFF_MAX_S = 2.0
+KV_WAIT_MAX_S = 300.0
 
 
 class RoundObserver(Protocol):
@@ -54,7 +72,8 @@ class SpeculationLoop:
 
     def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
                  draft: DraftChannel | None, costs: CostModel, max_context: int,
-                 observer: RoundObserver | None = None, cache: ContinuationCache | None = None) -> None:
+                 observer: RoundObserver | None = None, cache: ContinuationCache | None = None,
+                 replicas: ReplicaSource | None = None) -> None:
         if options.uses_draft and draft is None:
             raise ValueError(f"method {options.method!r} needs a draft channel")
         self.state = state
@@ -66,6 +85,7 @@ class SpeculationLoop:
         self.max_context = max_context
         self.observer = observer
         self.cache = cache if options.uses_ngram else None
+        self.replicas = replicas
         self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
         self._in_flight: set[asyncio.Task] = set()
 
@@ -92,8 +112,8 @@ class SpeculationLoop:
         early: asyncio.Task | None = None
         if self.draft is not None and k > 0 and self.options.pipelined:
             # Draft while the target prefills: its first token is a guess of the target's first token.
-            early = self._spawn(self.draft.propose(s.prompt_ids, k + 2))
-        first = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling)
+            early = self._spawn(self._propose(s.prompt_ids, k + 2))
+        first = await self._on_target(lambda v: v.prefill(self.seq_id, s.prompt_ids, s.sampling), rebuild=False)
         s.commit([first])
         self._learn()
         if early is None:
@@ -110,12 +130,12 @@ class SpeculationLoop:
         committed = len(s.history)
         proposal = await self._proposal(k, ready)
         drafts, probs = proposal.tokens[:k], list(proposal.probs)[:k]
-        verifying = self._spawn(self.verifier.verify(self.seq_id, committed, drafts, probs))
+        verifying = self._spawn(self._on_target(lambda v: v.verify(self.seq_id, committed, drafts, probs)))
         ahead: asyncio.Task | None = None
         if (self.draft is not None and self.options.pipelined and proposal.source == DRAFT and drafts
                 and proposal.guess is not None and len(drafts) == len(proposal.tokens)):
             # Draft round r+1 now, betting that all of round r is accepted and the guess is right.
-            ahead = self._spawn(self.draft.propose([*s.history, *drafts, proposal.guess], k + 1))
+            ahead = self._spawn(self._propose([*s.history, *drafts, proposal.guess], k + 1))
         t0 = time.perf_counter()
         accepted, next_token = await verifying
         waited = time.perf_counter() - t0
@@ -148,8 +168,8 @@ class SpeculationLoop:
         committed = len(s.history)
         if k == 0:
             return Proposal(committed, [])
-        if opts.uses_ngram:
-            min_n = opts.ngram_min if opts.method == "ngram" else opts.hybrid_min_match
+        if opts.uses_ngram or self.draft is None:  # (a request whose draft is lost goes on with n-grams)
+            min_n = opts.ngram_min if opts.method == "ngram" or self.draft is None else opts.hybrid_min_match
             proposal, matched = ngram_proposal(s.history, k, min_n, max(min_n, opts.ngram_max))
             if self.cache is not None:
                 hit = await self._cache_lookup(k)
@@ -159,10 +179,9 @@ class SpeculationLoop:
                 return proposal
         if ready is not None and ready.base_len == committed:
             return ready
-        assert self.draft is not None
         extra = 1 if opts.pipelined else 0  # the guess of the target's extra token
         t0 = time.perf_counter()
-        tokens, probs = await self._timed_draft(self.draft.propose(s.history, k + extra))
+        tokens, probs = await self._timed_draft(self._propose(s.history, k + extra))
         self.costs.observe_draft((time.perf_counter() - t0) / (k + extra))
         probs = list(probs)
         if extra and len(tokens) == k + 1:
@@ -194,6 +213,72 @@ class SpeculationLoop:
             self.state.stats.draft_wait_s += waited
             if self.observer:
                 self.observer.on_draft(waited)
+
+    # ----- faults ----------------------------------------------------------
+    async def _on_target(self, call: Callable[[Verifier], Awaitable[T]], rebuild: bool = True) -> T:
+        """``call`` on this request's target, surviving the replica (see the module doc).
+
+        ``rebuild``: before repeating the call on a replica that does not hold the sequence,
+        rebuild it there: a Prefill of the whole committed history with ``prompt_len`` (the
+        worker takes the history as its own and builds the KV of all but the last token).
+        """
+        s = self.state
+        needs_rebuild = False
+        backoff, waited = KV_BACKOFF_S, 0.0
+        while True:
+            try:
+                if needs_rebuild:
+                    await self.verifier.prefill(self.seq_id, s.history, s.sampling, len(s.prompt_ids))
+                return await call(self.verifier)
+            except KVCacheExhaustedError:
+                if self.replicas is None or waited >= KV_WAIT_MAX_S:
+                    raise
+                await self.verifier.release(self.seq_id)  # preempted: others get its blocks meanwhile
+                s.stats.preemptions += 1
+                pause = backoff * random.uniform(0.5, 1.5)
+                await asyncio.sleep(pause)
+                waited += pause
+                backoff = min(2 * backoff, KV_BACKOFF_MAX_S)
+                replacement = await self.replicas.replace_target(faulty=False)
+                if replacement is None:
+                    raise
+            except REPLICA_FAULTS:
+                if self.replicas is None:
+                    raise
+                replacement = await self.replicas.replace_target(faulty=True)
+                if replacement is None:
+                    raise
+                self._spawn(self.verifier.release(self.seq_id))  # best effort: frees its KV if it is still there
+                s.stats.target_moves += 1
+            self.verifier = replacement
+            needs_rebuild = rebuild
+
+    async def _propose(self, tokens: list[int], k: int) -> tuple[list[int], Sequence[Any]]:
+        """The draft's proposal after ``tokens``; none when the draft failed (the request goes on)."""
+        draft = self.draft
+        if draft is None:
+            return [], []
+        try:
+            return await draft.propose(tokens, k)
+        except KVCacheExhaustedError:
+            if self.replicas is None:
+                raise
+            return [], []  # the draft is full: this round goes without it
+        except REPLICA_FAULTS:
+            if self.replicas is None:
+                raise
+            if self.draft is draft:  # not already replaced by a concurrent call's failure
+                await self._replace_draft(draft)
+            return [], []
+
+    async def _replace_draft(self, lost: DraftProposer) -> None:
+        self.draft = None
+        self.state.stats.draft_moves += 1
+        self._spawn(lost.release())
+        assert self.replicas is not None
+        channel = await self.replicas.replace_draft()
+        if channel is not None and self.draft is None:
+            self.draft = DraftProposer(channel, self.seq_id, self.state.sampling)
 
     # ----- adaptive k ------------------------------------------------------
     def _choose_k(self, after_tokens: int) -> int:

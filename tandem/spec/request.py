@@ -54,6 +54,11 @@ class GenerationStats:
     draft_wait_s: float = 0.0
     verify_wait_s: float = 0.0
     round_wall_s: float = 0.0
+    # Faults survived: moves to another replica (or, for the draft, going on without one) and
+    # preemptions (the target's KV freed while its pool was full, then rebuilt from the history).
+    target_moves: int = 0
+    draft_moves: int = 0
+    preemptions: int = 0
 
     @property
     def elapsed_s(self) -> float:

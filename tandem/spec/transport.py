@@ -28,8 +28,9 @@ class FittedCost:
 class Verifier(Protocol):
     """The target side: prefill a prompt, verify drafts, forget a sequence."""
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
-        """Ingest the prompt; the target's first token."""
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
+        """Ingest the prompt; the target's first token. ``prompt_len`` > 0: rebuild a moved request
+        from its whole committed history (the first ``prompt_len`` tokens its prompt); echoes the last."""
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any]) -> tuple[int, int]:
@@ -55,3 +56,18 @@ class DraftChannel(Protocol):
     async def release(self, seq_id: str) -> None: ...
 
     def fitted_cost(self) -> FittedCost | None: ...
+
+
+class ReplicaSource(Protocol):
+    """Where a request finds another replica when one fails it (the coordinator's pools).
+
+    In process there is none: a failure there reaches the caller. Each method returns
+    None when no replica is left or the request has moved as often as it may.
+    """
+
+    async def replace_target(self, faulty: bool) -> Verifier | None:
+        """The target this request runs on from now on. ``faulty``: the current replica failed the
+        request (it is skipped); otherwise it only refused for capacity and may be chosen again."""
+
+    async def replace_draft(self) -> DraftChannel | None:
+        """The draft this request drafts with from now on."""

@@ -61,8 +61,11 @@ class FakeTarget:
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.1, 0.001)
 
-    async def prefill(self, seq_id, token_ids, sampling):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0):
         await asyncio.sleep(0)
+        if prompt_len:  # a rebuild: the whole history, nothing new
+            self.histories[seq_id] = list(token_ids)
+            return token_ids[-1]
         token = target_next(list(token_ids))
         self.histories[seq_id] = [*token_ids, token]
         return token

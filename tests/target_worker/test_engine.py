@@ -272,3 +272,46 @@ def test_warmup_leaves_nothing_behind(target):
     target.warmup()
     assert target.num_sequences == 0
     assert target.engine.kv_cache.num_free_blocks == target.engine.kv_cache.num_blocks
+
+
+def test_a_rebuild_from_the_history_restores_the_kv_bit_for_bit(target):
+    """A request that moves replica is re-prefilled with its prompt and the tokens it generated
+    (prompt_len says where the prompt ends); the KV must be what verification had built."""
+    ok(target.run_batch([PrefillCall("a", PROMPT, GREEDY)]))
+    for drafts in ([1, 2, 3, 4], [5, 6], [7, 8, 9, 10], [11]):  # rounds with rejections: whatever the model says
+        ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), drafts, [])]))
+    history = list(target.sequences["a"].history)
+    assert len(history) - len(PROMPT) > engine_module.ROWWISE_MAX_QUERY // 4  # several runs of generated tokens
+    (next_token,) = ok(target.run_batch([PrefillCall("b", history, GREEDY, prompt_len=len(PROMPT))]))
+    assert next_token == history[-1]
+    assert target.sequences["b"].history == history
+    assert torch.equal(kv_of(target.engine, "b"), kv_of(target.engine, "a"))
+    # and the rebuilt sequence verifies on exactly as the original does
+    a, b = ok(target.run_batch([VerifyCall("a", len(history), [1, 2], []), VerifyCall("b", len(history), [1, 2], [])]))
+    assert a == b
+
+
+def test_rebuild_runs_keep_the_prompt_whole_and_cut_the_rest_short():
+    tokens = list(range(40))
+    runs = engine_module.rebuild_runs(tokens, prompt_len=5)
+    assert runs[0] == tokens[:5] and sum(runs, []) == tokens
+    assert all(len(r) <= engine_module.ROWWISE_MAX_QUERY for r in runs[1:])
+    assert engine_module.rebuild_runs(tokens, prompt_len=0) == [tokens]
+
+
+def test_a_seeded_sequence_draws_the_same_after_a_rebuild(target):
+    """Seeded requests draw each position's randomness from (seed, position): moved, they go on alike."""
+    sampled = SamplingParams(temperature=1.0, seed=11)
+    ok(target.run_batch([PrefillCall("a", PROMPT, sampled)]))
+    ok(target.run_batch([VerifyCall("a", len(PROMPT) + 1, [], [])]))
+    history = list(target.sequences["a"].history)
+    ok(target.run_batch([PrefillCall("b", history, sampled, prompt_len=len(PROMPT))]))
+    drawn = [ok(target.run_batch([VerifyCall(s, len(history), [], [])]))[0].next_token for s in ("a", "b")]
+    assert drawn[0] == drawn[1]
+    assert target.sequences["b"].history[:-1] == history  # the rebuild sampled nothing of its own
+    seeds = [SamplingParams(temperature=1.0, seed=s) for s in range(8)]
+    draws = set()
+    for i, params in enumerate(seeds):  # other seeds draw otherwise (8 draws at T=1 over a random model)
+        ok(target.run_batch([PrefillCall(f"s{i}", history, params, prompt_len=len(PROMPT))]))
+        draws.add(ok(target.run_batch([VerifyCall(f"s{i}", len(history), [], [])]))[0].next_token)
+    assert len(draws) > 1
