@@ -16,11 +16,12 @@ COPY draft_worker ./draft_worker
 COPY target_worker ./target_worker
 COPY docker/requirements_without_torch.py /tmp/
 # The wheel build runs protoc (grpcio-tools from [build-system]): the stubs ship in the wheel.
+# Installs byte-compile (no --no-compile): the root filesystem is read-only at run time.
 RUN pip wheel --no-deps --wheel-dir /wheels . \
     && python /tmp/requirements_without_torch.py /wheels/tandem-*.whl > /wheels/requirements.txt \
     && python -m venv /opt/tandem \
-    && /opt/tandem/bin/pip install --no-compile -r /wheels/requirements.txt \
-    && /opt/tandem/bin/pip install --no-compile --no-deps /wheels/tandem-*.whl \
+    && /opt/tandem/bin/pip install -r /wheels/requirements.txt \
+    && /opt/tandem/bin/pip install --no-deps /wheels/tandem-*.whl \
     && if /opt/tandem/bin/pip show torch >/dev/null 2>&1; then echo "torch crept into the coordinator" >&2; exit 1; fi \
     && /opt/tandem/bin/tandem serve coordinator --help >/dev/null
 

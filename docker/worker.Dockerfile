@@ -55,8 +55,8 @@ RUN apt-get update \
 COPY --from=build /wheels /wheels
 # torch first and pinned, then flash-attn and Tandem against it; the wheels go away after.
 RUN python3 -m venv /opt/tandem \
-    && /opt/tandem/bin/pip install --no-compile "torch==${TORCH_VERSION}" \
-    && /opt/tandem/bin/pip install --no-compile /wheels/flash_attn-*.whl "$(ls /wheels/tandem-*.whl)[gpu]" \
+    && /opt/tandem/bin/pip install "torch==${TORCH_VERSION}" \
+    && /opt/tandem/bin/pip install /wheels/flash_attn-*.whl "$(ls /wheels/tandem-*.whl)[gpu]" \
     && rm -rf /wheels \
     && /opt/tandem/bin/tandem serve target --help >/dev/null
 ENV PATH=/opt/tandem/bin:$PATH \

@@ -195,7 +195,7 @@ def test_dns_discovery_needs_no_api_access():
     pod = one(objects, "Deployment", name("coordinator"))["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     args = container(objects, "coordinator")["args"]
-    assert flag(args, "--discovery") == "dns"
+    assert flag(args, "--discovery") == "dns" and "--namespace" not in args
     assert flag(args, "--target-service") == name("target") and flag(args, "--target-port") == "50052"
     assert flag(args, "--draft-service") == name("draft") and flag(args, "--draft-port") == "50053"
 
@@ -233,7 +233,8 @@ def test_coordinator_finds_the_fleets_through_their_headless_services():
         # One port, so discovery has nothing to choose between.
         (port,) = service["spec"]["ports"]
         assert port["name"] == "grpc" and port["targetPort"] == "grpc"
-    assert "--target-port" not in args and "--namespace" not in args  # the pod's own namespace
+    assert flag(args, "--namespace") == NAMESPACE  # where the Role lets it read EndpointSlices
+    assert "--target-port" not in args
 
 
 def test_without_a_draft_fleet_the_coordinator_is_told_of_none():
@@ -339,6 +340,7 @@ def test_tls_auth_and_limits_reach_every_server_and_client_flag():
     assert flag(args, "--worker-tls-ca") == "/etc/tandem/tls/ca.crt"
     assert flag(args, "--worker-tls-cert") == "/etc/tandem/tls/tls.crt"
     assert flag(args, "--worker-tls-key") == "/etc/tandem/tls/tls.key"
+    assert flag(args, "--worker-tls-server-name") == "localhost"  # it dials pod IPs
     assert {"name": "TANDEM_AUTH_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": "tandem-auth", "key": "token"}}} in coordinator["env"]
     assert flag(args, "--max-prompt-tokens") == "8192"

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.deploy.chart import container, render
 
-SERVER_NAME = "localhost"  # the chart's default tls.probeServerName
+SERVER_NAME = "localhost"  # the chart's default tls.serverName
 
 
 def _openssl(*args: str, cwd: Path) -> None:

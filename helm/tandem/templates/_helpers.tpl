@@ -234,7 +234,7 @@ exec probe makes the same Check over TLS from inside the container. Call with (l
       - {{ include "tandem.tlsHealthCheck" $root | quote }}
       - /etc/tandem/tls
       - {{ $port | quote }}
-      - {{ $root.Values.tls.probeServerName | quote }}
+      - {{ $root.Values.tls.serverName | quote }}
       - {{ ternary "mutual" "server-only" $root.Values.tls.mutual | quote }}
   {{- else }}
   grpc:
