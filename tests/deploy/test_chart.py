@@ -53,11 +53,23 @@ def test_target_pods_request_one_gpu_per_tensor_parallel_rank():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container(objects, "target")["volumeMounts"]
 
 
+def test_worker_rollouts_need_no_spare_gpu():
+    objects = render()
+    for fleet in FLEETS:
+        strategy = one(objects, "Deployment", name(fleet))["spec"]["strategy"]
+        assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
 def test_draft_gpus_follow_their_own_value_and_the_coordinator_gets_none():
     objects = render()
     assert gpus(objects, "draft") == (1, 1)
     assert gpus(render(None, "draft.gpus=0", "draft.device=cpu"), "draft") == (None, None)
     assert gpus(objects, "coordinator") == (None, None)
+    assert "draft.gpus is 0" in render_error("draft.gpus=0")  # device still cuda
+
+
+def test_a_cpu_target_requests_no_gpus():
+    assert gpus(render("tp4-target", "target.device=cpu"), "target") == (None, None)
 
 
 @pytest.mark.parametrize("variant", [None, "tp4-target", "keda"])

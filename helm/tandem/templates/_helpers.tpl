@@ -254,7 +254,7 @@ tls_dir, port, name, mode = sys.argv[1:5]
 read = lambda f: open(tls_dir + "/" + f, "rb").read()
 mutual = mode == "mutual"
 creds = grpc.ssl_channel_credentials(read("ca.crt"), read("tls.key") if mutual else None, read("tls.crt") if mutual else None)
-channel = grpc.secure_channel("localhost:" + port, creds, options=[("grpc.ssl_target_name_override", name)])
+channel = grpc.secure_channel("127.0.0.1:" + port, creds, options=[("grpc.ssl_target_name_override", name)])
 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=4)
 sys.exit(0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1)
 {{- end }}
