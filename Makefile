@@ -8,6 +8,8 @@ PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 PROMPT ?= Write a Python function that checks whether a number is prime.
+# Where .ci/deploy_tools.sh installs helm, kubernetes-validate, hadolint and the CRD validators.
+TOOLS ?= /work/tools
 
 # Re-install only when what the install depends on changes, or its gRPC stubs are gone
 # (the install generates them from proto/; the empty rule makes a missing one count as changed).
@@ -16,7 +18,7 @@ STUBS := $(foreach name,common draft target generation,tandem/v1/$(name)_pb2.py 
 SETUP_STAMP := $(VENV)/.tandem-setup
 SETUP_DEV_STAMP := $(VENV)/.tandem-setup-dev
 
-.PHONY: setup setup-dev models-ci models demo test test-fast soak install-check bench bench-quick lint clean
+.PHONY: setup setup-dev models-ci models demo test test-fast soak install-check deploy-check bench bench-quick lint clean
 
 setup: $(SETUP_STAMP)  ## .venv with Tandem installed editable (CPU torch first; stubs generated)
 
@@ -60,6 +62,12 @@ soak: setup-dev models-ci  ## 64 concurrent streams for SOAK_SECONDS; figures to
 
 install-check: models-ci  ## `pip install .` (not editable) into a fresh venv, then run it from outside the checkout
 	VENV_PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash .ci/install_check.sh
+
+# WORKER_PYTHON: the wheel check also serves 4 tokens through the wheel's coordinator when
+# SmolLM2 is prepared (after `make test`); it skips that step, saying so, otherwise.
+deploy-check: setup-dev  ## Helm chart (lint, schemas, pytest), hadolint, the coordinator's wheel without torch
+	TANDEM_TOOLS=$(TOOLS) VENV_PYTHON=$(abspath $(PYTHON)) WORKER_PYTHON=$(abspath $(PYTHON)) \
+		BOOTSTRAP_PYTHON=$(BOOTSTRAP_PYTHON) bash .ci/deploy_check.sh
 
 bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/engine_speed.py

@@ -1,0 +1,429 @@
+"""What matters on the objects the Helm chart renders, for the default values and each variant.
+
+Rendered by the real helm binary (tests/deploy/chart.py); .ci/deploy_check.sh also lints every
+variant and validates it against the Kubernetes schemas.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from tests.deploy.chart import (
+    CHART,
+    NAMESPACE,
+    container,
+    flag,
+    name,
+    of_kind,
+    one,
+    pod_labels,
+    render,
+    render_error,
+    selects,
+    variant_names,
+)
+
+ALL_VARIANTS = [None, *variant_names()]
+FLEETS = ("target", "draft")
+COMPONENTS = ("coordinator", *FLEETS)
+
+
+def gpus(objects, component):
+    resources = container(objects, component)["resources"]
+    return resources["limits"].get("nvidia.com/gpu"), resources["requests"].get("nvidia.com/gpu")
+
+
+def test_the_variants_the_issue_names_exist():
+    assert {"tp4-target", "external-redis", "servicemonitor", "keda", "hub-download", "tls-auth"} <= set(
+        variant_names())
+
+
+def test_target_pods_request_one_gpu_per_tensor_parallel_rank():
+    assert gpus(render(), "target") == (1, 1)
+    objects = render("tp4-target")
+    assert gpus(objects, "target") == (4, 4)
+    assert flag(container(objects, "target")["args"], "--tensor-parallel-size") == "4"
+    # The ranks of one replica share a pod, so NCCL gets a memory-backed /dev/shm.
+    pod = one(objects, "Deployment", name("target"))["spec"]["template"]["spec"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(objects, "target")["volumeMounts"]
+
+
+def test_worker_rollouts_need_no_spare_gpu():
+    objects = render()
+    for fleet in FLEETS:
+        strategy = one(objects, "Deployment", name(fleet))["spec"]["strategy"]
+        assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_draft_gpus_follow_their_own_value_and_the_coordinator_gets_none():
+    objects = render()
+    assert gpus(objects, "draft") == (1, 1)
+    assert gpus(render(None, "draft.gpus=0", "draft.device=cpu"), "draft") == (None, None)
+    assert gpus(objects, "coordinator") == (None, None)
+    assert "draft.gpus is 0" in render_error("draft.gpus=0")  # device still cuda
+
+
+def test_a_cpu_target_requests_no_gpus():
+    assert gpus(render("tp4-target", "target.device=cpu"), "target") == (None, None)
+
+
+@pytest.mark.parametrize("variant", [None, "tp4-target", "keda"])
+def test_native_grpc_probes_with_a_startup_budget_for_model_loading(variant):
+    objects = render(variant)
+    for component in COMPONENTS:
+        c = container(objects, component)
+        (grpc_port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[kind]["grpc"] == {"port": grpc_port}, (component, kind)
+    for fleet in FLEETS:
+        startup = container(objects, fleet)["startupProbe"]
+        # Loading a model takes minutes: at least ten before the kubelet gives up.
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, fleet
+
+
+def test_every_workload_has_exactly_one_autoscaler_by_default_an_hpa():
+    objects = render()
+    assert not of_kind(objects, "ScaledObject")
+    hpas = of_kind(objects, "HorizontalPodAutoscaler")
+    assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas) == sorted(name(c) for c in COMPONENTS)
+    for hpa in hpas:
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert (ref["kind"], ref["apiVersion"]) == ("Deployment", "apps/v1")
+        one(objects, "Deployment", ref["name"])
+        assert {m["resource"]["name"] for m in hpa["spec"]["metrics"]} == {"cpu"}
+        # The autoscaler owns the count: the Deployment must not reset it on every upgrade.
+        assert "replicas" not in one(objects, "Deployment", ref["name"])["spec"]
+
+
+def test_with_keda_each_fleet_scales_alone_on_its_own_prometheus_signal():
+    objects = render("keda")
+    scaled = {s["spec"]["scaleTargetRef"]["name"]: s for s in of_kind(objects, "ScaledObject")}
+    assert sorted(scaled) == sorted(name(f) for f in FLEETS)
+    hpa_targets = [h["spec"]["scaleTargetRef"]["name"] for h in of_kind(objects, "HorizontalPodAutoscaler")]
+    assert hpa_targets == [name("coordinator")], "a fleet under KEDA must not also have a chart HPA"
+
+    target = scaled[name("target")]["spec"]
+    (trigger,) = target["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+    query = trigger["metadata"]["query"]
+    assert "tandem_target_kv_blocks_used" in query and "tandem_target_kv_blocks_total" in query
+    assert f'service="{name("target")}-metrics"' in query and f'namespace="{NAMESPACE}"' in query
+    assert trigger["metadata"]["threshold"] == "0.8" and target["maxReplicaCount"] == 6
+
+    draft = scaled[name("draft")]["spec"]
+    (trigger,) = draft["triggers"]
+    assert trigger["metricType"] == "AverageValue"
+    assert "tandem_draft_queue_depth" in trigger["metadata"]["query"]
+    assert "tandem_target" not in trigger["metadata"]["query"]
+    assert trigger["metadata"]["threshold"] == "4" and draft["maxReplicaCount"] == 12
+
+
+def test_the_draft_busy_share_signal_reads_the_drafts_batch_time():
+    objects = render("keda", "autoscaling.keda.draft.signal=busyShare", "autoscaling.keda.draft.threshold=0.7")
+    (trigger,) = one(objects, "ScaledObject", name("draft"))["spec"]["triggers"]
+    assert "rate(tandem_draft_batch_seconds_sum" in trigger["metadata"]["query"]
+    assert trigger["metricType"] == "Value"
+
+
+def test_the_metric_names_in_the_autoscaling_queries_exist():
+    from prometheus_client import CollectorRegistry
+
+    from tandem.rpc.metrics import WorkerMetrics
+
+    exported = set()
+    for role in FLEETS:
+        registry = CollectorRegistry()
+        WorkerMetrics(registry, role)
+        exported |= {s.name for m in registry.collect() for s in m.samples}
+    objects = render("keda", "autoscaling.keda.draft.signal=busyShare")
+    objects += render("keda", "autoscaling.keda.target.signal=queueDepth")
+    for scaled in of_kind(objects, "ScaledObject"):
+        for metric in re.findall(r"tandem_[a-z_]+", scaled["spec"]["triggers"][0]["metadata"]["query"]):
+            assert metric in exported, metric
+
+
+def test_only_coordinator_pods_reach_the_workers_grpc_ports():
+    objects = render()
+    policies = of_kind(objects, "NetworkPolicy")
+    coordinator = pod_labels(objects, "coordinator")
+    for fleet in FLEETS:
+        workers = pod_labels(objects, fleet)
+        covering = [p for p in policies if selects(p["spec"]["podSelector"], workers)]
+        assert len(covering) == 1, fleet
+        spec = covering[0]["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        grpc_rules = [r for r in spec["ingress"] if {"port": "grpc", "protocol": "TCP"} in r["ports"]]
+        assert len(grpc_rules) == 1
+        (peer,) = grpc_rules[0]["from"]
+        assert set(peer) == {"podSelector"}, "no namespace or IP block may reach a worker's gRPC port"
+        assert selects(peer["podSelector"], coordinator)
+        for other in ("target", "draft"):
+            assert not selects(peer["podSelector"], pod_labels(objects, other))
+        # The metrics port is open to the configured scrapers only, and to nothing else.
+        (metrics_rule,) = [r for r in spec["ingress"] if r is not grpc_rules[0]]
+        assert metrics_rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+        assert metrics_rule["from"] == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_only_coordinator_pods_reach_the_bundled_redis():
+    objects = render()
+    policy = one(objects, "NetworkPolicy", name("redis"))
+    assert selects(policy["spec"]["podSelector"], pod_labels(objects, "redis"))
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert selects(peer["podSelector"], pod_labels(objects, "coordinator"))
+    assert not selects(peer["podSelector"], pod_labels(objects, "target"))
+
+
+def test_rbac_is_a_role_that_only_reads_endpointslices():
+    objects = render()
+    assert not of_kind(objects, "ClusterRole") and not of_kind(objects, "ClusterRoleBinding")
+    (role,) = of_kind(objects, "Role")
+    (rule,) = role["rules"]
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}
+    (binding,) = of_kind(objects, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    pod = one(objects, "Deployment", name("coordinator"))["spec"]["template"]["spec"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": NAMESPACE}]
+    assert pod["automountServiceAccountToken"] is True
+    for fleet in FLEETS:  # workers read nothing from the API
+        worker_pod = one(objects, "Deployment", name(fleet))["spec"]["template"]["spec"]
+        assert worker_pod["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in worker_pod
+
+
+def test_dns_discovery_needs_no_api_access():
+    objects = render("tls-auth")
+    assert not of_kind(objects, "Role") and not of_kind(objects, "RoleBinding")
+    pod = one(objects, "Deployment", name("coordinator"))["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    args = container(objects, "coordinator")["args"]
+    assert flag(args, "--discovery") == "dns" and "--namespace" not in args
+    assert flag(args, "--target-service") == name("target") and flag(args, "--target-port") == "50052"
+    assert flag(args, "--draft-service") == name("draft") and flag(args, "--draft-port") == "50053"
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_images_are_pinned_never_latest(variant):
+    objects = render(variant)
+    chart_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for deployment in of_kind(objects, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            repository, _, tag = c["image"].rpartition(":")
+            assert repository and tag and tag != "latest" and "/" not in tag, c["image"]
+            if "tandem/" in repository:
+                assert tag == chart_version, c["image"]
+
+
+def test_the_schema_refuses_latest_unknown_keys_and_tls_without_a_secret():
+    assert "/images/worker/tag" in render_error("images.worker.tag=latest")
+    assert "tensorParalelSize" in render_error("target.tensorParalelSize=2")
+    assert "/tls/secretName" in render_error("tls.enabled=true")
+    assert "/models/source" in render_error("models.source=s3")
+    assert "not both" in render_error("redis.url=redis://elsewhere:6379/0")
+
+
+def test_coordinator_finds_the_fleets_through_their_headless_services():
+    objects = render()
+    args = container(objects, "coordinator")["args"]
+    assert flag(args, "--discovery") == "kubernetes"
+    assert flag(args, "--tokenizer") == "/models/qwen2.5-coder-1.5b-instruct"
+    for fleet in FLEETS:
+        service = one(objects, "Service", flag(args, f"--{fleet}-service"))
+        assert service["spec"]["clusterIP"] == "None"
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(objects, fleet))
+        # One port, so discovery has nothing to choose between.
+        (port,) = service["spec"]["ports"]
+        assert port["name"] == "grpc" and port["targetPort"] == "grpc"
+    assert flag(args, "--namespace") == NAMESPACE  # where the Role lets it read EndpointSlices
+    assert "--target-port" not in args
+
+
+def test_without_a_draft_fleet_the_coordinator_is_told_of_none():
+    objects = render(None, "draft.enabled=false")
+    assert "--draft-service" not in container(objects, "coordinator")["args"]
+    assert all(o["metadata"]["name"] != name("draft") for o in objects)
+
+
+def test_bundled_redis_is_bounded_and_the_coordinator_uses_it():
+    objects = render()
+    service = one(objects, "Service", name("redis"))
+    args = container(objects, "coordinator")["args"]
+    assert flag(args, "--redis-url") == f"redis://{service['metadata']['name']}:6379/0"
+    redis = container(objects, "redis")
+    assert flag(redis["args"], "--maxmemory") == "256mb"
+    assert flag(redis["args"], "--maxmemory-policy") == "allkeys-lru"
+    assert "--requirepass" not in redis["args"]
+
+
+def test_bundled_redis_password_comes_from_a_secret():
+    objects = render(None, "redis.auth.existingSecret=redis-pass")
+    redis = container(objects, "redis")
+    assert flag(redis["args"], "--requirepass") == "$(REDIS_PASSWORD)"
+    ref = {"secretKeyRef": {"name": "redis-pass", "key": "password"}}
+    assert {"name": "REDIS_PASSWORD", "valueFrom": ref} in redis["env"]
+    assert {"name": "TANDEM_REDIS_PASSWORD", "valueFrom": ref} in container(objects, "coordinator")["env"]
+
+
+def test_external_redis_replaces_the_bundled_one():
+    objects = render("external-redis")
+    assert not [o for o in objects if o["metadata"]["name"] == name("redis")]
+    coordinator = container(objects, "coordinator")
+    assert flag(coordinator["args"], "--redis-url") == "rediss://cache.example.internal:6380/0"
+    assert {"name": "TANDEM_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "tandem-redis", "key": "password"}}} in coordinator["env"]
+
+
+def test_no_redis_at_all_leaves_the_coordinator_its_in_process_cache():
+    objects = render(None, "redis.bundled.enabled=false")
+    assert "--redis-url" not in container(objects, "coordinator")["args"]
+
+
+def test_service_monitor_scrapes_every_components_metrics_port():
+    assert not of_kind(render(), "ServiceMonitor")
+    objects = render("servicemonitor")
+    (monitor,) = of_kind(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["interval"] == "15s"
+    scraped = [s for s in of_kind(objects, "Service") if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(f"{name(c)}-metrics" for c in COMPONENTS)
+    for service in scraped:
+        (port,) = service["spec"]["ports"]
+        component = service["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert port["name"] == "metrics"
+        assert flag(container(objects, component)["args"], "--metrics-port") == str(port["port"])
+
+
+def test_hub_download_fills_each_pods_volume_with_a_token_from_a_secret():
+    objects = render("hub-download")
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    for component in COMPONENTS:
+        pod = one(objects, "Deployment", name(component))["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        assert token in init["env"]
+        assert init["args"][0].startswith('hf download "$MODEL_REPO" --revision "$MODEL_REVISION"')
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert "emptyDir" in volume
+        expected_repo = "Qwen/Qwen2.5-Coder-0.5B-Instruct" if component == "draft" else "Qwen/Qwen2.5-Coder-7B-Instruct"
+        assert env["MODEL_REPO"] == expected_repo
+        main_args = container(objects, component)["args"]
+        model_flag = "--tokenizer" if component == "coordinator" else "--model"
+        assert flag(main_args, model_flag) == env["MODEL_DIR"]
+    # The coordinator fetches the tokenizer and config only, never the target's weights.
+    coordinator_init = one(objects, "Deployment", name("coordinator"))["spec"]["template"]["spec"]["initContainers"][0]
+    assert "--include '*.json'" in coordinator_init["args"][0]
+    assert coordinator_init["image"].startswith("tandem/coordinator:")
+
+
+@pytest.mark.parametrize("source, key", [("pvc", "persistentVolumeClaim"), ("hostPath", "hostPath")])
+def test_model_volume_sources(source, key):
+    objects = render(None, f"models.source={source}")
+    for component in COMPONENTS:
+        pod = one(objects, "Deployment", name(component))["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert key in volume and "initContainers" not in pod
+        env = {e["name"]: e.get("value") for e in container(objects, component)["env"]}
+        assert env["TANDEM_HOME"] == "/models/.tandem"
+
+
+def test_tls_auth_and_limits_reach_every_server_and_client_flag():
+    objects = render("tls-auth")
+    for fleet in FLEETS:
+        args = container(objects, fleet)["args"]
+        assert flag(args, "--tls-cert") == "/etc/tandem/tls/tls.crt"
+        assert flag(args, "--tls-key") == "/etc/tandem/tls/tls.key"
+        assert flag(args, "--tls-client-ca") == "/etc/tandem/tls/ca.crt"
+    coordinator = container(objects, "coordinator")
+    args = coordinator["args"]
+    assert flag(args, "--tls-cert") == "/etc/tandem/tls/tls.crt" and "--tls-client-ca" not in args
+    assert flag(args, "--worker-tls-ca") == "/etc/tandem/tls/ca.crt"
+    assert flag(args, "--worker-tls-cert") == "/etc/tandem/tls/tls.crt"
+    assert flag(args, "--worker-tls-key") == "/etc/tandem/tls/tls.key"
+    assert flag(args, "--worker-tls-server-name") == "localhost"  # it dials pod IPs
+    assert {"name": "TANDEM_AUTH_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "tandem-auth", "key": "token"}}} in coordinator["env"]
+    assert flag(args, "--max-prompt-tokens") == "8192"
+    assert flag(args, "--max-new-tokens-limit") == "1024"
+    assert flag(args, "--max-concurrent-per-client") == "8"
+    assert flag(args, "--max-request-bytes") == "1048576"
+    for component in COMPONENTS:
+        c = container(objects, component)
+        assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in c["volumeMounts"]
+        # Native gRPC probes cannot do TLS: exec probes call grpc.health.v1 over TLS instead.
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in c[kind] and c[kind]["exec"]["command"][:2] == ["python", "-c"]
+    # The public API is open only to the configured clients.
+    policy = one(objects, "NetworkPolicy", name("coordinator"))
+    grpc_rule = [r for r in policy["spec"]["ingress"] if {"port": "grpc", "protocol": "TCP"} in r["ports"]][0]
+    assert grpc_rule["from"] == [{"namespaceSelector": {"matchLabels": {"tandem-client": "true"}}}]
+
+
+def test_limits_are_left_to_the_coordinator_unless_set():
+    args = container(render(), "coordinator")["args"]
+    assert not [a for a in args if a.startswith(("--max-prompt", "--max-new-tokens-limit", "--max-concurrent",
+                                                 "--max-request", "--tls", "--worker-tls"))]
+
+
+def test_pod_disruption_budgets_cover_each_component():
+    objects = render()
+    budgets = of_kind(objects, "PodDisruptionBudget")
+    assert len(budgets) == len(COMPONENTS)
+    for component in COMPONENTS:
+        (budget,) = [b for b in budgets if selects(b["spec"]["selector"], pod_labels(objects, component))]
+        assert budget["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_pods_run_as_non_root_with_a_read_only_root(variant):
+    for deployment in of_kind(render(variant), "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_notes_tell_how_to_call_the_service():
+    from tests.deploy.chart import helm
+
+    out = helm("install", "tandem", str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert 'tandem generate "def quicksort(xs):" --addr localhost:50051' in notes
+    assert "grpcurl -plaintext" in notes and "tandem.v1.Generation/Generate" in notes
+    assert f"port-forward svc/{name('coordinator')} 50051:50051" in notes
+
+
+def _documented_paths(values, schema, path=()):
+    """Every value's dotted path, down to the objects the schema leaves free-form (nodeSelector...)."""
+    props = schema.get("properties")
+    if isinstance(values, dict) and values and props:
+        for key, sub in values.items():
+            assert key in props, f"{'.'.join((*path, key))} is not in values.schema.json"
+            yield from _documented_paths(sub, props[key], (*path, key))
+    else:
+        assert schema.get("description"), f"{'.'.join(path)} has no description in values.schema.json"
+        yield ".".join(path)
+
+
+def test_every_value_is_in_the_schema_and_the_readme_table():
+    import json
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    readme = (CHART.parent / "README.md").read_text()
+    missing = [p for p in _documented_paths(values, schema) if f"| `{p}` |" not in readme]
+    assert not missing, f"helm/README.md's values table lacks {missing}"
