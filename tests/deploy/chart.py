@@ -1,6 +1,6 @@
 """Renders the Helm chart with the real helm binary and finds objects in what it renders.
 
-helm comes from TANDEM_HELM, else /work/tools/bin/helm (where .ci/deploy_tools.sh installs it),
+helm comes from TANDEM_HELM, else .tools/bin/helm (where .ci/deploy_tools.sh installs it),
 else PATH; the tests skip, saying so, when there is none.
 """
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "tandem"
 VARIANTS = REPO / "tests" / "deploy" / "values"
 RELEASE, NAMESPACE = "tandem", "serving"
-DEFAULT_TOOLS_HELM = Path("/work/tools/bin/helm")
+DEFAULT_TOOLS_HELM = REPO / ".tools" / "bin" / "helm"
 
 
 def helm_binary() -> str:
