@@ -26,6 +26,7 @@ import grpc
 from tandem.errors import WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
+from tandem.rpc.tls import ClientTLS, open_channel
 from tandem.rpc.wire import sampling_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.spec.transport import FittedCost
@@ -40,11 +41,11 @@ RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the cli
 class WorkerClient:
     """One worker replica: a channel, its stub, and its last known capacity."""
 
-    def __init__(self, address: str, role: str, call_timeout_s: float) -> None:
+    def __init__(self, address: str, role: str, call_timeout_s: float, tls: ClientTLS | None = None) -> None:
         self.address = address
         self.role = role
         self.call_timeout_s = call_timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = open_channel(address, tls, GRPC_OPTIONS, aio=True)  # tls None: plaintext
         stub_class = draft_pb2_grpc.DraftWorkerStub if role == "draft" else target_pb2_grpc.TargetWorkerStub
         self.stub: Any = stub_class(self.channel)
         self.info: common_pb2.WorkerInfo | None = None
@@ -151,8 +152,9 @@ class WorkerPool:
     clients: list[WorkerClient]
 
     @classmethod
-    def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float) -> WorkerPool:
-        return cls(role, [WorkerClient(a, role, call_timeout_s) for a in addresses])
+    def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float,
+                       tls: ClientTLS | None = None) -> WorkerPool:
+        return cls(role, [WorkerClient(a, role, call_timeout_s, tls) for a in addresses])
 
     def pick(self) -> WorkerClient:
         healthy = [c for c in self.clients if c.healthy] or self.clients
