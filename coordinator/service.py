@@ -36,6 +36,9 @@ from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# A client's request id is echoed in every reply chunk and carried in every worker call's sequence id and log line.
+MAX_REQUEST_ID_CHARS = 128
+
 
 @dataclass(slots=True)
 class _Request:
@@ -216,6 +219,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def _validate(self, request: generation_pb2.GenerateRequest) -> tuple[RequestState, SpecOptions]:
         """The request's state and speculation options; INVALID_ARGUMENT naming the field on bad input."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, "
+                                      f"got {len(request.request_id)}")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         spec = request.speculation
         method = _field("speculation.method",

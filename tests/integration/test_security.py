@@ -134,6 +134,8 @@ def test_each_limit_is_refused_with_its_status(client, cluster, client_tls):
     error = refused(client.generate, build_request("hi", max_new_tokens=MAX_NEW_TOKENS_LIMIT + 1))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("stopping.max_new_tokens:") and str(MAX_NEW_TOKENS_LIMIT) in error.details()
+    error = refused(client.generate, build_request("hi", request_id="r" * 129))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("request_id: at most 128")
     error = refused(client.generate, build_request("hi", stop_strings=("x" * MAX_REQUEST_BYTES,)))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # One request at a time per token: a second one from the same token is refused while the first runs,
