@@ -265,6 +265,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not request.text:
                 raise InvalidRequestError("text: prompt is empty")
             ids = _field("chat", lambda: encode_prompt(self.tokenizer, request.text, request.chat))
+            if not ids:  # text a tokenizer drops entirely would reach the target as an empty prompt
+                raise InvalidRequestError("text: the prompt has no tokens")
         limit = self.cfg.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise InvalidRequestError(f"{field}: the prompt is {len(ids)} tokens; this server takes at most {limit}")
