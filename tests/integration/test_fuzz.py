@@ -49,8 +49,9 @@ SERVICE = "/tandem.v1.Generation/"
 def cluster(smollm2_dir, tmp_path_factory):
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=2048,
                        log_dir=tmp_path_factory.mktemp("logs"), metrics=False,
-                       coordinator_args=("--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--max-new-tokens", "4",
-                                         "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT)))
+                       worker_args=("--host", "127.0.0.1"),  # nothing of this test is reachable off the machine
+                       coordinator_args=("--host", "127.0.0.1", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+                                         "--max-new-tokens", "4", "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT)))
     with LocalCluster(spec) as running:
         yield running
 

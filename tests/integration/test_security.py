@@ -27,7 +27,7 @@ from tests.tls_certs import make_pki
 pytestmark = pytest.mark.slow
 
 TOKENS = ("client-one-0123456789abcdef", "client-two-0123456789abcdef")
-MAX_PROMPT_TOKENS = 64
+MAX_PROMPT_TOKENS = 100  # the chat-templated PROMPTS are about 40 tokens
 MAX_NEW_TOKENS_LIMIT = 48
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -50,7 +50,8 @@ def cluster(smollm2_dir, pki, client_tls, tmp_path_factory):
         target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=2048,
         log_dir=tmp_path_factory.mktemp("logs"), metrics=False,
         server_tls=ServerTLS(pki.server_cert, pki.server_key, client_ca=pki.ca), client_tls=client_tls,
-        coordinator_args=("--auth-token-file", str(tokens), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+        worker_args=("--host", "127.0.0.1"),
+        coordinator_args=("--host", "127.0.0.1", "--auth-token-file", str(tokens), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
                           "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT), "--max-concurrent-per-client", "1",
                           "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-new-tokens", "16"))
     with LocalCluster(spec) as running:
