@@ -51,7 +51,8 @@ def cluster(smollm2_dir, pki, client_tls, tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("logs"), metrics=False,
         server_tls=ServerTLS(pki.server_cert, pki.server_key, client_ca=pki.ca), client_tls=client_tls,
         worker_args=("--host", "127.0.0.1"),
-        coordinator_args=("--host", "127.0.0.1", "--auth-token-file", str(tokens), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+        coordinator_args=("--host", "127.0.0.1", "--auth-token-file", str(tokens),
+                          "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
                           "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT), "--max-concurrent-per-client", "1",
                           "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-new-tokens", "16"))
     with LocalCluster(spec) as running:
