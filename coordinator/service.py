@@ -2,9 +2,10 @@
 
 Every field is checked before any worker is called, and a bad one is named in
 the INVALID_ARGUMENT message; so are the operator's limits (prompt tokens, new
-tokens). Replies name worker replicas by opaque names (``target-0``) unless the
-operator chose ``--expose-worker-addresses``. The loop itself is ``tandem.spec.loop``, the
-same one ``tandem generate`` runs in process; here it talks to gRPC workers.
+tokens). Replies name worker replicas by opaque names (``target-0``) unless
+the operator chose ``--expose-worker-addresses``. The loop itself is
+``tandem.spec.loop``, the same one ``tandem generate`` runs in process; here
+it talks to gRPC workers.
 """
 
 from __future__ import annotations
