@@ -223,6 +223,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, "
                                       f"got {len(request.request_id)}")
+        if not request.request_id.isprintable():  # a newline in it would forge lines in every log that names it
+            raise InvalidRequestError("request_id: printable characters only (no control or format characters)")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         spec = request.speculation
         method = _field("speculation.method",
