@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from coordinator.access import AccessControl
 from coordinator.service import GenerationService
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
@@ -35,9 +36,10 @@ async def wait_for_workers(pool: WorkerPool, timeout_s: float) -> None:
 async def serve(cfg: CoordinatorConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    targets = WorkerPool.from_addresses("target", cfg.target_addrs, cfg.call_timeout_s)
-    drafts = WorkerPool.from_addresses("draft", cfg.draft_addrs, cfg.call_timeout_s)
-    server = ManagedServer("coordinator", cfg.server)
+    targets = WorkerPool.from_addresses("target", cfg.target_addrs, cfg.call_timeout_s, cfg.worker_tls)
+    drafts = WorkerPool.from_addresses("draft", cfg.draft_addrs, cfg.call_timeout_s, cfg.worker_tls)
+    access = AccessControl(cfg.auth, cfg.max_concurrent_per_client)
+    server = ManagedServer("coordinator", cfg.server, interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
     # One cache per tokenizer: the fingerprint namespaces it, so that different models never mix.
     cache = SharedContinuations(fingerprint, cfg.redis_url) if cfg.continuation_cache else None
     metrics = CoordinatorMetrics(server.registry, cache.snapshot if cache else None)

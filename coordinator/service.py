@@ -1,8 +1,11 @@
 """The public Generation service: validate, tokenize, run the speculation loop, stream.
 
 Every field is checked before any worker is called, and a bad one is named in
-the INVALID_ARGUMENT message. The loop itself is ``tandem.spec.loop``, the
-same one ``tandem generate`` runs in process; here it talks to gRPC workers.
+the INVALID_ARGUMENT message; so are the operator's limits (prompt tokens, new
+tokens). Replies name worker replicas by opaque names (``target-0``) unless
+the operator chose ``--expose-worker-addresses``. The loop itself is
+``tandem.spec.loop``, the same one ``tandem generate`` runs in process; here
+it talks to gRPC workers.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import grpc
 
 from coordinator.placement import Placement
-from coordinator.workers import WorkerPool
+from coordinator.workers import WorkerClient, WorkerPool
 from tandem.config import CoordinatorConfig
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
@@ -34,6 +37,9 @@ from tandem.tokenizer import encode_prompt
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# A client's request id is echoed in every reply chunk and carried in every worker call's sequence id and log line.
+MAX_REQUEST_ID_CHARS = 128
 
 
 @dataclass(slots=True)
@@ -73,6 +79,32 @@ class _MetricsObserver:
         self.metrics.cache_lookups.labels(tier or "miss").inc()
 
 
+class ReplicaNames:
+    """What replies call a worker replica: its address if the operator says so, else ``role-N``.
+
+    N counts the distinct addresses of that role this coordinator has seen, in
+    order, so a replica keeps its name for the coordinator's life even when
+    others join or leave.
+    """
+
+    def __init__(self, expose_addresses: bool) -> None:
+        self.expose_addresses = expose_addresses
+        self.names: dict[tuple[str, str], str] = {}
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, client: WorkerClient | None) -> str:
+        if client is None:
+            return ""
+        if self.expose_addresses:
+            return client.address
+        key = (client.role, client.address)
+        if key not in self.names:
+            index = self.counts.get(client.role, 0)
+            self.counts[client.role] = index + 1
+            self.names[key] = f"{client.role}-{index}"
+        return self.names[key]
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: CoordinatorConfig, tokenizer: Any, targets: WorkerPool, drafts: WorkerPool,
                  server: ManagedServer, metrics: CoordinatorMetrics, cache: ContinuationCache | None = None) -> None:
@@ -88,6 +120,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_context = 0
         self.model_stop_ids: frozenset[int] = frozenset()
         self.costs: dict[tuple[str, str, str], CostModel] = {}  # per (method, draft, target) pair
+        self.public_name = ReplicaNames(cfg.expose_worker_addresses)
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -116,7 +149,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
         def status(pool: WorkerPool) -> list[generation_pb2.WorkerStatus]:
-            return [generation_pb2.WorkerStatus(address=c.address, healthy=c.healthy, info=c.info)
+            return [generation_pb2.WorkerStatus(address=self.public_name(c), healthy=c.healthy, info=c.info)
                     for c in pool.clients]
         await self.targets.refresh_all()
         await self.drafts.refresh_all()
@@ -184,6 +217,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def _validate(self, request: generation_pb2.GenerateRequest) -> tuple[RequestState, SpecOptions]:
         """The request's state and speculation options; INVALID_ARGUMENT naming the field on bad input."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, "
+                                      f"got {len(request.request_id)}")
+        if not request.request_id.isprintable():  # a newline in it would forge lines in every log that names it
+            raise InvalidRequestError("request_id: printable characters only (no control or format characters)")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         spec = request.speculation
         method = _field("speculation.method",
@@ -196,6 +234,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if stopping.max_new_tokens < 0:
             raise InvalidRequestError(f"stopping.max_new_tokens must be positive, got {stopping.max_new_tokens}")
         max_new = stopping.max_new_tokens or self.cfg.default_max_new_tokens
+        limit = self.cfg.max_new_tokens_limit
+        if limit is not None and max_new > limit:
+            raise InvalidRequestError(f"stopping.max_new_tokens: {max_new} is more than this server allows ({limit})")
         if len(prompt_ids) + max_new > self.max_context:
             raise InvalidRequestError(
                 f"stopping.max_new_tokens: prompt ({len(prompt_ids)} tokens) + {max_new} new tokens exceeds "
@@ -214,14 +255,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
         if which == "token_ids":
+            field = "token_ids.ids"
             ids = list(request.token_ids.ids)
             if not ids:
                 raise InvalidRequestError("token_ids.ids: prompt is empty")
             check_token_ids("token_ids.ids", ids, self.vocab_size)
         else:
+            field = "text"
             if not request.text:
                 raise InvalidRequestError("text: prompt is empty")
             ids = _field("chat", lambda: encode_prompt(self.tokenizer, request.text, request.chat))
+            if not ids:  # text a tokenizer drops entirely would reach the target as an empty prompt
+                raise InvalidRequestError("text: the prompt has no tokens")
+        limit = self.cfg.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise InvalidRequestError(f"{field}: the prompt is {len(ids)} tokens; this server takes at most {limit}")
         if len(ids) >= self.max_context:
             raise InvalidRequestError(
                 f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
@@ -234,9 +282,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             accepted=st.accepted, rounds=st.rounds, mean_accepted_len=st.mean_accepted_len,
             acceptance_rate=st.acceptance_rate, tokens_per_s=st.tokens_per_s,
             time_to_first_token_s=st.first_token_s, elapsed_s=st.elapsed_s, method=run.options.method,
-            draft_worker=run.placement.draft.address if run.placement.draft else "",
-            target_worker=run.placement.target.address, target_moves=st.target_moves, draft_moves=st.draft_moves,
-            preemptions=st.preemptions)
+            draft_worker=self.public_name(run.placement.draft), target_worker=self.public_name(run.placement.target),
+            target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions)
 
 
 def _field(name: str, make: Any) -> Any:

@@ -26,6 +26,7 @@ import grpc
 from tandem.errors import WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
+from tandem.rpc.tls import ClientTLS, open_channel
 from tandem.rpc.wire import sampling_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.spec.transport import FittedCost
@@ -41,11 +42,11 @@ REPLACEMENT_POLL_S = 0.5  # while a request waits for a healthy replica to move 
 class WorkerClient:
     """One worker replica: a channel, its stub, and its last known capacity."""
 
-    def __init__(self, address: str, role: str, call_timeout_s: float) -> None:
+    def __init__(self, address: str, role: str, call_timeout_s: float, tls: ClientTLS | None = None) -> None:
         self.address = address
         self.role = role
         self.call_timeout_s = call_timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = open_channel(address, tls, GRPC_OPTIONS, aio=True)  # tls None: plaintext
         stub_class = draft_pb2_grpc.DraftWorkerStub if role == "draft" else target_pb2_grpc.TargetWorkerStub
         self.stub: Any = stub_class(self.channel)
         self.info: common_pb2.WorkerInfo | None = None
@@ -164,8 +165,9 @@ class WorkerPool:
     clients: list[WorkerClient]
 
     @classmethod
-    def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float) -> WorkerPool:
-        return cls(role, [WorkerClient(a, role, call_timeout_s) for a in addresses])
+    def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float,
+                       tls: ClientTLS | None = None) -> WorkerPool:
+        return cls(role, [WorkerClient(a, role, call_timeout_s, tls) for a in addresses])
 
     def pick(self, avoid: WorkerClient | None = None) -> WorkerClient:
         """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort."""

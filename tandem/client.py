@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
-
+from tandem.rpc.auth import bearer_metadata
 from tandem.rpc.server import GRPC_OPTIONS
+from tandem.rpc.tls import ClientTLS, open_channel
 from tandem.rpc.wire import sampling_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -46,19 +46,23 @@ def build_request(
 
 
 class TandemClient:
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    """``tls``: TLS options (None: plaintext); ``token``: the bearer token sent with every call."""
+
+    def __init__(self, address: str, timeout_s: float = 600.0, *, tls: ClientTLS | None = None,
+                 token: str | None = None) -> None:
+        self.channel = open_channel(address, tls, GRPC_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = bearer_metadata(token)
 
     def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
-        return self.stub.Generate(request, timeout=self.timeout_s)
+        return self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def stream(self, request: generation_pb2.GenerateRequest) -> Iterator[generation_pb2.GenerateStreamResponse]:
-        return self.stub.GenerateStream(request, timeout=self.timeout_s)
+        return self.stub.GenerateStream(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def info(self) -> generation_pb2.InfoResponse:
-        return self.stub.Info(generation_pb2.InfoRequest(), timeout=30)
+        return self.stub.Info(generation_pb2.InfoRequest(), timeout=30, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
+
 READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)")
 
 
@@ -60,6 +62,10 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # extra flags for every worker (batching)
     log_dir: Path | None = None
     cache_dir: str | None = None
+    # TLS on every link (default: plaintext): every server presents server_tls (mutual TLS when it has a
+    # client CA); the coordinator's worker links and the health checks here connect with client_tls.
+    server_tls: ServerTLS | None = None
+    client_tls: ClientTLS | None = None
 
     def __post_init__(self) -> None:
         if self.target_replicas < 1 or self.draft_replicas < 0:
@@ -96,11 +102,13 @@ class LocalCluster:
         args += [a for s in workers if s.role == "draft" for a in ("--draft-addr", s.address)]
         if not self.spec.pipelining:
             args.append("--no-pipelining")
+        if self.spec.client_tls:
+            args += self.spec.client_tls.flags("--worker-tls-")
         index = sum(s.role == "coordinator" for s in self.services)
         coordinator = self._spawn("coordinator", f"coordinator-{index}" if index else "coordinator",
                                   [*args, *extra_args])
         self._wait([coordinator], timeout_s)
-        wait_serving(coordinator.address, timeout_s=30)
+        wait_serving(coordinator.address, timeout_s=30, tls=self.spec.client_tls)
         return coordinator
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -150,6 +158,8 @@ class LocalCluster:
             args = [*args, "--metrics-port", "0"]
         if self.spec.cache_dir:
             args = [*args, "--cache-dir", self.spec.cache_dir]
+        if self.spec.server_tls:
+            args = [*args, *self.spec.server_tls.flags()]
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, *(command or ("-m", "tandem", "serve", role)), *args]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
@@ -179,10 +189,10 @@ class LocalCluster:
                     raise TimeoutError(f"{service.role} not ready after {timeout_s:.0f}s (log: {service.log_path})")
 
 
-def wait_serving(address: str, timeout_s: float = 30.0) -> None:
-    """Block until the server's grpc.health.v1 says SERVING."""
+def wait_serving(address: str, timeout_s: float = 30.0, tls: ClientTLS | None = None) -> None:
+    """Block until the server's grpc.health.v1 says SERVING (over TLS with ``tls``)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

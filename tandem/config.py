@@ -22,6 +22,9 @@ from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
 if TYPE_CHECKING:
     import torch
 
+    from tandem.rpc.auth import BearerAuth
+    from tandem.rpc.tls import ClientTLS, ServerTLS
+
 # model_type in config.json -> our family name. Qwen2 is Llama plus q/k/v biases.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -35,6 +38,7 @@ QUANTIZATIONS = ("none", "int8")
 # bf16, one decode step: 53 ms full, 31 ms int8, 22 ms int8 with the cut head).
 DEFAULT_DRAFT_QUANTIZATION = "int8"
 DEFAULT_DRAFT_VOCAB_LIMIT = 32768
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # gRPC's message length is a signed 32-bit int
 
 
 @dataclass(slots=True, frozen=True)
@@ -191,6 +195,7 @@ class ServerOptions:
     port: int = 0  # 0: any free port (printed once bound)
     metrics_port: int | None = None  # Prometheus /metrics; None disables, 0 picks a free port
     drain_grace_s: float = 10.0
+    tls: ServerTLS | None = None  # validated by ServerTLS itself (tandem/rpc/tls.py); None: plaintext
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -238,9 +243,31 @@ class CoordinatorConfig:
     continuation_cache: bool = True  # False: n-gram proposals from the request's own text only
     max_moves: int = 3  # times one request may move to another replica of a role after a fault
     move_wait_s: float = 30.0  # how long a moving request waits for a healthy target replica
+    # Security and limits (README "Security", "Bad input"). TLS files and tokens are validated where
+    # they are read (ClientTLS, BearerAuth), before this is built.
+    worker_tls: ClientTLS | None = None  # TLS (mutual with a client certificate) to every worker; None: plaintext
+    auth: BearerAuth | None = None  # tokens tandem.v1.Generation requires; None: open
+    max_request_bytes: int = 4 * 1024 * 1024  # largest request message; gRPC refuses more (RESOURCE_EXHAUSTED)
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_new_tokens_limit: int | None = None  # None: whatever fits the context
+    max_concurrent_per_client: int = 0  # 0: unlimited
+    expose_worker_addresses: bool = False  # False: replies name replicas target-0, draft-1...
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
+        if not 1024 <= self.max_request_bytes <= MAX_GRPC_MESSAGE_BYTES:
+            raise InvalidRequestError(f"--max-request-bytes must be in 1024..{MAX_GRPC_MESSAGE_BYTES}, "
+                                      f"got {self.max_request_bytes}")
+        for flag, value in (("--max-prompt-tokens", self.max_prompt_tokens),
+                            ("--max-new-tokens-limit", self.max_new_tokens_limit)):
+            if value is not None and value < 1:
+                raise InvalidRequestError(f"{flag} must be a positive number of tokens, got {value}")
+        if self.max_new_tokens_limit is not None and self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise InvalidRequestError(f"the default max new tokens ({self.default_max_new_tokens}, --max-new-tokens) "
+                                      f"exceeds --max-new-tokens-limit ({self.max_new_tokens_limit})")
+        if self.max_concurrent_per_client < 0:
+            raise InvalidRequestError(f"--max-concurrent-per-client must be >= 0 (0: unlimited), "
+                                      f"got {self.max_concurrent_per_client}")
         if not self.target_addrs:
             raise InvalidRequestError("the coordinator needs at least one target worker address (--target-addr)")
         for addr in [*self.target_addrs, *self.draft_addrs]:

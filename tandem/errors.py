@@ -36,6 +36,14 @@ class UnknownSequenceError(TandemError, KeyError):
         return str(self.args[0]) if self.args else "unknown sequence"
 
 
+class UnauthenticatedError(TandemError):
+    """A call to the public API without a valid bearer token (maps to UNAUTHENTICATED)."""
+
+
+class ClientLimitError(TandemError):
+    """A client is over its own limit, e.g. of concurrent requests (maps to RESOURCE_EXHAUSTED)."""
+
+
 class ShuttingDownError(TandemError):
     """The server is draining after SIGTERM and takes no new work (maps to UNAVAILABLE)."""
 

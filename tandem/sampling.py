@@ -23,7 +23,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     if params.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shift each row so its max is 0 first (softmax does not change): a tiny temperature (float32 goes
+    # down to 1e-45) would otherwise overflow the logits to inf and every probability to NaN.
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [R, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

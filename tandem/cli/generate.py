@@ -19,6 +19,7 @@ import time
 
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
+from tandem.cli.security_flags import add_client_flags, client_options
 from tandem.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop string (repeatable; with --addr)")
     p.add_argument("--no-pipelining", action="store_true", help="with --addr: no pipelined drafting")
     p.add_argument("--timeout", type=float, default=600.0, help="with --addr: request deadline in seconds")
+    add_client_flags(p)
     add_sampling_flags(p)
     add_model_flags(p)
     p.set_defaults(func=run)
@@ -163,7 +165,8 @@ def run_remote(args: argparse.Namespace) -> int:
     tokens: list[int] = []
     text_parts: list[str] = []
     last = None
-    with TandemClient(args.addr, timeout_s=args.timeout) as client:
+    tls, token = client_options(args)
+    with TandemClient(args.addr, timeout_s=args.timeout, tls=tls, token=token) as client:
         try:
             for chunk in client.stream(request):
                 tokens.extend(chunk.token_ids)

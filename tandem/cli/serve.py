@@ -13,6 +13,7 @@ import os
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.cli.generate import resolve_or_prepare
+from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.config import ATTENTION_BACKENDS, DTYPES, CoordinatorConfig, EngineConfig, ServerOptions, WorkerConfig
 from tandem.rpc.server import configure_logging
 
@@ -33,6 +34,7 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
+    add_server_tls_flags(p)
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -96,12 +98,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="share the continuation cache with every coordinator through Redis: redis://HOST:PORT/DB "
                             "or rediss:// (TLS); a password in the URL or in $TANDEM_REDIS_PASSWORD. Default: an "
                             "in-process cache. Redis trouble never fails a request: the local tier answers alone.")
+    add_coordinator_flags(coord)
     _server_flags(coord, 50051)
     coord.set_defaults(func=run_coordinator)
 
 
 def _server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(args.host, args.port, args.metrics_port, args.drain_grace)
+    return ServerOptions(args.host, args.port, args.metrics_port, args.drain_grace, tls=server_tls(args))
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -133,7 +136,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
-        max_moves=args.max_moves, move_wait_s=args.move_wait,
+        max_moves=args.max_moves, move_wait_s=args.move_wait, **coordinator_options(args),
     )
     from coordinator.main import serve
 

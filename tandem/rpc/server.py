@@ -4,7 +4,10 @@ Health says NOT_SERVING until the role's warm-up (weights loaded, one real
 forward pass run) has finished, so orchestrators route nothing to a worker
 that would answer slowly or not at all. On SIGTERM (or SIGINT) the server
 turns NOT_SERVING, refuses new work with UNAVAILABLE, lets calls in flight
-finish for ``drain_grace_s``, then stops.
+finish for ``drain_grace_s``, then stops. With ``options.tls`` the port is
+TLS (mutual TLS with a client CA); extra interceptors (the coordinator's access
+control) run inside the error mapping, so the domain errors they raise become
+statuses too.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,11 +40,16 @@ GRPC_OPTIONS = [
 class ManagedServer:
     """A ``grpc.aio`` server with the pieces every role needs."""
 
-    def __init__(self, role: str, options: ServerOptions) -> None:
+    def __init__(self, role: str, options: ServerOptions, *,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.role = role
         self.options = options
         self.registry = CollectorRegistry()  # one per server: no process-global metrics
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=GRPC_OPTIONS)
+        # gRPC itself refuses a larger message with RESOURCE_EXHAUSTED before any handler runs.
+        grpc_options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                        ("grpc.max_receive_message_length", max_receive_bytes)]
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors], options=grpc_options)
         self.health = health.aio.HealthServicer()
         self.service_names: list[str] = []
         self.draining = False
@@ -65,7 +73,10 @@ class ManagedServer:
         reflection.enable_server_reflection(names, self.server)
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        address = f"{self.options.host}:{self.options.port}"
+        tls = self.options.tls
+        self.port = (self.server.add_secure_port(address, tls.credentials()) if tls
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"{self.role}: cannot bind {self.options.host}:{self.options.port}")
         await self.server.start()

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from tandem import errors
+from tandem.rpc.handlers import rewrap
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.ClientLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.KVCacheExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -66,6 +69,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     Unexpected exceptions become INTERNAL and are logged with their traceback;
     expected ones (bad input, unknown sequence...) are not logged as errors.
+    The request is parsed inside the handler, not by gRPC: a message that does
+    not parse is the caller's bad input (INVALID_ARGUMENT, saying why), where
+    gRPC's own parse would answer UNKNOWN ("Unexpected DecodeError").
     """
 
     async def intercept_service(
@@ -75,20 +81,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        method = details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        method, parse = details.method, handler.request_deserializer
+        return rewrap(handler, lambda behavior: _wrap_unary(behavior, method, parse),
+                      lambda behavior: _wrap_stream(behavior, method, parse), request_deserializer=None)
+
+
+def _parsed(parse: Callable[[bytes], Any] | None, request: Any) -> Any:
+    """The request message from its bytes; a malformed one is the caller's ``InvalidRequestError``."""
+    if parse is None or not isinstance(request, bytes):
+        return request
+    try:
+        return parse(request)
+    except Exception as exc:  # noqa: BLE001 - DecodeError, or anything a parser raises on garbage
+        raise errors.InvalidRequestError(f"malformed request: {exc}") from None
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
@@ -98,10 +103,10 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(code, str(exc) or type(exc).__name__)
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _wrap_unary(behavior: Callable[..., Any], method: str, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(_parsed(parse, request), context)
         except grpc.aio.AbortError:
             raise  # the servicer chose its status itself
         except Exception as exc:  # noqa: BLE001 - status_for maps it; anything unexpected is INTERNAL, logged
@@ -110,10 +115,10 @@ def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]
     return wrapped
 
 
-def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _wrap_stream(behavior: Callable[..., Any], method: str, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            async for item in behavior(request, context):
+            async for item in behavior(_parsed(parse, request), context):
                 yield item
         except grpc.aio.AbortError:
             raise

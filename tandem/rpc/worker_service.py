@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -27,11 +28,18 @@ class WorkerServiceBase:
         self.stop_token_ids = stop_token_ids
 
     async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        # Shielded: a caller that gives up (its deadline passed while the release queued behind forward
+        # passes) cancels this handler, and the batcher drops cancelled calls; the sequence's KV would then
+        # be held for good (found by the fuzz test under load). The release runs to its end regardless.
+        held = await asyncio.shield(self._release(request.seq_id))
+        return common_pb2.ReleaseResponse(released=held)
+
+    async def _release(self, seq_id: str) -> bool:
         # Through the batcher, so the KV pool changes only on the model thread. Taken while draining too:
         # a release only frees.
-        held: bool = await self.batcher.submit(ReleaseCall(request.seq_id))
-        self.batcher.forget(request.seq_id)  # after the release's own batch, which counted it as cycling
-        return common_pb2.ReleaseResponse(released=held)
+        held: bool = await self.batcher.submit(ReleaseCall(seq_id))
+        self.batcher.forget(seq_id)  # after the release's own batch, which counted it as cycling
+        return held
 
     async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
         model = self.engine.engine

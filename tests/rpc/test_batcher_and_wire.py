@@ -195,6 +195,39 @@ def test_release_goes_through_the_batcher_on_the_model_thread():
     assert recent == [set(), set()]  # forgotten: no later batch waits for a released sequence
 
 
+def test_a_release_whose_caller_gave_up_still_frees_the_sequence():
+    """A coordinator's Release can time out while queued behind forward passes; the KV must be freed anyway."""
+    from tandem.rpc.worker_service import WorkerServiceBase
+
+    released, busy = [], threading.Event()
+
+    def run_batch(calls):
+        if any(c == "forward" for c in calls):
+            busy.wait(10)  # a long forward pass: the release queues behind it
+        released.extend(c.seq_id for c in calls if isinstance(c, ReleaseCall))
+        return [True] * len(calls)
+
+    async def scenario():
+        batcher = Batcher(run_batch, cost=lambda c: 0, token_budget=10)
+        batcher.start()
+        service = WorkerServiceBase(None, batcher, None, "m", "fp", [])
+        forward = asyncio.ensure_future(batcher.submit("forward"))
+        await asyncio.sleep(0.05)  # the forward is running on the model thread
+        release = asyncio.ensure_future(service.Release(common_pb2.ReleaseRequest(seq_id="s1"), None))
+        await asyncio.sleep(0.05)
+        release.cancel()  # what gRPC does to the handler when the caller's deadline passes
+        busy.set()
+        await forward
+        for _ in range(200):
+            if released:
+                break
+            await asyncio.sleep(0.01)
+        await batcher.stop()
+        return release.cancelled()
+
+    assert asyncio.run(scenario()) and released == ["s1"]
+
+
 # ----- distributions on the wire ---------------------------------------------------
 
 VOCAB = 151_936

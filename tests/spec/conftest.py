@@ -4,15 +4,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.redis_server import RedisServer, find_redis_server, free_port
+from tests.redis_server import RedisServer, RedisTLS, find_redis_server, free_port
 
 
-def _server(tmp_path, password: str | None = None) -> Iterator[RedisServer]:
+def _server(tmp_path, password: str | None = None, tls: RedisTLS | None = None) -> Iterator[RedisServer]:
     binary = find_redis_server()
     if binary is None:
         pytest.skip("redis-server not installed (apt-get install redis-server; CI installs it)")
-    server = RedisServer(binary, free_port(), tmp_path, password)
-    server.start()
+    server = RedisServer(binary, free_port(), tmp_path, password, tls)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        if tls is not None and "TLS" in str(exc):  # a build without TLS says so in its log
+            pytest.skip(f"this redis-server build has no TLS support: {exc}")
+        raise
     try:
         yield server
     finally:
@@ -29,3 +34,12 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
 def redis_server_with_password(tmp_path) -> Iterator[RedisServer]:
     """Like ``redis_server`` but requiring the password ``s3cret``."""
     yield from _server(tmp_path, "s3cret")
+
+
+@pytest.fixture
+def redis_server_with_tls_and_password(tmp_path) -> Iterator[RedisServer]:
+    """TLS only (a certificate for 127.0.0.1 from a CA made here: ``server.tls.ca``), password ``s3cret``."""
+    from tests.tls_certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    yield from _server(tmp_path, "s3cret", RedisTLS(pki.server_cert, pki.server_key, pki.ca))

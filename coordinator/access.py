@@ -1,0 +1,117 @@
+"""Who may call the public API, and how much at once: the coordinator's access interceptor.
+
+Only ``tandem.v1.Generation`` is guarded; ``grpc.health.v1`` and reflection
+stay open, so orchestrators' probes need no token. With bearer auth on, a call
+without ``authorization: Bearer <token>`` (or with an unknown token) is refused
+UNAUTHENTICATED before its message is even parsed; the refusal says what was
+missing and never echoes what was sent.
+
+With ``max_concurrent_per_client`` > 0, a client holds at most that many
+Generate / GenerateStream calls at once; one more is refused
+RESOURCE_EXHAUSTED. The client is the bearer token's identity when auth is on
+(every holder of one token counts as one client), else the peer's host as
+gRPC reports it (``context.peer()``: every connection from one address counts
+as one client, so clients behind one NAT or proxy share a budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from tandem.errors import ClientLimitError, UnauthenticatedError
+from tandem.rpc.auth import METADATA_KEY, BearerAuth
+from tandem.rpc.handlers import Behavior, rewrap
+
+SERVICE = "tandem.v1.Generation"
+LIMITED_METHODS = ("Generate", "GenerateStream")  # Info is cheap and answers operators
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string: ``ipv4:10.0.0.7:5123`` -> ``10.0.0.7``, ``ipv6:[::1]:5123`` -> ``::1``."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer  # unix sockets and anything else: the whole string
+
+
+class AccessControl(grpc.aio.ServerInterceptor):
+    def __init__(self, auth: BearerAuth | None, max_concurrent_per_client: int = 0, service: str = SERVICE) -> None:
+        self.auth = auth
+        self.max_concurrent = max_concurrent_per_client
+        self.prefix = f"/{service}/"
+        self.in_flight: dict[str, int] = {}  # client -> calls running now (only clients with one or more)
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        identity = None
+        if self.auth is not None:
+            metadata = {k.lower(): v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+            identity = self.auth.identify(metadata)
+            if identity is None:
+                return _refusing(handler, _refusal(metadata))
+        if self.max_concurrent <= 0 or details.method.rpartition("/")[2] not in LIMITED_METHODS:
+            return handler
+        return rewrap(handler, lambda behavior: self._guard_unary(behavior, identity),
+                      lambda behavior: self._guard_stream(behavior, identity))
+
+    @contextlib.contextmanager
+    def _slot(self, identity: str | None, context: grpc.aio.ServicerContext) -> Any:
+        client = identity or peer_host(context.peer() or "")
+        held = self.in_flight.get(client, 0)
+        if held >= self.max_concurrent:
+            raise ClientLimitError(f"too many concurrent requests from this client: at most {self.max_concurrent} "
+                                   "at once (--max-concurrent-per-client); retry when one has finished")
+        self.in_flight[client] = held + 1
+        try:
+            yield
+        finally:
+            left = self.in_flight[client] - 1
+            if left:
+                self.in_flight[client] = left
+            else:
+                del self.in_flight[client]
+
+    def _guard_unary(self, behavior: Behavior, identity: str | None) -> Behavior:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with self._slot(identity, context):
+                return await behavior(request, context)
+
+        return guarded
+
+    def _guard_stream(self, behavior: Behavior, identity: str | None) -> Behavior:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            with self._slot(identity, context):
+                async for item in behavior(request, context):
+                    yield item
+
+        return guarded
+
+
+def _refusal(metadata: dict[str, str]) -> str:
+    if METADATA_KEY not in metadata:
+        return (f"{SERVICE} needs a bearer token: send metadata 'authorization: Bearer <token>' "
+                "(tandem generate: --token-file or $TANDEM_AUTH_TOKEN)")
+    return "the bearer token in 'authorization' is not valid here"
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that refuses UNAUTHENTICATED without parsing the request (no deserializer)."""
+    async def refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise UnauthenticatedError(message)
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        raise UnauthenticatedError(message)
+        yield  # an async generator, like the handler it stands in for
+
+    return rewrap(handler, lambda _: refuse_unary, lambda _: refuse_stream, request_deserializer=None)
