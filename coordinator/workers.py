@@ -11,14 +11,20 @@ A pool polls each replica's Info in the background and picks, for a new
 request, the healthy replica with the most free KV blocks and the shortest
 queue, counting the requests it has itself placed since the last poll so that
 a burst spreads out.
+
+Its membership changes while it serves (``update``, fed by discovery,
+``coordinator.discovery``): a new replica is used once its Info has answered
+with the coordinator's tokenizer fingerprint (another tokenizer: never); a
+replica that left is ``leaving``: no new request goes to it, its requests in
+flight finish, and it is closed once none is left. One that comes back before
+that is simply routable again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -51,6 +57,9 @@ class WorkerClient:
         self.healthy = False
         self.placed_since_poll = 0
         self.active = 0  # this coordinator's requests placed here and not yet finished
+        self.verified = False  # its Info answered with the coordinator's tokenizer: requests may go here
+        self.rejected = False  # its Info answered with another tokenizer: never used
+        self.leaving = False  # discovery no longer lists it: no new requests, closed once idle
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         try:
@@ -67,6 +76,21 @@ class WorkerClient:
         except grpc.aio.AioRpcError:
             self.healthy = False
         self.placed_since_poll = 0
+
+    @property
+    def state(self) -> str:
+        """What routing makes of it: starting, healthy, unhealthy, leaving or rejected."""
+        if self.rejected:
+            return "rejected"
+        if self.leaving:
+            return "leaving"
+        if not self.verified:
+            return "starting"
+        return "healthy" if self.healthy else "unhealthy"
+
+    @property
+    def routable(self) -> bool:
+        return self.verified and not self.leaving and not self.rejected
 
     def fitted_cost(self) -> FittedCost | None:
         """The worker's own fit of its forward cost (from its last Info), once it has measured one."""
@@ -145,25 +169,90 @@ class RequestChannel:
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 
 
-@dataclass(slots=True)
-class WorkerPool:
-    role: str
-    clients: list[WorkerClient]
+REPLICA_STATES = ("starting", "healthy", "unhealthy", "leaving", "rejected")
 
-    @classmethod
-    def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float) -> WorkerPool:
-        return cls(role, [WorkerClient(a, role, call_timeout_s) for a in addresses])
+
+class WorkerPool:
+    """The replicas of one role; ``fingerprint`` is the coordinator's tokenizer's (None: not checked)."""
+
+    def __init__(self, role: str, clients: list[WorkerClient], fingerprint: str | None = None,
+                 call_timeout_s: float = 60.0) -> None:
+        self.role = role
+        self.clients = clients
+        self.fingerprint = fingerprint
+        self.call_timeout_s = call_timeout_s
+        self.changed = asyncio.Event()  # set whenever a replica turns usable: the warm-up waits on it
+        self._closing: set[asyncio.Task] = set()
 
     def pick(self) -> WorkerClient:
-        healthy = [c for c in self.clients if c.healthy] or self.clients
-        if not healthy:
-            raise WorkerUnavailableError(f"no {self.role} workers configured")
-        best = max(healthy, key=lambda c: c.score())
+        routable = [c for c in self.clients if c.routable]
+        if not routable:
+            raise WorkerUnavailableError(f"no {self.role} workers available")
+        best = max([c for c in routable if c.healthy] or routable, key=lambda c: c.score())
         best.placed_since_poll += 1
         return best
 
+    def has_healthy(self) -> bool:
+        return any(c.routable and c.healthy for c in self.clients)
+
+    def has_routable(self) -> bool:
+        return any(c.routable for c in self.clients)
+
+    def counts(self) -> dict[str, int]:
+        """Replicas per state (every state present, zeros included)."""
+        counts = dict.fromkeys(REPLICA_STATES, 0)
+        for c in self.clients:
+            counts[c.state] += 1
+        return counts
+
+    # ----- membership ---------------------------------------------------------------
+    def update(self, addresses: Iterable[str]) -> None:
+        """Discovery's latest set: add what is new, un-mark what came back, let what left drain."""
+        wanted = set(addresses)
+        known = {c.address for c in self.clients}
+        for client in self.clients:
+            if client.address in wanted and client.leaving:
+                log.info("%s worker %s is back", self.role, client.address)
+                client.leaving = False
+            elif client.address not in wanted and not client.leaving:
+                log.info("%s worker %s is leaving (%d requests in flight)", self.role, client.address,
+                         client.active)
+                client.leaving = True
+        for address in sorted(wanted - known):
+            log.info("%s worker %s joined", self.role, address)
+            client = WorkerClient(address, self.role, self.call_timeout_s)
+            self.clients.append(client)
+            self._spawn(self.refresh(client))  # usable as soon as its first Info answers
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Close the leaving replicas that no request uses any more."""
+        for client in [c for c in self.clients if c.leaving and c.active == 0]:
+            self.clients.remove(client)
+            log.info("%s worker %s drained; closed", self.role, client.address)
+            self._spawn(client.close())
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    # ----- health ---------------------------------------------------------------------
+    async def refresh(self, client: WorkerClient) -> None:
+        await client.refresh()
+        if client.info is None or client.verified or client.rejected:
+            return
+        if self.fingerprint is not None and client.info.tokenizer_fingerprint != self.fingerprint:
+            client.rejected = True
+            log.error("%s worker %s uses another tokenizer than this coordinator; it will not be used",
+                      self.role, client.address)
+            return
+        client.verified = True
+        self.changed.set()
+
     async def refresh_all(self) -> None:
-        await asyncio.gather(*(c.refresh() for c in self.clients))
+        await asyncio.gather(*(self.refresh(c) for c in list(self.clients) if not c.rejected))
+        self.sweep()
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
@@ -171,4 +260,4 @@ class WorkerPool:
             await self.refresh_all()
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients))
+        await asyncio.gather(*(c.close() for c in self.clients), *self._closing)

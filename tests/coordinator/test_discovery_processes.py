@@ -1,0 +1,108 @@
+"""Discovery end to end on tiny models: a coordinator process following EndpointSlices (the Kubernetes
+stand-in) over real target worker processes; replicas join, one with another tokenizer is refused, and a
+terminating one gets no new requests and drops out once its slice goes."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from tandem.client import TandemClient, build_request
+from tests.kube_api_stub import KubeApiStub, endpoint, endpoint_slice
+from tests.rpc.test_worker_processes import VOCAB, WORKER_ARGS, Worker
+
+NS = "tandem"
+PROMPT = [0, 3, 2, 5, 4, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    dirs = {}
+    for name, vocab in (("ours", VOCAB), ("other", VOCAB + 2)):  # another vocabulary: another fingerprint
+        path = tmp_path_factory.mktemp(name)
+        save_tiny_model(path, "qwen2", seed=3, vocab_size=vocab, bos_token_id=0, eos_token_id=1)
+        dirs[name] = save_tiny_tokenizer(path, vocab, eos_token_id=1, bos_token_id=0)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dirs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    serve = [sys.executable, "-m", "tandem", "serve", "target"]
+    workers = {name: Worker(name, [*serve, "--model", str(model_dirs[model]), *WORKER_ARGS], logs / f"{name}.log")
+               for name, model in (("t1", "ours"), ("t2", "ours"), ("stranger", "other"))}
+    try:
+        for worker in workers.values():
+            worker.wait_ready(300)
+        yield workers
+    finally:
+        for worker in workers.values():
+            worker.stop()
+
+
+def worker_slice(name: str, worker: Worker, **conditions) -> dict:
+    """One slice per worker: all listen on 127.0.0.1, and a slice's port is every endpoint's port."""
+    return endpoint_slice(f"targets-{name}", "targets", [endpoint("127.0.0.1", **conditions)], worker.port)
+
+
+def wait_until(client: TandemClient, predicate, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.info()
+        if predicate({w.address: w.state for w in info.target_workers}):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"coordinator never got there: {info.target_workers}")
+        time.sleep(0.2)
+
+
+def generate(client: TandemClient):
+    return client.generate(build_request(PROMPT, max_new_tokens=8, ignore_eos=True, method="none"))
+
+
+def test_replicas_join_a_stranger_is_refused_and_a_terminating_one_drains_away(model_dirs, fleet, tmp_path):
+    t1, t2, stranger = (f"127.0.0.1:{fleet[n].port}" for n in ("t1", "t2", "stranger"))
+    with KubeApiStub() as api:
+        api.apply(NS, worker_slice("t1", fleet["t1"]))
+        api.apply(NS, endpoint_slice("drafts-x", "drafts", [endpoint("127.0.0.1")], fleet["t2"].port))  # not ours
+        coordinator = Worker("coordinator", [
+            sys.executable, "-m", "tandem", "serve", "coordinator", "--tokenizer", str(model_dirs["ours"]),
+            "--discovery", "kubernetes", "--target-service", "targets", "--namespace", NS,
+            "--kubeconfig", str(api.kubeconfig(tmp_path / "kubeconfig")), "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", "0"], tmp_path / "coordinator.log")
+        try:
+            coordinator.wait_ready(120)
+            with TandemClient(f"127.0.0.1:{coordinator.port}", timeout_s=60) as client:
+                first = generate(client)
+                assert first.stats.target_worker == t1
+                assert {w.address for w in client.info().target_workers} == {t1}  # the draft slice is not ours
+
+                api.apply(NS, worker_slice("t2", fleet["t2"]))
+                api.apply(NS, worker_slice("stranger", fleet["stranger"]))
+                wait_until(client, lambda s: s.get(t2) == "healthy" and s.get(stranger) == "rejected")
+
+                api.apply(NS, worker_slice("t1", fleet["t1"], ready=False, terminating=True))
+                wait_until(client, lambda s: s.get(t1) != "healthy")
+                replies = [generate(client) for _ in range(4)]
+                assert {r.stats.target_worker for r in replies} == {t2}  # never the leaving one, nor the stranger
+                assert all(list(r.token_ids) == list(first.token_ids) for r in replies)
+
+                api.delete(NS, "targets-t1")
+                wait_until(client, lambda s: t1 not in s)  # idle, so closed at once
+                metrics = _scrape(coordinator)
+                assert 'tandem_coordinator_replicas{role="target",state="healthy"} 1.0' in metrics
+                assert 'tandem_coordinator_replicas{role="target",state="rejected"} 1.0' in metrics
+        finally:
+            assert coordinator.stop() == 0
+
+
+def _scrape(coordinator: Worker) -> str:
+    import re
+    import urllib.request
+
+    port = re.search(r"metrics_port=(\d+)", coordinator.lines[0]).group(1)
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
