@@ -21,6 +21,7 @@ Test-side: ``apply`` / ``delete`` slices, ``touch_other`` (a write the selector 
 version moves), ``bookmark`` (send one to every watcher that asked), ``compact`` (expire the history:
 watches from an older version get 410), ``cut_watches`` (drop every watch connection without ending it),
 ``kubeconfig`` (a file that points the ``kubernetes`` client here) and ``requests`` (what was asked).
+Holding ``cond`` (a re-entrant lock) makes several writes one moment: no watch can start in between.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class KubeApiStub:
         self.events: list[_Event] = []
         self.watchers: list[_Watcher] = []
         self.requests: list[dict[str, Any]] = []  # every request's path and query, in order
+        self.bookmarks_sent = 0
         self.cond = threading.Condition()
         stub = self
 
@@ -307,6 +309,7 @@ class KubeApiStub:
             watcher.sent_version = self.version
             if watcher.bookmark_pending:
                 watcher.bookmark_pending = False
+                self.bookmarks_sent += 1
                 out.append({"type": "BOOKMARK", "object": {
                     "kind": "EndpointSlice", "apiVersion": GROUP_VERSION,
                     "metadata": {"resourceVersion": str(self.version), "creationTimestamp": None}}})

@@ -208,9 +208,9 @@ class EndpointSliceSource:
                     cursor.slices[metadata["name"]] = obj
                 elif kind == "DELETED":
                     cursor.slices.pop(metadata["name"], None)
+                cursor.version = metadata.get("resourceVersion") or cursor.version  # before anyone hears of it
                 if kind != "BOOKMARK":  # a bookmark only moves the version: nothing changed
                     publish(routable_addresses(cursor.slices, self.port))
-                cursor.version = metadata.get("resourceVersion") or cursor.version
         finally:
             current[0] = None
         return changed

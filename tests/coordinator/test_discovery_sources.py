@@ -185,8 +185,9 @@ def test_after_the_server_cuts_the_stream_the_watch_resumes_from_the_last_versio
         updates = await watching(src, api)
         seen = api.apply(NS, endpoint_slice("targets-abc", "targets", [endpoint("10.0.0.5")], 50052))
         assert await next_set(updates) == {"10.0.0.5:50052"}
-        api.cut_watches()
-        api.apply(NS, endpoint_slice("targets-abc", "targets", [endpoint("10.0.0.6")], 50052))  # while cut
+        with api.cond:
+            api.cut_watches()
+            api.apply(NS, endpoint_slice("targets-abc", "targets", [endpoint("10.0.0.6")], 50052))  # while cut
         assert await next_set(updates) == {"10.0.0.6:50052"}
         await updates.aclose()
         return seen
@@ -206,7 +207,7 @@ def test_a_bookmark_moves_the_resume_version_past_changes_the_selector_hides(api
         marked = api.version
         api.bookmark()
         api.compact()  # history before the bookmark is gone: only the bookmark's version can resume
-        await asyncio.sleep(0.5)  # the bookmark reaches the client (nothing observable but the next watch)
+        api.wait_for(lambda s: s.bookmarks_sent == 1)  # on the wire before the cut: the client reads it first
         api.cut_watches()
         api.apply(NS, endpoint_slice("targets-abc", "targets", [endpoint("10.0.0.7")], 50052))
         assert await next_set(updates) == {"10.0.0.7:50052"}
@@ -223,10 +224,12 @@ def test_410_gone_makes_the_source_list_again_and_catch_up_on_what_it_missed(api
 
     async def scenario():
         updates = await watching(src, api)
-        api.cut_watches()
-        # While the client is away: a change, then the history is compacted past its version.
-        api.apply(NS, endpoint_slice("targets-abc", "targets", [endpoint("10.0.0.1"), endpoint("10.0.0.8")], 50052))
-        api.compact()
+        with api.cond:  # one moment: the client cannot watch again before the history is compacted
+            api.cut_watches()
+            # While the client is away: a change, then the history is compacted past its version.
+            api.apply(NS, endpoint_slice("targets-abc", "targets", [endpoint("10.0.0.1"), endpoint("10.0.0.8")],
+                                         50052))
+            api.compact()
         assert await next_set(updates) == {"10.0.0.1:50052", "10.0.0.8:50052"}
         await updates.aclose()
 
