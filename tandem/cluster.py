@@ -32,6 +32,7 @@ from tandem.workers_file import write_workers
 READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)")
 DISCOVERY = ("static", "file", "given")
 DRAIN_TIMEOUT_S = 60.0  # a removed worker gets this long to finish its requests before SIGTERM
+JOIN_TIMEOUT_S = 30.0  # a coordinator reads the workers file twice a second and asks a new worker's Info at once
 
 
 @dataclass(slots=True)
@@ -129,7 +130,8 @@ class LocalCluster:
 
     # ----- a fleet that grows and shrinks (discovery "file") -------------------------
     def add_workers(self, role: str, count: int = 1, timeout_s: float = 900.0) -> list[Service]:
-        """Start ``count`` more workers of ``role``; once they serve, coordinators are told (the workers file)."""
+        """Start ``count`` more workers of ``role``; once they serve, coordinators are told (the workers file);
+        returns once the coordinators use them."""
         self._check_elastic(role)
         new = [self._spawn_worker(role) for _ in range(count)]
         try:
@@ -139,6 +141,7 @@ class LocalCluster:
             raise
         self.services.extend(new)  # only now: a watcher of ``services`` never sees a half-started worker
         self._publish_workers()
+        self._wait_coordinators({s.address for s in new}, joined=True, timeout_s=JOIN_TIMEOUT_S)
         return new
 
     def remove_workers(self, role: str, count: int = 1, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> list[Service]:
@@ -153,7 +156,7 @@ class LocalCluster:
         for service in leaving:
             self.services.remove(service)
         self._publish_workers()
-        self._wait_drained({s.address for s in leaving}, drain_timeout_s)
+        self._wait_coordinators({s.address for s in leaving}, joined=False, timeout_s=drain_timeout_s)
         self._terminate(leaving, grace_s=15.0)
         return leaving
 
@@ -171,8 +174,9 @@ class LocalCluster:
             write_workers(self.workers_file, {role: [s.address for s in self.workers(role)]
                                               for role in ("target", "draft")})
 
-    def _wait_drained(self, addresses: set[str], timeout_s: float) -> None:
-        """Until no coordinator lists these workers any more (it closes a leaving one once its requests end)."""
+    def _wait_coordinators(self, addresses: set[str], joined: bool, timeout_s: float) -> None:
+        """Until every coordinator uses these workers (``joined``: listed and healthy), or no longer lists
+        them (it closes a leaving one once its requests have finished); at most ``timeout_s``."""
         from tandem.client import TandemClient
 
         deadline = time.monotonic() + timeout_s
@@ -182,8 +186,11 @@ class LocalCluster:
                     try:
                         info = client.info()
                     except grpc.RpcError:
-                        break  # a coordinator that does not answer holds no request we could wait for
-                    if not addresses & {w.address for w in [*info.target_workers, *info.draft_workers]}:
+                        break  # a coordinator that does not answer has nothing to wait for
+                    states = {w.address: w.state for w in [*info.target_workers, *info.draft_workers]}
+                    if joined and all(states.get(a) == "healthy" for a in addresses):
+                        break
+                    if not joined and not addresses & states.keys():
                         break
                     time.sleep(0.2)
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from tandem.up_admin import send_json
+
 PATH = re.compile(r"^/apis/discovery\.k8s\.io/v1/namespaces/([a-z0-9-]+)/endpointslices$")
 GROUP_VERSION = "discovery.k8s.io/v1"
 SERVICE_LABEL = "kubernetes.io/service-name"
@@ -347,12 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json(200, self.api.list(namespace, selector))
 
     def _json(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, body)
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
