@@ -69,13 +69,16 @@ class WorkerClient:
                 self.healthy = False
             raise worker_failure(exc, self.role, self.address) from None
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> grpc.StatusCode:
+        """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
+        self.placed_since_poll = 0
         try:
             self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
-            self.healthy = True
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             self.healthy = False
-        self.placed_since_poll = 0
+            return exc.code()
+        self.healthy = True
+        return grpc.StatusCode.OK
 
     @property
     def state(self) -> str:
@@ -181,8 +184,7 @@ class WorkerPool:
         self.clients = clients
         self.fingerprint = fingerprint
         self.call_timeout_s = call_timeout_s
-        self.changed = asyncio.Event()  # set whenever a replica turns usable: the warm-up waits on it
-        self._closing: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # first Info calls and closes, held until done
 
     def pick(self) -> WorkerClient:
         routable = [c for c in self.clients if c.routable]
@@ -234,21 +236,27 @@ class WorkerPool:
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ----- health ---------------------------------------------------------------------
     async def refresh(self, client: WorkerClient) -> None:
-        await client.refresh()
-        if client.info is None or client.verified or client.rejected:
+        code = await client.refresh()
+        if client.verified or client.rejected:
             return
-        if self.fingerprint is not None and client.info.tokenizer_fingerprint != self.fingerprint:
-            client.rejected = True
-            log.error("%s worker %s uses another tokenizer than this coordinator; it will not be used",
-                      self.role, client.address)
+        if code == grpc.StatusCode.UNIMPLEMENTED:  # a Service or file that names the wrong fleet
+            problem = f"serves no {self.role} worker API"
+        elif client.info is None:
+            return  # not answering (yet): still starting
+        elif client.info.role != self.role:
+            problem = f"is a {client.info.role or 'unknown'} worker"
+        elif self.fingerprint is not None and client.info.tokenizer_fingerprint != self.fingerprint:
+            problem = "uses another tokenizer than this coordinator"
+        else:
+            client.verified = True
             return
-        client.verified = True
-        self.changed.set()
+        client.rejected = True
+        log.error("%s worker %s %s; it will not be used", self.role, client.address, problem)
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh(c) for c in list(self.clients) if not c.rejected))
@@ -260,4 +268,4 @@ class WorkerPool:
             await self.refresh_all()
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), *self._closing)
+        await asyncio.gather(*(c.close() for c in self.clients), *self._tasks)

@@ -133,7 +133,8 @@ class EndpointSliceSource:
         def publish(addresses: frozenset[str]) -> None:
             loop.call_soon_threadsafe(updates.put_nowait, addresses)
 
-        thread = threading.Thread(target=self._run, args=(publish, stop, current), daemon=True,
+        api = self._api()  # here, not on the thread: a missing or broken config fails where it is reported
+        thread = threading.Thread(target=self._run, args=(api, publish, stop, current), daemon=True,
                                   name=f"endpointslices-{self.role}")
         thread.start()
         last: frozenset[str] | None = None
@@ -149,10 +150,10 @@ class EndpointSliceSource:
                 current[0].stop()
 
     # ----- on the watch thread ------------------------------------------------------
-    def _run(self, publish: Callable[[frozenset[str]], None], stop: threading.Event, current: list[Any]) -> None:
+    def _run(self, api: Any, publish: Callable[[frozenset[str]], None], stop: threading.Event,
+             current: list[Any]) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        api = self._api()
         backoff = _Backoff()
         cursor = _Cursor()
         while not stop.is_set():

@@ -1,6 +1,7 @@
 """Discovery end to end on tiny models: a coordinator process following EndpointSlices (the Kubernetes
-stand-in) over real target worker processes; replicas join, one with another tokenizer is refused, and a
-terminating one gets no new requests and drops out once its slice goes."""
+stand-in) over real target worker processes; replicas join, one with another tokenizer is refused, a
+draft Service that lists a target worker is refused too (so `auto` stays n-gram), and a terminating
+replica gets no new requests and drops out once its slice goes."""
 
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ def worker_slice(name: str, worker: Worker, **conditions) -> dict:
     return endpoint_slice(f"targets-{name}", "targets", [endpoint("127.0.0.1", **conditions)], worker.port)
 
 
-def wait_until(client: TandemClient, predicate, timeout_s: float = 60.0):
+def wait_until(client: TandemClient, predicate, timeout_s: float = 60.0, role: str = "target"):
+    """Until ``predicate`` holds for {address: state} of the coordinator's ``role`` replicas."""
     deadline = time.monotonic() + timeout_s
     while True:
         info = client.info()
-        if predicate({w.address: w.state for w in info.target_workers}):
+        if predicate({w.address: w.state for w in getattr(info, f"{role}_workers")}):
             return info
         if time.monotonic() > deadline:
             raise AssertionError(f"coordinator never got there: {info.target_workers}")
@@ -68,10 +70,11 @@ def test_replicas_join_a_stranger_is_refused_and_a_terminating_one_drains_away(m
     t1, t2, stranger = (f"127.0.0.1:{fleet[n].port}" for n in ("t1", "t2", "stranger"))
     with KubeApiStub() as api:
         api.apply(NS, worker_slice("t1", fleet["t1"]))
-        api.apply(NS, endpoint_slice("drafts-x", "drafts", [endpoint("127.0.0.1")], fleet["t2"].port))  # not ours
+        # The draft Service names a target worker by mistake: never used as a draft.
+        api.apply(NS, endpoint_slice("drafts-x", "drafts", [endpoint("127.0.0.1")], fleet["t2"].port))
         coordinator = Worker("coordinator", [
             sys.executable, "-m", "tandem", "serve", "coordinator", "--tokenizer", str(model_dirs["ours"]),
-            "--discovery", "kubernetes", "--target-service", "targets", "--namespace", NS,
+            "--discovery", "kubernetes", "--target-service", "targets", "--draft-service", "drafts", "--namespace", NS,
             "--kubeconfig", str(api.kubeconfig(tmp_path / "kubeconfig")), "--host", "127.0.0.1", "--port", "0",
             "--metrics-port", "0"], tmp_path / "coordinator.log")
         try:
@@ -79,7 +82,10 @@ def test_replicas_join_a_stranger_is_refused_and_a_terminating_one_drains_away(m
             with TandemClient(f"127.0.0.1:{coordinator.port}", timeout_s=60) as client:
                 first = generate(client)
                 assert first.stats.target_worker == t1
-                assert {w.address for w in client.info().target_workers} == {t1}  # the draft slice is not ours
+                info = wait_until(client, lambda s: s == {t2: "rejected"}, role="draft")
+                assert {w.address for w in info.target_workers} == {t1}  # the drafts' slice is not the targets'
+                auto = client.generate(build_request(PROMPT, max_new_tokens=4, ignore_eos=True))
+                assert auto.stats.method == "ngram" and not auto.stats.draft_worker
 
                 api.apply(NS, worker_slice("t2", fleet["t2"]))
                 api.apply(NS, worker_slice("stranger", fleet["stranger"]))

@@ -250,3 +250,14 @@ def test_a_watch_the_server_ends_cleanly_after_timeout_seconds_is_renewed(api, t
 
     asyncio.run(scenario())
     assert all(w["timeoutSeconds"] == "1" for w in watches(api)) and src.relists == 1
+
+
+def test_a_missing_kubeconfig_fails_the_watch_at_once_instead_of_waiting_forever(tmp_path):
+    from kubernetes.config import ConfigException
+
+    async def scenario():
+        updates = EndpointSliceSource("target", "targets", NS, None, str(tmp_path / "missing")).watch()
+        await next_set(updates)
+
+    with pytest.raises(ConfigException):
+        asyncio.run(scenario())  # follow() logs it and tries again later
