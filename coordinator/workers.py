@@ -14,7 +14,8 @@ a burst spreads out.
 
 Its membership changes while it serves (``update``, fed by discovery,
 ``coordinator.discovery``): a new replica is used once its Info has answered
-with the coordinator's tokenizer fingerprint (another tokenizer: never); a
+with the pool's role and the coordinator's tokenizer fingerprint (another
+role or tokenizer: ``rejected``, for as long as its Info says so); a
 replica that left is ``leaving``: no new request goes to it, its requests in
 flight finish, and it is closed once none is left. One that comes back before
 that is simply routable again.
@@ -241,9 +242,8 @@ class WorkerPool:
 
     # ----- health ---------------------------------------------------------------------
     async def refresh(self, client: WorkerClient) -> None:
+        """Poll its Info and judge it on every answer: a pod's address may come back with another server."""
         code = await client.refresh()
-        if client.verified or client.rejected:
-            return
         if code == grpc.StatusCode.UNIMPLEMENTED:  # a Service or file that names the wrong fleet
             problem = f"serves no {self.role} worker API"
         elif client.info is None:
@@ -253,13 +253,16 @@ class WorkerPool:
         elif self.fingerprint is not None and client.info.tokenizer_fingerprint != self.fingerprint:
             problem = "uses another tokenizer than this coordinator"
         else:
-            client.verified = True
+            if client.rejected:
+                log.info("%s worker %s now serves our model; using it", self.role, client.address)
+            client.verified, client.rejected = True, False
             return
-        client.rejected = True
-        log.error("%s worker %s %s; it will not be used", self.role, client.address, problem)
+        if not client.rejected:
+            log.error("%s worker %s %s; it will not be used", self.role, client.address, problem)
+        client.verified, client.rejected = False, True
 
     async def refresh_all(self) -> None:
-        await asyncio.gather(*(self.refresh(c) for c in list(self.clients) if not c.rejected))
+        await asyncio.gather(*(self.refresh(c) for c in list(self.clients)))
         self.sweep()
 
     async def poll_forever(self, interval_s: float) -> None:

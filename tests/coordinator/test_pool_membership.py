@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from coordinator.workers import WorkerClient, WorkerPool
@@ -53,3 +54,30 @@ def test_a_new_replica_is_not_used_until_its_info_answers():
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_is_judged_on_every_info_a_stranger_never_gets_requests_until_it_serves_our_model():
+    answers = iter([("target", "other-fp"), ("draft", "fp"), ("target", "fp")])
+
+    async def info_answers(self) -> grpc.StatusCode:  # what the replica's Info says, poll after poll
+        role, fingerprint = next(answers)
+        self.info = common_pb2.WorkerInfo(role=role, tokenizer_fingerprint=fingerprint, total_blocks=10)
+        self.healthy = True
+        return grpc.StatusCode.OK
+
+    async def scenario():
+        client = WorkerClient("127.0.0.1:1", "target", 60.0)
+        client.refresh = info_answers.__get__(client)
+        pool = WorkerPool("target", [client], "fp")
+        seen = []
+        for _ in range(3):
+            await pool.refresh_all()
+            seen.append(client.state)
+            if client.state == "rejected":
+                with pytest.raises(errors.WorkerUnavailableError):
+                    pool.pick()
+        assert pool.pick() is client
+        await pool.close()
+        return seen
+
+    assert asyncio.run(scenario()) == ["rejected", "rejected", "healthy"]
