@@ -5,12 +5,19 @@ replica gets no new requests and drops out once its slice goes."""
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
 import sys
 import time
+import urllib.request
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client import TandemClient, build_request
+from tandem.workers_file import write_workers
 from tests.kube_api_stub import KubeApiStub, endpoint, endpoint_slice
 from tests.rpc.test_worker_processes import VOCAB, WORKER_ARGS, Worker
 
@@ -107,8 +114,27 @@ def test_replicas_join_a_stranger_is_refused_and_a_terminating_one_drains_away(m
 
 
 def _scrape(coordinator: Worker) -> str:
-    import re
-    import urllib.request
-
     port = re.search(r"metrics_port=(\d+)", coordinator.lines[0]).group(1)
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def test_a_coordinator_with_no_worker_yet_is_not_serving_and_still_stops_on_sigterm(model_dirs, tmp_path):
+    workers_file = tmp_path / "workers.json"
+    write_workers(workers_file, {"target": []})  # a fleet scaled to zero, or not scheduled yet
+    log = tmp_path / "coordinator.log"
+    process = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "coordinator", "--tokenizer",
+                                str(model_dirs["ours"]), "--discovery", "file", "--workers-file", str(workers_file),
+                                "--host", "127.0.0.1", "--port", "0"], stderr=log.open("w"), text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"listening on port (\d+)", log.read_text())):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        with grpc.insecure_channel(f"127.0.0.1:{match.group(1)}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
