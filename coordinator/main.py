@@ -6,10 +6,11 @@ import asyncio
 import logging
 
 from coordinator.access import AccessControl
+from coordinator.discovery import follow, make_source
 from coordinator.service import GenerationService
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
-from tandem.errors import InvalidRequestError, WorkerUnavailableError
+from tandem.errors import WorkerUnavailableError
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
 from tandem.spec.shared_cache import SharedContinuations
@@ -18,54 +19,65 @@ from tandem.v1 import generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-WORKER_WAIT_S = 600.0  # workers may still be loading weights when the coordinator starts
+# With a static list, workers may still be loading weights when the coordinator starts: wait this long for
+# one target, then give up with an error. Discovered fleets may be empty for a while (scaled to zero, still
+# scheduling): the coordinator waits for them as long as it takes.
+STATIC_WORKER_WAIT_S = 600.0
+WAIT_POLL_S = 0.5
 
 
-async def wait_for_workers(pool: WorkerPool, timeout_s: float) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
+async def wait_for_target(pool: WorkerPool, timeout_s: float | None) -> None:
+    """Until one target replica has answered Info with our tokenizer."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
     while True:
         await pool.refresh_all()
-        if all(c.healthy for c in pool.clients):
+        if pool.has_healthy():
             return
-        if asyncio.get_running_loop().time() > deadline:
-            down = [c.address for c in pool.clients if not c.healthy]
-            raise WorkerUnavailableError(f"{pool.role} workers not answering: {', '.join(down)}")
-        await asyncio.sleep(0.5)
+        if deadline is not None and loop.time() > deadline:
+            states = ", ".join(f"{c.address} {c.state}" for c in pool.clients) or "none listed"
+            raise WorkerUnavailableError(f"no usable {pool.role} worker after {timeout_s:.0f}s ({states})")
+        await asyncio.sleep(WAIT_POLL_S)
 
 
 async def serve(cfg: CoordinatorConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    targets = WorkerPool.from_addresses("target", cfg.target_addrs, cfg.call_timeout_s, cfg.worker_tls)
-    drafts = WorkerPool.from_addresses("draft", cfg.draft_addrs, cfg.call_timeout_s, cfg.worker_tls)
+    # Replicas are found by discovery (coordinator/discovery): each one joins when its Info shows our tokenizer.
+    targets = WorkerPool("target", [], fingerprint, cfg.call_timeout_s, cfg.worker_tls)
+    drafts = WorkerPool("draft", [], fingerprint, cfg.call_timeout_s, cfg.worker_tls)
     access = AccessControl(cfg.auth, cfg.max_concurrent_per_client)
     server = ManagedServer("coordinator", cfg.server, interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
     # One cache per tokenizer: the fingerprint namespaces it, so that different models never mix.
     cache = SharedContinuations(fingerprint, cfg.redis_url) if cfg.continuation_cache else None
-    metrics = CoordinatorMetrics(server.registry, cache.snapshot if cache else None)
+    metrics = CoordinatorMetrics(server.registry, cache.snapshot if cache else None,
+                                 replica_counts=lambda: {"target": targets.counts(), "draft": drafts.counts()})
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
-    pollers: list[asyncio.Task] = []
+    background: list[asyncio.Task] = []
 
     async def warmup() -> None:
-        await asyncio.gather(wait_for_workers(targets, WORKER_WAIT_S), wait_for_workers(drafts, WORKER_WAIT_S))
-        for client in [*targets.clients, *drafts.clients]:
-            if client.info.tokenizer_fingerprint != fingerprint:
-                raise InvalidRequestError(
-                    f"{client.role} worker {client.address} uses another tokenizer than {cfg.tokenizer_dir}")
-        info = targets.clients[0].info
+        for pool in (targets, drafts):
+            source = make_source(cfg, pool.role)
+            if source is not None:
+                background.append(asyncio.create_task(follow(source, pool)))
+            background.append(asyncio.create_task(pool.poll_forever(cfg.info_poll_s)))
+        # SERVING once one target answers; requests use n-gram or plain decoding until a draft does.
+        await wait_for_target(targets, STATIC_WORKER_WAIT_S if cfg.discovery == "static" else None)
+        await drafts.refresh_all()  # every draft replica known by now has had its say before the first request
+        info = next(c.info for c in targets.clients if c.routable and c.healthy)
         service.vocab_size, service.max_context = info.vocab_size, info.max_context
         if cache is not None:
             cache.vocab_size = info.vocab_size  # shared entries outside the vocabulary are never proposed
             await cache.start()
         service.model_stop_ids = frozenset(info.stop_token_ids)
-        pollers.extend(asyncio.create_task(p.poll_forever(cfg.info_poll_s)) for p in (targets, drafts))
-        log.info("coordinator: %d target and %d draft workers ready", len(targets.clients), len(drafts.clients))
+        log.info("coordinator: serving with targets %s and drafts %s (discovery: %s)",
+                 targets.counts(), drafts.counts(), cfg.discovery)
 
     try:
         await serve_until_signalled(server, warmup)
     finally:
-        for task in pollers:
+        for task in background:
             task.cancel()
         if cache is not None:
             await cache.close()

@@ -149,12 +149,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
         def status(pool: WorkerPool) -> list[generation_pb2.WorkerStatus]:
-            return [generation_pb2.WorkerStatus(address=self.public_name(c), healthy=c.healthy, info=c.info)
-                    for c in pool.clients]
+            return [generation_pb2.WorkerStatus(address=self.public_name(c), healthy=c.healthy, info=c.info,
+                                                state=c.state, active_requests=c.active) for c in pool.clients]
         await self.targets.refresh_all()
         await self.drafts.refresh_all()
-        target_info = next((c.info for c in self.targets.clients if c.info), None)
-        draft_info = next((c.info for c in self.drafts.clients if c.info), None)
+        target_info = next((c.info for c in self.targets.clients if c.verified), None)
+        draft_info = next((c.info for c in self.drafts.clients if c.verified), None)
         return generation_pb2.InfoResponse(
             target_model=target_info.model if target_info else "", draft_model=draft_info.model if draft_info else "",
             vocab_size=self.vocab_size, max_context=self.max_context,
@@ -224,8 +224,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("request_id: printable characters only (no control or format characters)")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         spec = request.speculation
-        method = _field("speculation.method",
-                        lambda: resolve_method(spec.method or "auto", bool(self.drafts.clients), REMOTE_METHODS))
+        # auto drafts with a model only while a draft replica is healthy (n-gram until one is); an explicit
+        # draft method needs one that is at least usable.
+        method = spec.method or "auto"
+        has_draft = self.drafts.has_healthy() if method == "auto" else self.drafts.has_routable()
+        method = _field("speculation.method", lambda: resolve_method(method, has_draft, REMOTE_METHODS))
         k = spec.k if spec.HasField("k") else self.cfg.default_k
         if not 0 <= k <= MAX_K:
             raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")

@@ -11,14 +11,21 @@ A pool polls each replica's Info in the background and picks, for a new
 request, the healthy replica with the most free KV blocks and the shortest
 queue, counting the requests it has itself placed since the last poll so that
 a burst spreads out.
+
+Its membership changes while it serves (``update``, fed by discovery,
+``coordinator.discovery``): a new replica is used once its Info has answered
+with the pool's role and the coordinator's tokenizer fingerprint (another
+role or tokenizer: ``rejected``, for as long as its Info says so); a
+replica that left is ``leaving``: no new request goes to it, its requests in
+flight finish, and it is closed once none is left. One that comes back before
+that is simply routable again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -53,6 +60,9 @@ class WorkerClient:
         self.healthy = False
         self.placed_since_poll = 0
         self.active = 0  # this coordinator's requests placed here and not yet finished
+        self.verified = False  # its Info answered with the coordinator's tokenizer: requests may go here
+        self.rejected = False  # its Info answered with another tokenizer: never used
+        self.leaving = False  # discovery no longer lists it: no new requests, closed once idle
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         try:
@@ -62,13 +72,31 @@ class WorkerClient:
                 self.healthy = False  # skipped by new requests until its Info answers again
             raise worker_failure(exc, self.role, self.address) from None
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> grpc.StatusCode:
+        """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
+        self.placed_since_poll = 0
         try:
             self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
-            self.healthy = True
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             self.healthy = False
-        self.placed_since_poll = 0
+            return exc.code()
+        self.healthy = True
+        return grpc.StatusCode.OK
+
+    @property
+    def state(self) -> str:
+        """What routing makes of it: starting, healthy, unhealthy, leaving or rejected."""
+        if self.rejected:
+            return "rejected"
+        if self.leaving:
+            return "leaving"
+        if not self.verified:
+            return "starting"
+        return "healthy" if self.healthy else "unhealthy"
+
+    @property
+    def routable(self) -> bool:
+        return self.verified and not self.leaving and not self.rejected
 
     def fitted_cost(self) -> FittedCost | None:
         """The worker's own fit of its forward cost (from its last Info), once it has measured one."""
@@ -159,22 +187,28 @@ class RequestChannel:
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 
 
-@dataclass(slots=True)
-class WorkerPool:
-    role: str
-    clients: list[WorkerClient]
+REPLICA_STATES = ("starting", "healthy", "unhealthy", "leaving", "rejected")
 
-    @classmethod
-    def from_addresses(cls, role: str, addresses: list[str], call_timeout_s: float,
-                       tls: ClientTLS | None = None) -> WorkerPool:
-        return cls(role, [WorkerClient(a, role, call_timeout_s, tls) for a in addresses])
+
+class WorkerPool:
+    """The replicas of one role; ``fingerprint`` is the coordinator's tokenizer's (None: not checked)."""
+
+    def __init__(self, role: str, clients: list[WorkerClient], fingerprint: str | None = None,
+                 call_timeout_s: float = 60.0, tls: ClientTLS | None = None) -> None:
+        self.role = role
+        self.tls = tls  # TLS to every replica of this pool; None: plaintext
+        self.clients = clients
+        self.fingerprint = fingerprint
+        self.call_timeout_s = call_timeout_s
+        self._tasks: set[asyncio.Task] = set()  # first Info calls and closes, held until done
 
     def pick(self, avoid: WorkerClient | None = None) -> WorkerClient:
         """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort."""
-        candidates = [c for c in self.clients if c.healthy and c is not avoid]
-        candidates = candidates or [c for c in self.clients if c.healthy] or self.clients
-        if not candidates:
-            raise WorkerUnavailableError(f"no {self.role} workers configured")
+        routable = [c for c in self.clients if c.routable]
+        if not routable:
+            raise WorkerUnavailableError(f"no {self.role} workers available")
+        healthy = [c for c in routable if c.healthy]
+        candidates = [c for c in healthy if c is not avoid] or healthy or routable
         best = max(candidates, key=lambda c: c.score())
         best.placed_since_poll += 1
         return best
@@ -185,19 +219,85 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            healthy = [c for c in self.clients if c.healthy and c is not failed]
-            if healthy:
+            if any(c.routable and c.healthy and c is not failed for c in self.clients):
                 return self.pick(avoid=failed)
             if loop.time() >= deadline:
                 return None
             await asyncio.sleep(REPLACEMENT_POLL_S)
             if failed is not None:
-                await failed.refresh()  # back (restarted, or no longer hung)? then it counts again
-                if failed.healthy:
+                await self.refresh(failed)  # back (restarted, or no longer hung)? then it counts again
+                if failed.healthy and failed.routable:
                     failed = None
 
+    def has_healthy(self) -> bool:
+        return any(c.routable and c.healthy for c in self.clients)
+
+    def has_routable(self) -> bool:
+        return any(c.routable for c in self.clients)
+
+    def counts(self) -> dict[str, int]:
+        """Replicas per state (every state present, zeros included)."""
+        counts = dict.fromkeys(REPLICA_STATES, 0)
+        for c in self.clients:
+            counts[c.state] += 1
+        return counts
+
+    # ----- membership ---------------------------------------------------------------
+    def update(self, addresses: Iterable[str]) -> None:
+        """Discovery's latest set: add what is new, un-mark what came back, let what left drain."""
+        wanted = set(addresses)
+        known = {c.address for c in self.clients}
+        for client in self.clients:
+            if client.address in wanted and client.leaving:
+                log.info("%s worker %s is back", self.role, client.address)
+                client.leaving = False
+            elif client.address not in wanted and not client.leaving:
+                log.info("%s worker %s is leaving (%d requests in flight)", self.role, client.address,
+                         client.active)
+                client.leaving = True
+        for address in sorted(wanted - known):
+            log.info("%s worker %s joined", self.role, address)
+            client = WorkerClient(address, self.role, self.call_timeout_s, self.tls)
+            self.clients.append(client)
+            self._spawn(self.refresh(client))  # usable as soon as its first Info answers
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Close the leaving replicas that no request uses any more."""
+        for client in [c for c in self.clients if c.leaving and c.active == 0]:
+            self.clients.remove(client)
+            log.info("%s worker %s drained; closed", self.role, client.address)
+            self._spawn(client.close())
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----- health ---------------------------------------------------------------------
+    async def refresh(self, client: WorkerClient) -> None:
+        """Poll its Info and judge it on every answer: a pod's address may come back with another server."""
+        code = await client.refresh()
+        if code == grpc.StatusCode.UNIMPLEMENTED:  # a Service or file that names the wrong fleet
+            problem = f"serves no {self.role} worker API"
+        elif client.info is None:
+            return  # not answering (yet): still starting
+        elif client.info.role != self.role:
+            problem = f"is a {client.info.role or 'unknown'} worker"
+        elif self.fingerprint is not None and client.info.tokenizer_fingerprint != self.fingerprint:
+            problem = "uses another tokenizer than this coordinator"
+        else:
+            if client.rejected:
+                log.info("%s worker %s now serves our model; using it", self.role, client.address)
+            client.verified, client.rejected = True, False
+            return
+        if not client.rejected:
+            log.error("%s worker %s %s; it will not be used", self.role, client.address, problem)
+        client.verified, client.rejected = False, True
+
     async def refresh_all(self) -> None:
-        await asyncio.gather(*(c.refresh() for c in self.clients))
+        await asyncio.gather(*(self.refresh(c) for c in list(self.clients)))
+        self.sweep()
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
@@ -205,4 +305,4 @@ class WorkerPool:
             await self.refresh_all()
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients))
+        await asyncio.gather(*(c.close() for c in self.clients), *self._tasks)

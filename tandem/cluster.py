@@ -4,6 +4,12 @@ Used by `tandem up`, by the integration tests and by the benchmarks, so that
 all three start the system the same way. Every service is a real process
 talking real gRPC on localhost; each announces itself with a
 ``TANDEM_READY role=... port=...`` line once it is serving.
+
+How coordinators find the workers (``ClusterSpec.discovery``): ``static``
+passes their addresses as flags; ``file`` writes a workers file
+(``tandem.workers_file``) that coordinators follow, so that ``add_worker`` /
+``remove_worker`` grow and shrink a fleet while it serves; ``given``: the
+caller's ``coordinator_args`` say how (a test's Kubernetes stand-in).
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
+from tandem.workers_file import write_workers
 
 READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)")
+DISCOVERY = ("static", "file", "given")
+DRAIN_TIMEOUT_S = 60.0  # a removed worker gets this long to finish its requests before SIGTERM
+JOIN_TIMEOUT_S = 30.0  # a coordinator reads the workers file twice a second and asks a new worker's Info at once
 
 
 @dataclass(slots=True)
@@ -66,10 +76,16 @@ class ClusterSpec:
     # client CA); the coordinator's worker links and the health checks here connect with client_tls.
     server_tls: ServerTLS | None = None
     client_tls: ClientTLS | None = None
+    discovery: str = "static"  # static | file | given (see the module docstring)
+    # A local cluster's operator is its user: replies and Info name the workers by address (tandem scale,
+    # the tests and the benchmarks match them against the processes). False: opaque names, as by default.
+    expose_worker_addresses: bool = True
 
     def __post_init__(self) -> None:
         if self.target_replicas < 1 or self.draft_replicas < 0:
             raise ValueError("need at least one target replica and a non-negative number of draft replicas")
+        if self.discovery not in DISCOVERY:
+            raise ValueError(f"discovery must be one of {', '.join(DISCOVERY)}, got {self.discovery!r}")
 
 
 class LocalCluster:
@@ -80,52 +96,133 @@ class LocalCluster:
         self.services: list[Service] = []
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-up-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.workers_file = self.log_dir / "workers.json"  # what coordinators follow with discovery "file"
+        self._spawned = {"target": 0, "draft": 0, "coordinator": 0}  # names stay unique as fleets change
 
     # ----- lifecycle --------------------------------------------------------
     def start(self, timeout_s: float = 900.0) -> str:
         """Start every service and wait until all are serving; returns the coordinator's address."""
         try:
-            workers = [self._spawn_worker("target", self.spec.target, i) for i in range(self.spec.target_replicas)]
-            if self.spec.draft:
-                workers += [self._spawn_worker("draft", self.spec.draft, i) for i in range(self.spec.draft_replicas)]
-            self._wait(workers, timeout_s)
+            self.start_workers(timeout_s)
             return self.add_coordinator(self.spec.port, self.spec.coordinator_args, timeout_s).address
         except BaseException:
             self.stop()
             raise
 
+    def start_workers(self, timeout_s: float = 900.0) -> None:
+        """Start the spec's workers and wait until they serve (``start`` then adds the coordinator)."""
+        workers = [self._spawn_worker("target") for _ in range(self.spec.target_replicas)]
+        if self.spec.draft:
+            workers += [self._spawn_worker("draft") for _ in range(self.spec.draft_replicas)]
+        self.services.extend(workers)
+        self._wait(workers, timeout_s)
+        self._publish_workers()
+
     def add_coordinator(self, port: int = 0, extra_args: tuple[str, ...] = (), timeout_s: float = 120.0) -> Service:
         """One more coordinator over the same workers (replicas of the coordinator share nothing else)."""
-        workers = [s for s in self.services if s.role != "coordinator"]
         args = ["--tokenizer", self.spec.target, "--port", str(port)]
-        args += [a for s in workers if s.role == "target" for a in ("--target-addr", s.address)]
-        args += [a for s in workers if s.role == "draft" for a in ("--draft-addr", s.address)]
+        if self.spec.expose_worker_addresses:
+            args.append("--expose-worker-addresses")
+        if self.spec.discovery == "static":
+            args += [a for s in self.workers("target") for a in ("--target-addr", s.address)]
+            args += [a for s in self.workers("draft") for a in ("--draft-addr", s.address)]
+        elif self.spec.discovery == "file":
+            args += ["--discovery", "file", "--workers-file", str(self.workers_file)]
         if not self.spec.pipelining:
             args.append("--no-pipelining")
         if self.spec.client_tls:
             args += self.spec.client_tls.flags("--worker-tls-")
-        index = sum(s.role == "coordinator" for s in self.services)
+        index = self._spawned["coordinator"]
         coordinator = self._spawn("coordinator", f"coordinator-{index}" if index else "coordinator",
                                   [*args, *extra_args])
+        self.services.append(coordinator)
         self._wait([coordinator], timeout_s)
         wait_serving(coordinator.address, timeout_s=30, tls=self.spec.client_tls)
         return coordinator
 
+    # ----- a fleet that grows and shrinks (discovery "file") -------------------------
+    def add_workers(self, role: str, count: int = 1, timeout_s: float = 900.0) -> list[Service]:
+        """Start ``count`` more workers of ``role``; once they serve, coordinators are told (the workers file);
+        returns once the coordinators use them."""
+        self._check_elastic(role)
+        new = [self._spawn_worker(role) for _ in range(count)]
+        try:
+            self._wait(new, timeout_s)
+        except BaseException:
+            self._terminate(new, grace_s=5.0)
+            raise
+        self.services.extend(new)  # only now: a watcher of ``services`` never sees a half-started worker
+        self._publish_workers()
+        self._wait_coordinators({s.address for s in new}, joined=True, timeout_s=JOIN_TIMEOUT_S)
+        return new
+
+    def remove_workers(self, role: str, count: int = 1, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> list[Service]:
+        """Take the newest ``count`` workers of ``role`` out of the workers file, wait until no coordinator
+        has a request on them (or ``drain_timeout_s``), then SIGTERM them."""
+        self._check_elastic(role)
+        workers = self.workers(role)
+        if count > len(workers) or (role == "target" and count >= len(workers)):
+            raise ValueError(f"cannot remove {count} of {len(workers)} {role} workers"
+                             + (" (at least one target must stay)" if role == "target" else ""))
+        leaving = workers[len(workers) - count:]
+        for service in leaving:
+            self.services.remove(service)
+        self._publish_workers()
+        self._wait_coordinators({s.address for s in leaving}, joined=False, timeout_s=drain_timeout_s)
+        self._terminate(leaving, grace_s=15.0)
+        return leaving
+
+    def _check_elastic(self, role: str) -> None:
+        if self.spec.discovery != "file":
+            raise ValueError("workers can be added or removed only when coordinators follow the workers file "
+                             "(ClusterSpec.discovery='file')")
+        if role not in ("target", "draft"):
+            raise ValueError(f"role must be target or draft, got {role!r}")
+        if role == "draft" and not self.spec.draft:
+            raise ValueError("this cluster has no draft model: it cannot have draft workers")
+
+    def _publish_workers(self) -> None:
+        if self.spec.discovery == "file":
+            write_workers(self.workers_file, {role: [s.address for s in self.workers(role)]
+                                              for role in ("target", "draft")})
+
+    def _wait_coordinators(self, addresses: set[str], joined: bool, timeout_s: float) -> None:
+        """Until every coordinator uses these workers (``joined``: listed and healthy), or no longer lists
+        them (it closes a leaving one once its requests have finished); at most ``timeout_s``."""
+        from tandem.client import TandemClient
+
+        deadline = time.monotonic() + timeout_s
+        for coordinator in self.workers("coordinator"):
+            with TandemClient(coordinator.address, timeout_s=10) as client:
+                while time.monotonic() < deadline:
+                    try:
+                        info = client.info()
+                    except grpc.RpcError:
+                        break  # a coordinator that does not answer has nothing to wait for
+                    states = {w.address: w.state for w in [*info.target_workers, *info.draft_workers]}
+                    if joined and all(states.get(a) == "healthy" for a in addresses):
+                        break
+                    if not joined and not addresses & states.keys():
+                        break
+                    time.sleep(0.2)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the coordinator and let it drain, then the workers its requests still needed."""
-        coordinators = [s for s in self.services if s.role == "coordinator"]
-        workers = [s for s in self.services if s.role != "coordinator"]
-        for group in (coordinators, workers):
-            for service in group:
-                if service.process.poll() is None:
-                    service.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for service in group:
-                try:
-                    service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    service.process.kill()
-                    service.process.wait()
+        self._terminate([s for s in self.services if s.role == "coordinator"], grace_s)
+        self._terminate([s for s in self.services if s.role != "coordinator"], grace_s)
+
+    @staticmethod
+    def _terminate(group: list[Service], grace_s: float) -> None:
+        for service in group:
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for service in group:
+            try:
+                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+                service.process.wait()
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -142,7 +239,10 @@ class LocalCluster:
         return [s for s in self.services if s.role == role]
 
     # ----- processes -----------------------------------------------------------
-    def _spawn_worker(self, role: str, model: str, index: int) -> Service:
+    def _spawn_worker(self, role: str) -> Service:
+        model = self.spec.target if role == "target" else self.spec.draft
+        assert model is not None
+        index = self._spawned[role]
         args = ["--model", model, "--port", "0", "--dtype", self.spec.dtype,
                 "--kv-cache-tokens", str(self.spec.kv_cache_tokens)]
         if self.spec.worker_threads:
@@ -164,9 +264,9 @@ class LocalCluster:
         cmd = [sys.executable, *(command or ("-m", "tandem", "serve", role)), *args]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                    start_new_session=True)
+        self._spawned[role] += 1
         service = Service(role, process, log_path)
         threading.Thread(target=self._read_stdout, args=(service,), daemon=True).start()
-        self.services.append(service)
         return service
 
     @staticmethod

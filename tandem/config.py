@@ -30,7 +30,8 @@ SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-DTYPES = ("bfloat16", "float32", "float16")  # names of torch dtypes
+DTYPES = ("bfloat16", "float32", "float16")
+DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
 QUANTIZATIONS = ("none", "int8")
 # A draft's numbers only steer proposals the target checks, so drafts run lean by default:
@@ -229,8 +230,19 @@ class CoordinatorConfig:
 
     server: ServerOptions
     tokenizer_dir: Path  # the target model's directory: the coordinator loads only its tokenizer
-    target_addrs: list[str]
+    target_addrs: list[str] = field(default_factory=list)
     draft_addrs: list[str] = field(default_factory=list)
+    # How workers are found (coordinator/discovery): static (the address lists), file (workers_file, re-read
+    # when it changes), dns (the headless Services' records), kubernetes (their EndpointSlices).
+    discovery: str = "static"
+    workers_file: Path | None = None
+    target_service: str | None = None
+    draft_service: str | None = None  # None: no draft fleet (n-gram or plain decoding)
+    target_port: int | None = None  # dns: default 50052/50053; kubernetes: default the slice's port
+    draft_port: int | None = None
+    namespace: str | None = None  # kubernetes: default the pod's own namespace
+    kubeconfig: str | None = None  # kubernetes: default in-cluster config, else $KUBECONFIG
+    dns_interval_s: float = 5.0
     default_max_new_tokens: int = 256
     default_k: int = 4
     pipelining: bool = True
@@ -268,12 +280,7 @@ class CoordinatorConfig:
         if self.max_concurrent_per_client < 0:
             raise InvalidRequestError(f"--max-concurrent-per-client must be >= 0 (0: unlimited), "
                                       f"got {self.max_concurrent_per_client}")
-        if not self.target_addrs:
-            raise InvalidRequestError("the coordinator needs at least one target worker address (--target-addr)")
-        for addr in [*self.target_addrs, *self.draft_addrs]:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise InvalidRequestError(f"worker address {addr!r} is not HOST:PORT")
+        self._check_discovery()
         if self.default_max_new_tokens <= 0:
             raise InvalidRequestError("default max new tokens must be positive")
         if self.default_k < 0:
@@ -291,3 +298,41 @@ class CoordinatorConfig:
             from tandem.spec.shared_cache import parse_redis_url
 
             parse_redis_url(self.redis_url)  # a malformed URL is refused at start, naming what is wrong
+
+    def _check_discovery(self) -> None:
+        from tandem.workers_file import check_address
+
+        if self.discovery not in DISCOVERY_MODES:
+            raise InvalidRequestError(f"--discovery must be one of {', '.join(DISCOVERY_MODES)}, "
+                                      f"got {self.discovery!r}")
+        given = {"--target-addr/--draft-addr": bool(self.target_addrs or self.draft_addrs),
+                 "--workers-file": self.workers_file is not None,
+                 "--target-service/--draft-service": bool(self.target_service or self.draft_service),
+                 "--namespace": self.namespace is not None, "--kubeconfig": self.kubeconfig is not None,
+                 "--target-port/--draft-port": self.target_port is not None or self.draft_port is not None}
+        allowed = {"static": {"--target-addr/--draft-addr"}, "file": {"--workers-file"},
+                   "dns": {"--target-service/--draft-service", "--target-port/--draft-port"},
+                   "kubernetes": {"--target-service/--draft-service", "--target-port/--draft-port",
+                                  "--namespace", "--kubeconfig"}}[self.discovery]
+        stray = [flag for flag, present in given.items() if present and flag not in allowed]
+        if stray:
+            raise InvalidRequestError(f"{stray[0]} does not apply to --discovery {self.discovery}")
+        if self.discovery == "static":
+            if not self.target_addrs:
+                raise InvalidRequestError("the coordinator needs at least one target worker address (--target-addr), "
+                                          "or another --discovery")
+            for addr in [*self.target_addrs, *self.draft_addrs]:
+                check_address(addr)
+        elif self.discovery == "file":
+            if self.workers_file is None:
+                raise InvalidRequestError("--discovery file needs --workers-file PATH")
+            self.workers_file = Path(self.workers_file)
+        else:
+            if not self.target_service:
+                raise InvalidRequestError(f"--discovery {self.discovery} needs --target-service (the target "
+                                          "workers' headless Service name)")
+            for name, port in (("--target-port", self.target_port), ("--draft-port", self.draft_port)):
+                if port is not None and not 0 < port <= 65535:
+                    raise InvalidRequestError(f"{name} must be in 1..65535, got {port}")
+            if self.dns_interval_s <= 0:
+                raise InvalidRequestError("the DNS re-resolve interval must be positive")

@@ -13,7 +13,7 @@ from tandem.errors import TandemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import bench, demo, generate, models, serve, up
+    from tandem.cli import bench, demo, generate, models, scale, serve, up
 
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     serve.register(sub)
     up.register(sub)
+    scale.register(sub)
     demo.register(sub)
     bench.register(sub)
     return parser

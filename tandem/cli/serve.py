@@ -9,12 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from pathlib import Path
 
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.cli.generate import resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
-from tandem.config import ATTENTION_BACKENDS, DTYPES, CoordinatorConfig, EngineConfig, ServerOptions, WorkerConfig
+from tandem.config import (
+    ATTENTION_BACKENDS,
+    DISCOVERY_MODES,
+    DTYPES,
+    CoordinatorConfig,
+    EngineConfig,
+    ServerOptions,
+    WorkerConfig,
+)
 from tandem.rpc.server import configure_logging
 
 
@@ -69,10 +78,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     draft.set_defaults(func=run_worker)
 
     coord = roles.add_parser("coordinator", help="coordinator: the public Generation API")
-    coord.add_argument("--target-addr", action="append", required=True, metavar="HOST:PORT",
-                       help="a target worker (repeat, or comma-separate, for several replicas)")
+    coord.add_argument("--discovery", choices=DISCOVERY_MODES, default="static",
+                       help="how workers are found (default: %(default)s): static (--target-addr/--draft-addr), "
+                            "file (--workers-file, re-read when it changes), dns (the A/AAAA records of "
+                            "--target-service/--draft-service, re-resolved every few seconds), kubernetes (a watch "
+                            "of those Services' EndpointSlices). Replicas that join are used once their Info "
+                            "answers; replicas that leave get no new requests and finish the ones they have.")
+    coord.add_argument("--target-addr", action="append", default=None, metavar="HOST:PORT",
+                       help="static: a target worker (repeat, or comma-separate, for several replicas)")
     coord.add_argument("--draft-addr", action="append", default=None, metavar="HOST:PORT",
-                       help="a draft worker (repeat, or comma-separate); none: n-gram or plain decoding only")
+                       help="static: a draft worker (repeat, or comma-separate); none: n-gram or plain decoding only")
+    coord.add_argument("--workers-file", type=Path, default=None, metavar="PATH",
+                       help='file: JSON {"target": ["HOST:PORT", ...], "draft": [...]} (what `tandem up` writes)')
+    coord.add_argument("--target-service", default=None, metavar="NAME",
+                       help="dns: the target workers' headless Service DNS name; kubernetes: its Service name")
+    coord.add_argument("--draft-service", default=None, metavar="NAME",
+                       help="dns/kubernetes: the draft workers' Service (default: no draft fleet)")
+    coord.add_argument("--target-port", type=int, default=None,
+                       help="dns/kubernetes: the target workers' gRPC port (default: 50052 for dns; for kubernetes "
+                            "the EndpointSlice's port named grpc, else its first)")
+    coord.add_argument("--draft-port", type=int, default=None,
+                       help="dns/kubernetes: the draft workers' gRPC port (default: 50053 for dns; as --target-port "
+                            "for kubernetes)")
+    coord.add_argument("--namespace", default=None,
+                       help="kubernetes: the Services' namespace (default: the pod's own, else 'default')")
+    coord.add_argument("--kubeconfig", default=None, metavar="PATH",
+                       help="kubernetes: a kubeconfig file (default: the in-cluster service account, else "
+                            "$KUBECONFIG or ~/.kube/config). Discovery needs list and watch on endpointslices.")
     coord.add_argument("--tokenizer", required=True, metavar="MODEL",
                        help="the target model (catalog name or directory): only its tokenizer is loaded")
     coord.add_argument("--max-new-tokens", type=int, default=256, help="default when a request leaves it unset")
@@ -133,6 +165,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
     cfg = CoordinatorConfig(
         server=_server_options(args), tokenizer_dir=resolve_or_prepare(args.tokenizer, root),
         target_addrs=_addresses(args.target_addr), draft_addrs=_addresses(args.draft_addr),
+        discovery=args.discovery, workers_file=args.workers_file, target_service=args.target_service,
+        draft_service=args.draft_service, target_port=args.target_port, draft_port=args.draft_port,
+        namespace=args.namespace, kubeconfig=args.kubeconfig,
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,

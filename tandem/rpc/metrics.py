@@ -54,10 +54,27 @@ class ContinuationCacheCollector(Collector):
                                 value=float(snap.get("breaker_state") == "open"))
 
 
+class ReplicaCollector(Collector):
+    """Worker replicas the coordinator knows, per role and routing state, read at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, dict[str, int]]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        family = GaugeMetricFamily("tandem_coordinator_replicas",
+                                   "worker replicas by role and state (starting, healthy, unhealthy, leaving, "
+                                   "rejected)", labels=["role", "state"])
+        for role, states in self.counts().items():
+            for state, n in states.items():
+                family.add_metric([role, state], n)
+        yield family
+
+
 class CoordinatorMetrics:
     """What the coordinator exports: the speculation loop's behaviour per request and per round."""
 
-    def __init__(self, registry: CollectorRegistry, cache_snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, cache_snapshot: Callable[[], dict[str, Any]] | None = None,
+                 replica_counts: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
         p = "tandem_coordinator"
         self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=registry)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens streamed to clients", registry=registry)
@@ -100,3 +117,5 @@ class CoordinatorMetrics:
                                               registry=registry)
         if cache_snapshot is not None:
             registry.register(ContinuationCacheCollector(cache_snapshot))
+        if replica_counts is not None:
+            registry.register(ReplicaCollector(replica_counts))

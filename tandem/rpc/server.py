@@ -109,10 +109,17 @@ async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awai
         loop.add_signal_handler(sig, stop.set)
     port = await server.start()
     log.info("%s listening on port %d (not serving until warmed up)", server.role, port)
-    await warmup()
-    await server.set_serving()
-    waiter = asyncio.create_task(server.server.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
+    # A signal during the warm-up (a coordinator still waiting for its first worker) stops it too.
+    warming = asyncio.create_task(warmup())
+    await asyncio.wait({warming, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not warming.done():
+        warming.cancel()
+        await asyncio.gather(warming, return_exceptions=True)
+    else:
+        warming.result()  # a failed warm-up fails the server
+        await server.set_serving()
+    waiter = asyncio.create_task(server.server.wait_for_termination())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     await server.drain_and_stop()
     for task in (waiter, stopper):

@@ -8,6 +8,8 @@ import sys
 PROBE = """
 import sys
 import coordinator.main, coordinator.service, coordinator.workers
+import coordinator.discovery.dns, coordinator.discovery.endpointslices, coordinator.discovery.workers_file
+import kubernetes.client, kubernetes.watch  # the EndpointSlice watch runs in the coordinator
 import tandem.cli
 tandem.cli.build_parser()  # every subcommand's flags, as `tandem serve coordinator --help` builds them
 heavy = sorted(m for m in ("torch", "transformers.modeling_utils") if m in sys.modules)

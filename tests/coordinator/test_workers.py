@@ -20,6 +20,7 @@ def client(address: str, free: int, queue: int = 0, healthy: bool = True, active
     c.address, c.role, c.call_timeout_s = address, "target", 60.0
     c.info = common_pb2.WorkerInfo(total_blocks=100, free_blocks=free, queue_depth=queue, active_sequences=active)
     c.healthy, c.placed_since_poll, c.active = healthy, 0, 0
+    c.verified, c.rejected, c.leaving = True, False, False  # its Info answered with our tokenizer
     return c
 
 

@@ -48,7 +48,7 @@ def cluster(smollm2_dir, pki, client_tls, tmp_path_factory):
     tokens.write_text("".join(f"{t}\n" for t in TOKENS))
     spec = ClusterSpec(
         target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=2048,
-        log_dir=tmp_path_factory.mktemp("logs"), metrics=False,
+        log_dir=tmp_path_factory.mktemp("logs"), metrics=False, expose_worker_addresses=False,
         server_tls=ServerTLS(pki.server_cert, pki.server_key, client_ca=pki.ca), client_tls=client_tls,
         worker_args=("--host", "127.0.0.1"),
         coordinator_args=("--host", "127.0.0.1", "--auth-token-file", str(tokens),

@@ -1,0 +1,83 @@
+"""A pool whose membership changes while it serves: new replicas wait for their Info, leaving ones drain."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from coordinator.workers import WorkerClient, WorkerPool
+from tandem import errors
+from tandem.v1 import common_pb2
+
+
+def usable(address: str, free: int = 50) -> WorkerClient:
+    """A replica whose Info has answered (with the pool's tokenizer); its channel points nowhere and is never used."""
+    client = WorkerClient(address, "target", 60.0)
+    client.info = common_pb2.WorkerInfo(total_blocks=100, free_blocks=free, tokenizer_fingerprint="fp")
+    client.healthy = client.verified = True
+    return client
+
+
+def test_a_leaving_replica_gets_no_new_requests_drains_and_is_closed_once_idle():
+    async def scenario():
+        a, b = usable("127.0.0.1:1", free=90), usable("127.0.0.1:2", free=10)
+        pool = WorkerPool("target", [a, b], "fp")
+        assert pool.pick() is a
+        a.active = 1  # a request runs on a
+        pool.update({"127.0.0.1:2"})
+        assert a.state == "leaving" and a in pool.clients  # still there: its request goes on
+        assert {pool.pick() for _ in range(5)} == {b}
+        pool.update({"127.0.0.1:1", "127.0.0.1:2"})  # back before it was closed: simply routable again
+        assert a.state == "healthy" and pool.pick() is a
+        pool.update({"127.0.0.1:2"})
+        a.active = 0  # its request finished
+        await pool.refresh_all()  # the poll closes what drained
+        assert pool.clients == [b] and pool.counts()["leaving"] == 0
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_replica_is_not_used_until_its_info_answers():
+    async def scenario():
+        pool = WorkerPool("target", [], "fp", call_timeout_s=5.0)
+        pool.update({"127.0.0.1:1"})  # nothing listens there: its Info never answers
+        assert pool.counts() == {"starting": 1, "healthy": 0, "unhealthy": 0, "leaving": 0, "rejected": 0}
+        with pytest.raises(errors.WorkerUnavailableError, match="no target workers available"):
+            pool.pick()
+        await pool.refresh_all()
+        assert pool.clients[0].state == "starting" and not pool.has_healthy()
+        pool.update(set())  # gone before it ever answered: closed at once
+        assert pool.clients == []
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_is_judged_on_every_info_a_stranger_never_gets_requests_until_it_serves_our_model():
+    answers = iter([("target", "other-fp"), ("draft", "fp"), ("target", "fp")])
+
+    async def info_answers(self) -> grpc.StatusCode:  # what the replica's Info says, poll after poll
+        role, fingerprint = next(answers)
+        self.info = common_pb2.WorkerInfo(role=role, tokenizer_fingerprint=fingerprint, total_blocks=10)
+        self.healthy = True
+        return grpc.StatusCode.OK
+
+    async def scenario():
+        client = WorkerClient("127.0.0.1:1", "target", 60.0)
+        client.refresh = info_answers.__get__(client)
+        pool = WorkerPool("target", [client], "fp")
+        seen = []
+        for _ in range(3):
+            await pool.refresh_all()
+            seen.append(client.state)
+            if client.state == "rejected":
+                with pytest.raises(errors.WorkerUnavailableError):
+                    pool.pick()
+        assert pool.pick() is client
+        await pool.close()
+        return seen
+
+    assert asyncio.run(scenario()) == ["rejected", "rejected", "healthy"]

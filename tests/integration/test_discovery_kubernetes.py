@@ -1,0 +1,74 @@
+"""A coordinator that follows EndpointSlices while it serves: a replica added, one removed, nothing lost.
+
+No kube-apiserver can run here: the coordinator's real ``kubernetes`` client
+talks to the stand-in of ``tests.kube_api_stub`` (the list/watch protocol over
+HTTP), through a kubeconfig, as it would talk to a cluster. Two SmolLM2 target
+worker processes, one slice per worker (they share 127.0.0.1 and a slice's
+port is all its endpoints' port). Greedy requests run one after another the
+whole time: every one is answered, with the same tokens; the added replica
+gets requests; the removed one, once terminating, gets no new request and
+drops out of the coordinator when its slice is deleted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.client import TandemClient
+from tandem.cluster import ClusterSpec, LocalCluster
+from tests.integration.traffic import Traffic, until, until_used
+from tests.kube_api_stub import KubeApiStub, endpoint, endpoint_slice
+
+pytestmark = pytest.mark.slow
+
+NS = "tandem"
+PROMPT = "Write a story about a cat."
+
+
+def worker_slice(name: str, port: int, **conditions) -> dict:
+    return endpoint_slice(f"targets-{name}", "targets", [endpoint("127.0.0.1", **conditions)], port)
+
+
+def states(client: TandemClient) -> dict[str, str]:
+    return {w.address: w.state for w in client.info().target_workers}
+
+
+def test_a_replica_added_and_one_removed_during_a_run_with_every_request_answered(smollm2_dir, tmp_path):
+    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", target_replicas=2,
+                       kv_cache_tokens=2048, worker_threads=1, log_dir=tmp_path / "logs", discovery="given")
+    cluster = LocalCluster(spec)
+    with KubeApiStub() as api:
+        try:
+            cluster.start_workers()
+            first, second = cluster.workers("target")
+            api.apply(NS, worker_slice("first", first.port))
+            api.apply(NS, endpoint_slice("drafts-a", "drafts", [endpoint("127.0.0.1")], second.port))  # not ours
+            kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+            coordinator = cluster.add_coordinator(extra_args=(
+                "--discovery", "kubernetes", "--target-service", "targets", "--namespace", NS,
+                "--kubeconfig", str(kubeconfig)))
+            traffic = Traffic(coordinator.address, PROMPT)
+            reference = traffic.request()
+            assert reference.stats.target_worker == first.address
+            traffic.thread.start()
+
+            with TandemClient(coordinator.address, timeout_s=60) as client:
+                api.apply(NS, worker_slice("second", second.port))  # scaled up
+                assert until(lambda: states(client).get(second.address) == "healthy", 60)
+                assert until_used(traffic, second.address), "the added replica never got a request"
+
+                # Scaled down: the pod turns terminating (not ready), then its slice goes.
+                api.apply(NS, worker_slice("first", first.port, ready=False, terminating=True))
+                assert until(lambda: states(client).get(first.address) != "healthy", 60)
+                marked = len(traffic.replies)
+                api.delete(NS, "targets-first")
+                assert until(lambda: first.address not in states(client), 120)  # drained, then closed
+                assert until(lambda: len(traffic.replies) >= marked + 4, 300)
+            traffic.stop()
+            assert not traffic.errors, traffic.errors[:3]
+            assert len(traffic.replies) > marked + 3
+            assert all(list(r.token_ids) == list(reference.token_ids) for r in traffic.replies)
+            # The one request that may have been running on it when it was marked finished there; none after.
+            assert {r.stats.target_worker for r in traffic.replies[marked + 1:]} == {second.address}
+        finally:
+            cluster.stop()
