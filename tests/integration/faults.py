@@ -11,13 +11,14 @@ from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 
 def smollm2_cluster(model_dir: Path, log_dir: Path, *, targets: int = 2, drafts: int = 1,
-                    kv_cache_tokens: int = 4096, coordinator_args: tuple[str, ...] = ()) -> LocalCluster:
+                    kv_cache_tokens: int = 4096, coordinator_args: tuple[str, ...] = (),
+                    call_timeout_s: float = 15.0) -> LocalCluster:
     """bf16 SmolLM2 target and draft replicas (one torch thread each: they share two cores), and a
     coordinator that takes a worker silent for 15 s for hung (long enough for a busy machine)."""
     return LocalCluster(ClusterSpec(
         target=str(model_dir), draft=str(model_dir) if drafts else None, dtype="bfloat16",
         target_replicas=targets, draft_replicas=drafts, kv_cache_tokens=kv_cache_tokens, worker_threads=1,
-        log_dir=log_dir, coordinator_args=("--call-timeout", "15", "--move-wait", "30", *coordinator_args)))
+        log_dir=log_dir, coordinator_args=("--call-timeout", str(call_timeout_s), "--move-wait", "30", *coordinator_args)))
 
 
 def worker_info(service: Service) -> common_pb2.WorkerInfo:

@@ -55,7 +55,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def test_64_streams_hold_and_every_output_is_exact(smollm2_dir, tmp_path):
     seconds = float(os.environ.get("TANDEM_SOAK_SECONDS", "0"))  # 0: one wave
-    with smollm2_cluster(smollm2_dir, tmp_path, targets=1, drafts=1, kv_cache_tokens=8192) as cluster, \
+    # 64 prefills at once queue for tens of seconds on one thread: far beyond the fault tests' 15 s
+    # hang limit, which would take a busy worker for a hung one.
+    with smollm2_cluster(smollm2_dir, tmp_path, targets=1, drafts=1, kv_cache_tokens=8192,
+                         call_timeout_s=300.0) as cluster, \
             TandemClient(cluster.coordinator.address, timeout_s=600) as client:
 
         def request(prompt: str):
