@@ -18,7 +18,8 @@ def smollm2_cluster(model_dir: Path, log_dir: Path, *, targets: int = 2, drafts:
     return LocalCluster(ClusterSpec(
         target=str(model_dir), draft=str(model_dir) if drafts else None, dtype="bfloat16",
         target_replicas=targets, draft_replicas=drafts, kv_cache_tokens=kv_cache_tokens, worker_threads=1,
-        log_dir=log_dir, coordinator_args=("--call-timeout", str(call_timeout_s), "--move-wait", "30", *coordinator_args)))
+        log_dir=log_dir,
+        coordinator_args=("--call-timeout", str(call_timeout_s), "--move-wait", "30", *coordinator_args)))
 
 
 def worker_info(service: Service) -> common_pb2.WorkerInfo:
