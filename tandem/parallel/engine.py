@@ -10,7 +10,7 @@ from tandem.errors import WorkerUnavailableError
 from tandem.models import load_model
 from tandem.models.tensor_parallel import ParallelModel, check_splittable
 from tandem.parallel import step
-from tandem.parallel.ranks import RankGroup
+from tandem.parallel.ranks import RANK_TIMEOUT, RankGroup
 
 
 class TensorParallelEngine(ModelEngine):
@@ -40,7 +40,7 @@ class TensorParallelEngine(ModelEngine):
         if self.ranks.failed:
             raise WorkerUnavailableError("a tensor-parallel rank of this target worker failed; it is restarting")
         try:
-            step.send_forward(batch, self.ranks.context.control, self.ranks.context.device)
+            step.send_forward(batch, self.ranks.context.control, self.ranks.context.device, RANK_TIMEOUT)
             return super().compute(batch)
         except Exception as exc:
             # The ranks are out of step now (some may wait in a collective this rank left): the worker cannot go on.
@@ -52,7 +52,7 @@ class TensorParallelEngine(ModelEngine):
     def close(self) -> None:
         """On the model thread: the other ranks leave their loop and exit."""
         context = self.ranks.context
-        self.ranks.stop(lambda: step.send_stop(context.control, context.device))
+        self.ranks.stop(lambda: step.send_stop(context.control, context.device, RANK_TIMEOUT))
 
 
 def load_engine(cfg: EngineConfig) -> ModelEngine:

@@ -40,8 +40,10 @@ from tandem.models.tensor_parallel import Shard
 
 log = logging.getLogger(__name__)
 
-# A forward pass keeps every rank in step; a rank this late inside one is taken for dead.
+# A forward pass keeps every rank in step; a rank this late inside one (or to take rank 0's
+# next step) is taken for dead.
 RANK_TIMEOUT_S = 30.0
+RANK_TIMEOUT = timedelta(seconds=RANK_TIMEOUT_S)
 # The other ranks wait on the control group between steps, idle for as long as rank 0 is.
 CONTROL_TIMEOUT = timedelta(days=365)
 WATCH_INTERVAL_S = 0.25
@@ -73,7 +75,7 @@ def join_group(rank: int, world_size: int, port: int, device: str) -> RankContex
         torch.cuda.set_device(local)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=CONTROL_TIMEOUT)
-    compute = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=RANK_TIMEOUT_S), backend=backend)
+    compute = dist.new_group(list(range(world_size)), timeout=RANK_TIMEOUT, backend=backend)
     return RankContext(Shard(rank, world_size), local, dist.group.WORLD, compute)
 
 

@@ -12,10 +12,15 @@ tables. A step is two broadcasts from rank 0 on the control group:
 
 STOP (a header alone) ends the other ranks' loop. Tensors travel on ``device``: the CPU
 for gloo, the rank's own GPU for NCCL.
+
+Rank 0 waits at most ``timeout`` for each broadcast: a gloo send waits for the receiver
+to ask for the data, so a frozen rank would otherwise hold rank 0 for the group's
+timeout, which is practically infinite (the other ranks wait in it while rank 0 idles).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from enum import IntEnum
 from typing import Any
 
@@ -32,7 +37,7 @@ class StepKind(IntEnum):
     STOP = 2
 
 
-def send_forward(batch: ForwardBatch, group: Any, device: torch.device) -> None:
+def send_forward(batch: ForwardBatch, group: Any, device: torch.device, timeout: timedelta) -> None:
     """Rank 0: announce ``batch``; every other rank then runs the same forward pass on its shard."""
     num_seqs, width = batch.block_tables.shape
     header = torch.tensor(  # [5]
@@ -43,13 +48,17 @@ def send_forward(batch: ForwardBatch, group: Any, device: torch.device) -> None:
         torch.tensor(batch.query_lens, dtype=torch.int64), torch.tensor(batch.context_lens, dtype=torch.int64),
         batch.block_tables.to(torch.int64).flatten(), batch.logit_rows,
     ])
-    dist.broadcast(header.to(device), src=0, group=group)
-    dist.broadcast(payload.to(device), src=0, group=group)
+    _send(header.to(device), group, timeout)
+    _send(payload.to(device), group, timeout)
 
 
-def send_stop(group: Any, device: torch.device) -> None:
+def send_stop(group: Any, device: torch.device, timeout: timedelta) -> None:
     """Rank 0: the other ranks leave their loop."""
-    dist.broadcast(torch.tensor([StepKind.STOP, 0, 0, 0, 0], dtype=torch.int64, device=device), src=0, group=group)
+    _send(torch.tensor([StepKind.STOP, 0, 0, 0, 0], dtype=torch.int64, device=device), group, timeout)
+
+
+def _send(tensor: torch.Tensor, group: Any, timeout: timedelta) -> None:
+    dist.broadcast(tensor, src=0, group=group, async_op=True).wait(timeout=timeout)
 
 
 def receive(group: Any, device: torch.device) -> ForwardBatch | None:
