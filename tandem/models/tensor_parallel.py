@@ -128,14 +128,19 @@ def fused_part_sizes(cfg: ModelConfig, name: str) -> list[int]:
 
 @dataclass(slots=True)
 class CollectiveClock:
-    """Seconds spent in this rank's all-reduces and all-gathers (benchmarks read it)."""
+    """Seconds this rank spent in its all-reduces and all-gathers, and in rank 0's step broadcasts.
+
+    Off by default (two clock reads per collective); benchmarks turn it on. A collective's time
+    includes waiting for the slowest rank to arrive.
+    """
 
     enabled: bool = False
     seconds: float = 0.0
     calls: int = 0
+    broadcast_seconds: float = 0.0
 
     def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.broadcast_seconds = 0.0, 0, 0.0
 
 
 @dataclass(slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
@@ -39,8 +41,12 @@ class TensorParallelEngine(ModelEngine):
     def compute(self, batch: ForwardBatch) -> torch.Tensor:  # -> [R, vocab] float32
         if self.ranks.failed:
             raise WorkerUnavailableError("a tensor-parallel rank of this target worker failed; it is restarting")
+        clock = self.parallel.clock
         try:
+            started = time.perf_counter()
             step.send_forward(batch, self.ranks.context.control, self.ranks.context.device, RANK_TIMEOUT)
+            if clock.enabled:
+                clock.broadcast_seconds += time.perf_counter() - started
             return super().compute(batch)
         except Exception as exc:
             # The ranks are out of step now (some may wait in a collective this rank left): the worker cannot go on.

@@ -17,25 +17,27 @@ from tandem.config import EngineConfig
 from tandem.engine import ForwardItem
 from tandem.parallel.engine import load_engine
 from tandem.sampling import SamplingParams
-from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
 
 PROMPT_A = [5, 17, 33, 8, 61, 2, 40, 12, 9, 77, 3]
 PROMPT_B = [11, 4, 90, 23, 56]
 
 
-def run(model_dir: Path, tensor_parallel_size: int, dtype: str, out_path: Path, greedy_tokens: int = 24) -> None:
+def run(model_dir: Path, tensor_parallel_size: int, dtype: str, out_path: Path, greedy_tokens: int = 24,
+        prompts: list[list[int]] | None = None) -> None:
+    """Record the workload into ``out_path`` (``greedy``: one token list per prompt, ``PROMPT_A`` by default)."""
     torch.manual_seed(0)
-    cfg = EngineConfig(model_dir, dtype=dtype, block_size=4, kv_cache_tokens=512, num_threads=1,
+    cfg = EngineConfig(model_dir, dtype=dtype, block_size=4, kv_cache_tokens=2048, num_threads=1,
                        tensor_parallel_size=tensor_parallel_size)
     engine = load_engine(cfg)
     try:
-        out = _record(engine, greedy_tokens)
+        out = _record(engine, greedy_tokens, prompts or [PROMPT_A])
     finally:
         engine.close()
     torch.save(out, out_path)
 
 
-def _record(engine, greedy_tokens: int) -> dict:
+def _record(engine, greedy_tokens: int, prompts: list[list[int]]) -> dict:
     out: dict = {}
     prefill = engine.forward([ForwardItem("a", PROMPT_A, len(PROMPT_A)), ForwardItem("b", PROMPT_B, 2)])
     out["prefill"] = torch.cat(prefill)
@@ -51,13 +53,17 @@ def _record(engine, greedy_tokens: int) -> dict:
         engine.release(seq)
 
     target = TargetEngine(engine)
-    greedy = SamplingParams()
-    [first] = target.run_batch([PrefillCall("g", list(PROMPT_A), greedy)])
+    out["greedy"] = [_greedy(target, prompt, greedy_tokens) for prompt in prompts]
+    return out
+
+
+def _greedy(target: TargetEngine, prompt: list[int], num_tokens: int) -> list[int]:
+    [first] = target.run_batch([PrefillCall("g", list(prompt), SamplingParams())])
     tokens = [first]
-    while len(tokens) < greedy_tokens:
+    while len(tokens) < num_tokens:
         history = target.sequences["g"].history
         drafts = [tokens[-1], 3, tokens[-1]]  # mostly wrong: exercises rollback of rejected KV
         [verdict] = target.run_batch([VerifyCall("g", len(history), drafts, [])])
         tokens += [*drafts[: verdict.num_accepted], verdict.next_token]
-    out["greedy"] = tokens[:greedy_tokens]
-    return out
+    target.run_batch([ReleaseCall("g")])
+    return tokens[:num_tokens]

@@ -22,10 +22,10 @@ ATOL = 1e-4
 RUN_TIMEOUT_S = 180
 
 
-def run_ranks(model_dir: Path, ranks: int, out: Path) -> dict:
+def run_ranks(model_dir: Path, ranks: int, out: Path, dtype: str = "float32", **options) -> dict:
     """``scenario.run`` as rank 0 of ``ranks``, in a process of its own (spawned, as the worker spawns its ranks)."""
     process = multiprocessing.get_context("spawn").Process(
-        target=scenario.run, args=(model_dir, ranks, "float32", out)
+        target=scenario.run, args=(model_dir, ranks, dtype, out), kwargs=options
     )
     process.start()
     process.join(RUN_TIMEOUT_S)
