@@ -84,7 +84,7 @@ class Checkpoint:
                 else:
                     start, stop = part_range(shape[dim], shard)
                     part = view[start:stop] if dim == 0 else view[:, start:stop]
-                return part.to(dtype=dtype, device=device, copy=True).contiguous()
+                return part.to(dtype=dtype, device=device, memory_format=torch.contiguous_format, copy=True)
         except Exception as exc:
             raise ModelFileError(f"cannot read tensor {key!r} from {path}: {exc}") from exc
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -24,6 +25,10 @@ PARENT_POLL_S = 0.5
 def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threads: int, parent_pid: int) -> None:
     """The child process's whole life; any error ends it non-zero, which fails the worker (rank 0's watchdog)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    # Rank 0 alone decides when the ranks stop (STOP, or its own death): Ctrl-C in a terminal reaches the
+    # whole process group, and a rank that died of it first would turn a graceful drain into a failure.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     torch.set_num_threads(threads)
     context = join_group(rank, world_size, port, cfg.device)

@@ -43,6 +43,7 @@ class TensorParallelWorker:
              "--host", "127.0.0.1", "--tensor-parallel-size", "2", "--dtype", "float32", "--threads", "1",
              "--kv-cache-tokens", "1024", "--block-size", "4"],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_path.open("w"), text=True,
+            start_new_session=True,  # a process group of its own, as in a terminal or a container
         )
         self.port = self.rank1_pid = 0
         self.ready = threading.Event()
@@ -158,5 +159,21 @@ def test_ranks_exit_when_rank_zero_dies(model_dir: Path, tmp_path: Path) -> None
             if time.monotonic() > deadline:
                 pytest.fail(f"rank 1 (pid {worker.rank1_pid}) outlived rank 0 by {EXIT_WITHIN_S}s: an orphan")
             time.sleep(0.1)
+    finally:
+        worker.close()
+
+
+def test_sigterm_to_the_process_group_drains_and_stops_every_rank(model_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C or a container stop signals every rank; only rank 0 acts on it, and everyone exits cleanly."""
+    worker = TensorParallelWorker(model_dir, tmp_path / "worker.log")
+    try:
+        os.killpg(worker.proc.pid, signal.SIGTERM)
+        code = wait_exit(worker.proc, 30)
+        assert code == 0, worker.log_path.read_text()[-3000:]
+        deadline = time.monotonic() + EXIT_WITHIN_S
+        while alive(worker.rank1_pid):
+            assert time.monotonic() < deadline, "rank 1 outlived a clean shutdown"
+            time.sleep(0.1)
+        assert "failing" not in worker.log_path.read_text()
     finally:
         worker.close()
