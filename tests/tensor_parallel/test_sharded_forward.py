@@ -22,16 +22,17 @@ ATOL = 1e-4
 RUN_TIMEOUT_S = 180
 
 
-def run_ranks(model_dir: Path, ranks: int, out: Path, dtype: str = "float32", **options) -> dict:
+def run_ranks(model_dir: Path, ranks: int, out: Path, dtype: str = "float32", timeout_s: float = RUN_TIMEOUT_S,
+              **options) -> dict:
     """``scenario.run`` as rank 0 of ``ranks``, in a process of its own (spawned, as the worker spawns its ranks)."""
     process = multiprocessing.get_context("spawn").Process(
         target=scenario.run, args=(model_dir, ranks, dtype, out), kwargs=options
     )
     process.start()
-    process.join(RUN_TIMEOUT_S)
+    process.join(timeout_s)
     if process.is_alive():
         process.kill()
-        pytest.fail(f"{ranks} ranks did not finish the scenario in {RUN_TIMEOUT_S}s")
+        pytest.fail(f"{ranks} ranks did not finish the scenario in {timeout_s:.0f}s")
     assert process.exitcode == 0, f"rank 0 exited with code {process.exitcode}"
     return torch.load(out)
 
