@@ -156,6 +156,8 @@ class EngineConfig:
     # Draft models only (see tandem/models/quantize.py): a target's logits define the output.
     quantization: str = "none"  # none | int8 (weight-only, per output channel)
     vocab_limit: int | None = None  # score only the first N token ids
+    # Processes (ranks) the model is split over, one device each (tandem/parallel): targets only.
+    tensor_parallel_size: int = 1
     resolved_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
@@ -184,6 +186,25 @@ class EngineConfig:
         if self.dtype == "float16" and device.type == "cpu":
             raise InvalidRequestError("float16 is for GPUs; use bfloat16 or float32 on a CPU")
         self.resolved_dtype = default_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
+        self._check_tensor_parallel(device)
+
+    def _check_tensor_parallel(self, device: torch.device) -> None:
+        n = self.tensor_parallel_size
+        if n < 1:
+            raise InvalidRequestError(f"tensor-parallel size must be at least 1, got {n}")
+        if n == 1:
+            return
+        if self.quantization != "none" or self.vocab_limit is not None:
+            raise InvalidRequestError("tensor parallelism is for targets: it cannot be combined with a draft's "
+                                      "quantization or vocabulary limit")
+        if device.type not in ("cpu", "cuda") or device.index is not None:
+            raise InvalidRequestError(f"tensor parallelism runs on device cpu (gloo) or cuda (NCCL, rank r on "
+                                      f"cuda:r), not {self.device!r}")
+        import torch
+
+        if device.type == "cuda" and torch.cuda.device_count() < n:
+            raise InvalidRequestError(f"tensor-parallel size {n} needs {n} CUDA devices, "
+                                      f"{torch.cuda.device_count()} are visible")
 
     @property
     def num_blocks(self) -> int:

@@ -23,6 +23,24 @@ from tandem.cost_fit import ForwardCostFit
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
 from tandem.models.quantize import shrink_for_drafting
+from tandem.models.tensor_parallel import local_kv_heads
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Everything one forward pass reads, as plain tensors (what tensor-parallel rank 0 broadcasts).
+
+    The KV bookkeeping (which blocks a sequence holds, how long it is) is already resolved
+    into ``slot_mapping`` and ``block_tables``: a process that only holds KV tensors can run it.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, the new tokens of every sequence, in order
+    positions: torch.Tensor  # [T] int64, each token's absolute position in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, the flat KV slot each new token is written to
+    block_tables: torch.Tensor  # [B, M] int32, each sequence's KV blocks, padded with 0
+    query_lens: list[int]  # [B] new tokens per sequence
+    context_lens: list[int]  # [B] tokens cached per sequence before this pass
+    logit_rows: torch.Tensor  # [R] int64, the rows of the T whose logits are wanted
 
 
 @dataclass(slots=True)
@@ -81,8 +99,8 @@ class ModelEngine:
         """An engine over ``model`` with a fresh KV pool (several engines may share one model)."""
         cfg = model.config
         weight = model.embed_tokens.weight
-        cache = PagedKVCache(
-            num_layers or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        cache = PagedKVCache(  # a tensor-parallel rank holds the KV of its own heads only
+            num_layers or cfg.num_layers, num_blocks, block_size, local_kv_heads(model), cfg.head_dim,
             weight.dtype, weight.device,
         )
         backend = make_backend(attention_backend, weight.dtype, weight.device, block_size)
@@ -91,6 +109,9 @@ class ModelEngine:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    def close(self) -> None:
+        """Stop what the engine started, on the model thread (nothing, in one process; see tandem/parallel)."""
 
     def warmup(self) -> None:
         """A few real forwards on a scratch sequence: kernels warmed, and the cost fit seeded.
@@ -146,27 +167,33 @@ class ModelEngine:
         self, items: Sequence[ForwardItem], context_lens: list[int], slots: dict[SeqId, torch.Tensor]
     ) -> list[torch.Tensor]:
         query_lens = [len(it.token_ids) for it in items]
-        flat_ids = [t for it in items for t in it.token_ids]
-        input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)  # [T]
-        positions = torch.cat(
-            [torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens)]
-        ).to(self.device)  # [T]
-        meta = AttentionMetadata.build(
-            query_lens,
-            context_lens,
-            torch.cat([slots[it.seq_id] for it in items]),
-            self.kv_cache.block_table([it.seq_id for it in items]),
-            self.kv_cache.block_size,
-            self.device,
-        )
-        hidden = self.model.hidden_states(
-            input_ids, positions, self.kv_cache, meta, self.backend, self.num_layers
-        )  # [T, hidden]
         # Only the rows whose logits are wanted go through lm_head (the largest matmul at small batch).
         rows: list[int] = []
         end = 0
         for it, qlen in zip(items, query_lens):
             end += qlen
             rows.extend(range(end - it.num_logits, end))
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+        batch = ForwardBatch(
+            input_ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64),
+            positions=torch.cat([torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens)]),
+            slot_mapping=torch.cat([slots[it.seq_id] for it in items]),
+            block_tables=self.kv_cache.block_table([it.seq_id for it in items]),
+            query_lens=query_lens,
+            context_lens=list(context_lens),
+            logit_rows=torch.tensor(rows, dtype=torch.int64),
+        )
+        logits = self.compute(batch)  # [R, vocab]
         return list(logits.split([it.num_logits for it in items]))  # each [num_logits, vocab]
+
+    @torch.inference_mode()
+    def compute(self, batch: ForwardBatch) -> torch.Tensor:  # -> [R, vocab] float32
+        """The model over one batch whose KV slots are already allocated; no bookkeeping."""
+        meta = AttentionMetadata.build(
+            batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
+            self.kv_cache.block_size, self.device,
+        )
+        hidden = self.model.hidden_states(
+            batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_cache, meta, self.backend,
+            self.num_layers,
+        )  # [T, hidden]
+        return self.model.logits(hidden[batch.logit_rows.to(self.device)])

@@ -110,10 +110,13 @@ def sha256_file(path: Path, *, progress: Progress = SILENT) -> str:
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = SILENT) -> None:
     """Dequantize ``gguf_path`` and save it to ``out_dir`` in the Hugging Face layout.
 
-    Writes ``model.safetensors`` (float32, for fidelity: the engine picks the
-    runtime dtype when it loads), ``config.json``, ``generation_config.json``
-    and the tokenizer files. Any error from parsing or loading the GGUF becomes
-    a :class:`ModelFileError`. Reports the tensors dequantized to ``progress``.
+    Writes ``model.safetensors`` in the checkpoint's own dtype
+    (:func:`gguf_storage_dtype`: bf16 for the quantized GGUFs of the catalog,
+    half the bytes of float32, and what a tensor-parallel rank maps and slices
+    while it loads; the engine converts to its runtime dtype tensor by tensor),
+    ``config.json``, ``generation_config.json`` and the tokenizer files. Any
+    error from parsing or loading the GGUF becomes a :class:`ModelFileError`.
+    Reports the tensors dequantized to ``progress``.
     """
     # Imported here: torch and transformers take seconds to import, and
     # `tandem models list` or a failing `tandem models path` need neither.
@@ -134,6 +137,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = SILENT) ->
         raise ModelFileError(f"could not load GGUF {gguf_path}: {type(exc).__name__}: {exc}") from exc
 
     progress.stage("save")
+    storage = getattr(torch, gguf_storage_dtype(gguf_path))
+    model.to(storage)
     # save_pretrained refuses GGUF-loaded models, so write the pieces directly.
     weights_path = out_dir / "model.safetensors"
     save_file(_unshared_state_dict(model), str(weights_path), metadata={"format": "pt"})
@@ -145,12 +150,34 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = SILENT) ->
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = [type(model).__name__]
+    config.dtype = storage  # written as "dtype" (transformers 5): what the file holds
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     # transformers does not read a generation config out of a GGUF; derive one
     # from the model config so bos/eos ids travel with the checkpoint.
     GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
     del model
+
+
+def gguf_storage_dtype(gguf_path: Path) -> str:
+    """The dtype to store a GGUF's dequantized weights in: its own, as far as it has one.
+
+    All-F32 tensors stay float32 and F16 ones float16 (both exact). Quantized or BF16
+    weights are stored as bfloat16: these models were trained and published in bf16, and
+    rounding a dequantized Q4/Q8 weight to bf16 (relative error 2^-9) adds far less than
+    the quantization itself did (a 4-bit step is about 1/16 of a block's range).
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        types = {tensor.tensor_type for tensor in GGUFReader(str(gguf_path)).tensors if len(tensor.shape) > 1}
+    except Exception as exc:  # the reader raises many types on a bad file
+        raise ModelFileError(f"could not read GGUF {gguf_path}: {type(exc).__name__}: {exc}") from exc
+    if types <= {GGMLQuantizationType.F32}:
+        return "float32"
+    if types <= {GGMLQuantizationType.F32, GGMLQuantizationType.F16}:
+        return "float16"
+    return "bfloat16"
 
 
 @contextlib.contextmanager

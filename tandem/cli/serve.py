@@ -68,6 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     target = roles.add_parser("target", help="target worker: the large model, batched Prefill/Verify")
     _worker_flags(target)
+    target.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
+                             "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
+                             "--threads is then per rank (default: cores / N) (default: %(default)s)")
     _server_flags(target, 50052)
     target.set_defaults(func=run_worker)
 
@@ -146,9 +150,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     root = model_store.cache_root_from(args.cache_dir, os.environ)
-    lean = draft_engine_options(args) if args.role == "draft" else {}
+    role_options = draft_engine_options(args) if args.role == "draft" else {
+        "tensor_parallel_size": args.tensor_parallel_size}
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
-                          args.kv_cache_tokens, args.attention, **lean)
+                          args.kv_cache_tokens, args.attention, num_threads=args.threads, **role_options)
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction)
     if args.role == "target":

@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="dtype of every worker")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="each target worker splits its model over N ranks (see `tandem serve target --help`)")
     p.add_argument("--pipelining", action="store_true",
                    help="draft round r+1 while round r is verified (pays when draft and target have their own "
                         "hardware; off by default here, where they share this machine's cores)")
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         target=args.target, draft=draft, port=args.port, target_replicas=args.target_replicas,
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
-        kv_cache_tokens=args.kv_cache_tokens, pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
+        kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
+        pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
         log_dir=args.log_dir, cache_dir=args.cache_dir,
         coordinator_args=("--redis-url", args.redis_url) if args.redis_url else (), discovery="file",
     )

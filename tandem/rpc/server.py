@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 # Verify requests carry k sparse distributions; leave ample room.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A failed worker's calls in flight are answered UNAVAILABLE by its engine at once; this is for their replies.
+FAILED_STOP_GRACE_S = 1.0
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -92,6 +94,13 @@ class ManagedServer:
         print(f"TANDEM_READY role={self.role} port={self.port} metrics_port={self.metrics_port or 0}",
               flush=True)
 
+    async def fail_and_stop(self) -> None:
+        """The worker cannot serve any more (a tensor-parallel rank died): NOT_SERVING, then stop at once."""
+        self.draining = True
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(FAILED_STOP_GRACE_S)
+
     async def drain_and_stop(self) -> None:
         if self.draining:
             return
@@ -101,8 +110,12 @@ class ManagedServer:
         await self.server.stop(self.options.drain_grace_s)
 
 
-async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awaitable[None]]) -> None:
-    """Start, warm up, mark serving, and run until SIGTERM/SIGINT, then drain."""
+async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awaitable[None]],
+                                failed: asyncio.Event | None = None) -> bool:
+    """Start, warm up, mark serving, and run until SIGTERM/SIGINT, then drain.
+
+    Or until ``failed`` is set: then stop without draining and return False (exit non-zero).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,26 +123,32 @@ async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awai
     port = await server.start()
     log.info("%s listening on port %d (not serving until warmed up)", server.role, port)
     stopper = asyncio.create_task(stop.wait())
-    # A signal during the warm-up (a coordinator still waiting for its first worker) stops it too.
+    failer = asyncio.create_task((failed or asyncio.Event()).wait())
+    # A signal during the warm-up (a coordinator still waiting for its first worker) stops it
+    # too, and so does a failure (a tensor-parallel rank lost while loading).
     warming = asyncio.create_task(warmup())
-    await asyncio.wait({warming, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({warming, stopper, failer}, return_when=asyncio.FIRST_COMPLETED)
+    waiter = None
     if not warming.done():
         warming.cancel()
         await asyncio.gather(warming, return_exceptions=True)
     else:
         warming.result()  # a failed warm-up fails the server
         await server.set_serving()
-    waiter = asyncio.create_task(server.server.wait_for_termination())
-    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    await server.drain_and_stop()
-    for task in (waiter, stopper):
-        task.cancel()
+        waiter = asyncio.create_task(server.server.wait_for_termination())
+        await asyncio.wait({waiter, stopper, failer}, return_when=asyncio.FIRST_COMPLETED)
+    healthy = not failer.done()
+    await (server.drain_and_stop() if healthy else server.fail_and_stop())
+    for task in (waiter, stopper, failer):
+        if task is not None:
+            task.cancel()
     # Drained and on the way out. A repeated SIGTERM (a supervisor, or `tandem up` stopping
     # what was already stopping) must not turn this clean exit into death by signal while
     # the interpreter tears down (measured: 2 of 7 runs of the drain test exited with -15).
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
+    return healthy
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -12,6 +12,7 @@ import torch
 
 from tandem.config import WorkerConfig
 from tandem.engine import ModelEngine
+from tandem.parallel.engine import TensorParallelEngine, load_engine
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.metrics import WorkerMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
@@ -44,7 +45,11 @@ class WorkerRole:
 
 async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     log.info("%s: loading %s", role.name, cfg.engine.model_dir)
-    engine = ModelEngine.load(cfg.engine)
+    engine = load_engine(cfg.engine)
+    failed = asyncio.Event()  # a tensor-parallel rank died or hung: stop serving, exit non-zero
+    if isinstance(engine, TensorParallelEngine):
+        loop = asyncio.get_running_loop()
+        engine.ranks.on_failure = lambda reason: loop.call_soon_threadsafe(failed.set)
     tokenizer = load_tokenizer(cfg.engine.model_dir)
     role_engine = role.make_engine(engine)
     server = ManagedServer(role.name, cfg.server)
@@ -77,5 +82,8 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
         batcher.start()
         log.info("%s: warmed up (%d threads)", role.name, torch.get_num_threads())
 
-    await serve_until_signalled(server, warmup)
+    healthy = await serve_until_signalled(server, warmup, failed)
+    if not healthy and isinstance(engine, TensorParallelEngine):
+        engine.ranks.exit_now()  # the model thread may be blocked in a collective with the dead rank
+    await asyncio.get_running_loop().run_in_executor(batcher.executor, engine.close)
     await batcher.stop()

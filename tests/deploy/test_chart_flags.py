@@ -12,17 +12,6 @@ import pytest
 
 from tests.deploy.chart import container, render, variant_names
 
-# Flags that parallel branches of issue 11 add to `tandem serve` (discovery, TLS/auth/limits,
-# tensor parallelism). Until those branches are merged this checkout's parser lacks them, and
-# the test says so instead of failing; once merged, the set can go and every flag is checked.
-PENDING_FROM_OTHER_BRANCHES = frozenset({
-    "--discovery", "--target-service", "--draft-service", "--target-port", "--draft-port", "--namespace",
-    "--tls-cert", "--tls-key", "--tls-client-ca", "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
-    "--worker-tls-server-name", "--max-prompt-tokens", "--max-new-tokens-limit", "--max-concurrent-per-client",
-    "--max-request-bytes", "--tensor-parallel-size",
-})
-
-
 def _role_parser(role: str) -> argparse.ArgumentParser:
     from tandem.cli import build_parser
 
@@ -40,7 +29,6 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 @pytest.mark.parametrize("variant", [None, *variant_names()])
 def test_every_flag_the_chart_passes_exists_with_an_accepted_value(variant):
     objects = render(variant)
-    pending = set()
     for component in ("coordinator", "target", "draft"):
         args = container(objects, component)["args"]
         role = component
@@ -52,10 +40,7 @@ def test_every_flag_the_chart_passes_exists_with_an_accepted_value(variant):
             if not token.startswith("--"):
                 continue
             action = known.get(token)
-            if action is None:
-                assert token in PENDING_FROM_OTHER_BRANCHES, f"`tandem serve {role}` has no {token}"
-                pending.add(token)
-                continue
+            assert action is not None, f"`tandem serve {role}` has no {token}"
             if action.nargs == 0:  # a switch such as --no-pipelining
                 continue
             value = args[i + 1]
@@ -63,5 +48,3 @@ def test_every_flag_the_chart_passes_exists_with_an_accepted_value(variant):
                 assert value in action.choices, f"{token} {value}: not one of {action.choices}"
             if action.type is not None:
                 action.type(value)  # int("1.048576e+06") would raise here
-    if pending:
-        pytest.skip(f"flags of branches not merged here yet: {' '.join(sorted(pending))}")

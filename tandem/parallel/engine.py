@@ -1,0 +1,66 @@
+"""Rank 0's engine: a ``ModelEngine`` over its shard that announces every forward pass to the other ranks."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine import ForwardBatch, ModelEngine
+from tandem.errors import WorkerUnavailableError
+from tandem.models import load_model
+from tandem.models.tensor_parallel import ParallelModel, check_splittable
+from tandem.parallel import step
+from tandem.parallel.ranks import RANK_TIMEOUT, RankGroup
+
+
+class TensorParallelEngine(ModelEngine):
+    """Scheduling and KV bookkeeping as in one process; each forward is broadcast, then run on every rank."""
+
+    ranks: RankGroup
+    parallel: ParallelModel
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> TensorParallelEngine:
+        model_cfg = ModelConfig.from_dir(cfg.model_dir)
+        check_splittable(model_cfg, cfg.tensor_parallel_size)  # before any process is started
+        ranks = RankGroup.start(cfg)
+        try:
+            context = ranks.context
+            parallel = ParallelModel(context.shard, context.compute)
+            model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)
+            engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
+            engine.ranks, engine.parallel = ranks, parallel
+            torch.distributed.barrier(group=context.control)  # every rank has loaded its shard
+        except BaseException:
+            ranks.abort()
+            raise
+        return engine
+
+    def compute(self, batch: ForwardBatch) -> torch.Tensor:  # -> [R, vocab] float32
+        if self.ranks.failed:
+            raise WorkerUnavailableError("a tensor-parallel rank of this target worker failed; it is restarting")
+        clock = self.parallel.clock
+        try:
+            started = time.perf_counter()
+            step.send_forward(batch, self.ranks.context.control, self.ranks.context.device, RANK_TIMEOUT)
+            if clock.enabled:
+                clock.broadcast_seconds += time.perf_counter() - started
+            return super().compute(batch)
+        except Exception as exc:
+            # The ranks are out of step now (some may wait in a collective this rank left): the worker cannot go on.
+            self.ranks.fail(f"a forward pass failed on rank 0: {type(exc).__name__}: {exc}")
+            raise WorkerUnavailableError(
+                "a tensor-parallel rank of this target worker failed; it is restarting"
+            ) from exc
+
+    def close(self) -> None:
+        """On the model thread: the other ranks leave their loop and exit."""
+        context = self.ranks.context
+        self.ranks.stop(lambda: step.send_stop(context.control, context.device, RANK_TIMEOUT))
+
+
+def load_engine(cfg: EngineConfig) -> ModelEngine:
+    """One process, or ``cfg.tensor_parallel_size`` ranks with this process as rank 0."""
+    return TensorParallelEngine.load(cfg) if cfg.tensor_parallel_size > 1 else ModelEngine.load(cfg)

@@ -1,0 +1,50 @@
+"""Ranks 1..N-1 of a tensor-parallel worker: load this rank's shard, then run every step rank 0 announces."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine import ModelEngine
+from tandem.models import load_model
+from tandem.models.tensor_parallel import ParallelModel
+from tandem.parallel import step
+from tandem.parallel.ranks import join_group
+
+log = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5
+
+
+def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threads: int, parent_pid: int) -> None:
+    """The child process's whole life; any error ends it non-zero, which fails the worker (rank 0's watchdog)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    # Rank 0 alone decides when the ranks stop (STOP, or its own death): Ctrl-C in a terminal reaches the
+    # whole process group, and a rank that died of it first would turn a graceful drain into a failure.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+    torch.set_num_threads(threads)
+    context = join_group(rank, world_size, port, cfg.device)
+    model_cfg = ModelConfig.from_dir(cfg.model_dir)
+    parallel = ParallelModel(context.shard, context.compute)
+    model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)
+    engine = ModelEngine.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
+    torch.distributed.barrier(group=context.control)  # loaded: rank 0 waits for every rank here
+    log.info("loaded its shard of %s; %d threads", cfg.model_dir, threads)
+    while (batch := step.receive(context.control, context.device)) is not None:
+        engine.compute(batch)  # the logits are rank 0's to use; every rank gets them from the all-gather
+    torch.distributed.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Rank 0 gone (killed, crashed): leave at once, whatever the main thread is blocked in."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
