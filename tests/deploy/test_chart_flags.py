@@ -12,6 +12,7 @@ import pytest
 
 from tests.deploy.chart import container, render, variant_names
 
+
 def _role_parser(role: str) -> argparse.ArgumentParser:
     from tandem.cli import build_parser
 
