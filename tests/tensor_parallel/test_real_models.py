@@ -24,6 +24,10 @@ GREEDY_TOKENS = 24
 RUN_TIMEOUT_S = 1800  # one thread per rank on a shared 2-core machine: a real model's scenario takes minutes
 # Real logits reach about 30 here; fp32 sums in another order differ by about 1e-5 of that.
 REAL_ATOL = 2e-3
+# bf16 keeps 8 bits of mantissa: at logits of 16-32 one step is 0.125-0.25, and partial sums
+# rounded per rank drift a few steps over the layers (measured 0.22 on Qwen 0.5B / 2 ranks, 1.01
+# on SmolLM2 / 3 ranks). A wrong shard or a missing all-reduce moves logits by whole units.
+BF16_ATOL = 2.0
 
 
 def model_or_skip(name: str):
@@ -52,8 +56,10 @@ def test_fp32_matches_one_rank(name: str, ranks: int, tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("name", "ranks"), [("qwen-coder-0.5b", 2), ("smollm2", 3)])
-def test_bf16_divergence_is_reported(name: str, ranks: int, tmp_path) -> None:
-    """bf16: the all-reduce sums partial results rounded to bf16, so greedy output may diverge. Counted, not failed."""
+def test_bf16_stays_close_and_divergence_is_reported(name: str, ranks: int, tmp_path) -> None:
+    """bf16: the all-reduce sums partial results rounded to bf16, so greedy output may leave one rank's
+    after a near-tie. The logits must stay within a few bf16 steps and most prompts must agree; how many
+    differ, and from which token, is printed for benchmarks/README.md."""
     model_dir = model_or_skip(name)
     prompts = prompts_for(model_dir)
     one = run_ranks(model_dir, 1, tmp_path / "one.pt", "bfloat16", greedy_tokens=GREEDY_TOKENS, prompts=prompts,
@@ -70,6 +76,8 @@ def test_bf16_divergence_is_reported(name: str, ranks: int, tmp_path) -> None:
         "max_abs_logit_difference_prefill": float((many["prefill"] - one["prefill"]).abs().max()),
     }
     print("TP_BF16_REPORT " + json.dumps(report))
+    assert report["max_abs_logit_difference_prefill"] <= BF16_ATOL
+    assert report["prompts_that_differ"] <= len(prompts) // 2, report
 
 
 def test_speculative_greedy_through_local_cluster_equals_target_only(tmp_path) -> None:
