@@ -32,13 +32,13 @@ import torch
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
-    KVCacheExhaustedError,
     StaleSequenceError,
     UnknownSequenceError,
     check_token_ids,
 )
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
+from tandem.rpc.sequence_engine import SequenceEngine
 from tandem.sampling import SamplingParams, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len
@@ -107,24 +107,10 @@ def early_exit_engine(target: ModelEngine, num_layers: int, *, num_blocks: int |
     )
 
 
-class DraftEngine:
+class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
     """Per-sequence draft state plus batched drafting through one ``ModelEngine``."""
 
-    def __init__(self, engine: ModelEngine) -> None:
-        self.engine = engine
-        self.sequences: dict[str, DraftSequence] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.config.max_position_embeddings
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.sequences)
+    engine: ModelEngine
 
     def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
         return len(call.new_tokens) + call.k if isinstance(call, ProposeCall) else 0
@@ -132,31 +118,7 @@ class DraftEngine:
     # ----- one batch -----------------------------------------------------
     def run_batch(self, calls: list[ProposeCall | ReleaseCall]) -> list[DraftReply | bool | BaseException]:
         results: list[DraftReply | bool | BaseException | None] = [None] * len(calls)
-        proposing: set[str] = set()
-        late: list[int] = []
-        for i, call in enumerate(calls):  # releases queued before any Propose of their sequence
-            if isinstance(call, ReleaseCall):
-                if call.seq_id in proposing:
-                    late.append(i)
-                else:
-                    results[i] = self._release(call.seq_id)
-            else:
-                proposing.add(call.seq_id)
-
-        plans: list[_Plan] = []
-        planned: set[str] = set()
-        for i, call in enumerate(calls):  # check every Propose; change nothing
-            if isinstance(call, ReleaseCall):
-                continue
-            try:
-                if call.seq_id in planned:
-                    raise InvalidRequestError(f"sequence {call.seq_id!r} has two Propose calls in this batch")
-                plans.append(self._check(i, call))
-                planned.add(call.seq_id)
-            except Exception as exc:  # noqa: BLE001 - one bad call fails alone
-                results[i] = exc
-        self._admit(plans, results)
-        admitted = [p for p in plans if results[p.index] is None]
+        admitted, late = self._plan_batch(calls, results)  # releases, checks, KV admission
 
         for plan in admitted:
             self._apply(plan)
@@ -171,8 +133,7 @@ class DraftEngine:
             if results[plan.index] is None:
                 results[plan.index] = DraftReply(plan.drafted, plan.probs)
 
-        for i in late:  # releases queued after a Propose of their sequence
-            results[i] = self._release(calls[i].seq_id)
+        self._release_late(calls, late, results)
         return results  # type: ignore[return-value]
 
     def _check(self, index: int, call: ProposeCall) -> _Plan:
@@ -205,15 +166,6 @@ class DraftEngine:
         # Feed at least the last token: its logits are where drafting starts.
         keep = min(keep, len(tokens) - 1)
         return _Plan(index, call, tokens, keep, kv_len=len(tokens) + call.k - 1)
-
-    def _admit(self, plans: list[_Plan], results: list) -> None:
-        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold through all k steps; change nothing."""
-        lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
-        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths)):
-            if short is not None:
-                results[plan.index] = KVCacheExhaustedError(
-                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
-                    "retry later")
 
     def _apply(self, plan: _Plan) -> None:
         """Record the admitted call's tokens and roll its KV back to the prefix still valid."""
@@ -268,13 +220,6 @@ class DraftEngine:
             index = int(sample(wire.probs[r][None], self.sequences[plan.call.seq_id].generator)[0])
             plan.drafted.append(int(wire.token_ids[r][index]))
             plan.probs.append(wire.messages[r])
-
-    # ----- bookkeeping ---------------------------------------------------
-    def _release(self, seq_id: str) -> bool:
-        held = self.sequences.pop(seq_id, None) is not None
-        if self.engine.kv_cache.has_sequence(seq_id):
-            self.engine.release(seq_id)
-        return held
 
     def warmup(self) -> None:
         """The engine's own warm-up, then greedy and sampled Propose and a Release once."""

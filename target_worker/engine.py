@@ -30,13 +30,13 @@ from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
-    KVCacheExhaustedError,
     StaleSequenceError,
     UnknownSequenceError,
     check_token_ids,
 )
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
+from tandem.rpc.sequence_engine import SequenceEngine
 from tandem.sampling import SamplingParams, pick_tokens
 from tandem.spec.rejection import Verdict, verify
 from tandem.v1 import common_pb2
@@ -94,24 +94,10 @@ def rebuild_runs(token_ids: list[int], prompt_len: int) -> list[list[int]]:
             *(generated[i:i + ROWWISE_MAX_QUERY] for i in range(0, len(generated), ROWWISE_MAX_QUERY))]
 
 
-class TargetEngine:
+class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     """Runs batches of Prefill, Verify and Release calls through one ``ModelEngine``."""
 
-    def __init__(self, engine: ModelEngine) -> None:
-        self.engine = engine
-        self.sequences: dict[str, TargetSequence] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.config.max_position_embeddings
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.sequences)
+    engine: ModelEngine
 
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
@@ -124,31 +110,7 @@ class TargetEngine:
     # ----- one batch -----------------------------------------------------
     def run_batch(self, calls: list[Call]) -> list[int | Verdict | bool | BaseException]:
         results: list[int | Verdict | bool | BaseException | None] = [None] * len(calls)
-        computing: set[str] = set()
-        late: list[int] = []
-        for i, call in enumerate(calls):  # phase 1
-            if isinstance(call, ReleaseCall):
-                if call.seq_id in computing:
-                    late.append(i)
-                else:
-                    results[i] = self._release(call.seq_id)
-            else:
-                computing.add(call.seq_id)
-
-        plans: list[_Plan] = []
-        planned: set[str] = set()
-        for i, call in enumerate(calls):  # phase 2: check, change nothing
-            if isinstance(call, ReleaseCall):
-                continue
-            try:
-                if call.seq_id in planned:
-                    raise InvalidRequestError(f"sequence {call.seq_id!r} has two calls in this batch")
-                plans.append(self._check(i, call))
-                planned.add(call.seq_id)
-            except Exception as exc:  # noqa: BLE001 - one bad call fails alone
-                results[i] = exc
-        self._admit(plans, results)
-        admitted = [p for p in plans if results[p.index] is None]
+        admitted, late = self._plan_batch(calls, results)  # phases 1-2 (tandem/rpc/sequence_engine.py)
 
         if admitted:  # phase 3
             for plan in admitted:
@@ -168,8 +130,7 @@ class TargetEngine:
                         self._forward_failed(plan)
                         results[plan.index] = exc
 
-        for i in late:  # phase 4
-            results[i] = self._release(calls[i].seq_id)
+        self._release_late(calls, late, results)  # phase 4
         return results  # type: ignore[return-value]
 
     def _check(self, index: int, call: PrefillCall | VerifyCall) -> _Plan:
@@ -219,15 +180,6 @@ class TargetEngine:
         item = ForwardItem(call.seq_id, tokens, num_logits=k + 1)
         return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
 
-    def _admit(self, plans: list[_Plan], results: list) -> None:
-        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold; change nothing."""
-        lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
-        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths)):
-            if short is not None:
-                results[plan.index] = KVCacheExhaustedError(
-                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
-                    "retry later")
-
     def _apply(self, plan: _Plan) -> None:
         """The admitted call's changes before the forward pass."""
         call = plan.call
@@ -276,13 +228,6 @@ class TargetEngine:
         self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         seq.history.extend([*call.draft_tokens[: verdict.num_accepted], verdict.next_token])
         return verdict
-
-    # ----- bookkeeping ---------------------------------------------------
-    def _release(self, seq_id: str) -> bool:
-        held = self.sequences.pop(seq_id, None) is not None
-        if self.engine.kv_cache.has_sequence(seq_id):
-            self.engine.release(seq_id)
-        return held
 
     def warmup(self) -> None:
         """The engine's own warm-up (kernels, cost fit), then the Prefill, Verify and Release paths once."""

@@ -1,0 +1,105 @@
+"""What the target's and the draft's engines share: a table of sequences over one model engine,
+and the first half of every batch.
+
+A batch is handled in the same order on both workers, so that no call changes state before
+every call has been checked:
+
+1. Releases queued before any computing call of their sequence apply now; those queued after
+   one wait until the batch is done (queue order, per sequence).
+2. Every computing call is checked (``_check``, which changes nothing) and at most one call per
+   sequence is taken; a bad call fails alone.
+3. The KV pool admits the checked calls together, or refuses the ones it cannot hold.
+
+What the admitted calls then do (one forward pass, k draft steps) is each engine's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Protocol, TypeVar
+
+from tandem.errors import InvalidRequestError, KVCacheExhaustedError
+from tandem.rpc.calls import ReleaseCall
+
+
+class _Checked(Protocol):
+    index: int  # the call's place in the batch
+    call: Any  # has a seq_id
+    kv_len: int  # the sequence's KV length once the call has run
+
+
+Plan = TypeVar("Plan", bound=_Checked)
+Sequence = TypeVar("Sequence")
+
+
+class SequenceEngine(Generic[Sequence, Plan]):
+    """A sequence table over one ``ModelEngine`` (``engine``), run only on the model thread."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.sequences: dict[str, Sequence] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.config.max_position_embeddings
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    def _check(self, index: int, call) -> Plan:
+        """What ``call`` will do, computed without changing anything; raises on a bad call."""
+        raise NotImplementedError
+
+    def _plan_batch(self, calls: list, results: list) -> tuple[list[Plan], list[int]]:
+        """Steps 1-3 above. Fills ``results`` for releases applied now and for refused calls;
+        returns the admitted plans and the indices of the releases to apply after the batch."""
+        seen: set[str] = set()  # sequences with a computing call queued so far
+        late: list[int] = []
+        for i, call in enumerate(calls):
+            if isinstance(call, ReleaseCall):
+                if call.seq_id in seen:
+                    late.append(i)
+                else:
+                    results[i] = self._release(call.seq_id)
+            else:
+                seen.add(call.seq_id)
+
+        plans: list[Plan] = []
+        planned: set[str] = set()
+        for i, call in enumerate(calls):
+            if isinstance(call, ReleaseCall):
+                continue
+            try:
+                if call.seq_id in planned:
+                    raise InvalidRequestError(f"sequence {call.seq_id!r} has two calls in this batch")
+                plans.append(self._check(i, call))
+                planned.add(call.seq_id)
+            except Exception as exc:  # noqa: BLE001 - one bad call fails alone
+                results[i] = exc
+        self._admit(plans, results)
+        return [p for p in plans if results[p.index] is None], late
+
+    def _release_late(self, calls: list, late: list[int], results: list) -> None:
+        """Releases queued after a computing call of their sequence, once that call has run."""
+        for i in late:
+            results[i] = self._release(calls[i].seq_id)
+
+    def _admit(self, plans: list[Plan], results: list) -> None:
+        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold together; change nothing."""
+        lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
+        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths)):
+            if short is not None:
+                results[plan.index] = KVCacheExhaustedError(
+                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
+                    "retry later")
+
+    def _release(self, seq_id: str) -> bool:
+        """Forget a sequence and free its KV; True when it was held."""
+        held = self.sequences.pop(seq_id, None) is not None
+        if self.engine.kv_cache.has_sequence(seq_id):
+            self.engine.release(seq_id)
+        return held
