@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.parent_watch import LAUNCHER_ENV
 from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
 from tandem.workers_file import write_workers
 
@@ -267,8 +268,11 @@ class LocalCluster:
             args = [*args, *self.spec.server_tls.flags()]
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, *(command or ("-m", "tandem", "serve", role)), *args]
+        # A session of its own (a terminal's Ctrl-C reaches only us, and we stop services in order),
+        # and our pid, so that a service stops itself if we are killed before we can stop it.
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
-                                   start_new_session=True)
+                                   start_new_session=True, env=env)
         self._spawned[role] += 1
         service = Service(role, process, log_path)
         threading.Thread(target=self._read_stdout, args=(service,), daemon=True).start()

@@ -24,6 +24,7 @@ from tandem.config import (
     ServerOptions,
     WorkerConfig,
 )
+from tandem.parent_watch import stop_with_launcher
 from tandem.rpc.server import configure_logging
 
 
@@ -145,6 +146,7 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
 
 def run_worker(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    stop_with_launcher()
     if args.threads:
         import torch  # workers only: the coordinator runs without torch
 
@@ -166,6 +168,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def run_coordinator(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    stop_with_launcher()
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     cfg = CoordinatorConfig(
         server=_server_options(args), tokenizer_dir=resolve_or_prepare(args.tokenizer, root),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-import time
 
 import torch
 
@@ -16,10 +14,9 @@ from tandem.models import load_model
 from tandem.models.tensor_parallel import ParallelModel
 from tandem.parallel import step
 from tandem.parallel.ranks import join_group
+from tandem.parent_watch import watch_parent
 
 log = logging.getLogger(__name__)
-
-PARENT_POLL_S = 0.5
 
 
 def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threads: int, parent_pid: int) -> None:
@@ -29,7 +26,7 @@ def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threa
     # whole process group, and a rank that died of it first would turn a graceful drain into a failure.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+    watch_parent(parent_pid, lambda: os._exit(1))  # rank 0 gone: leave at once, whatever the main thread is in
     torch.set_num_threads(threads)
     context = join_group(rank, world_size, port, cfg.device)
     model_cfg = ModelConfig.from_dir(cfg.model_dir)
@@ -42,9 +39,3 @@ def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threa
         engine.compute(batch)  # the logits are rank 0's to use; every rank gets them from the all-gather
     torch.distributed.destroy_process_group()
 
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Rank 0 gone (killed, crashed): leave at once, whatever the main thread is blocked in."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)
