@@ -33,11 +33,13 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("bfloat16", "float32", "float16")
 DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8")
 # A draft's numbers only steer proposals the target checks, so drafts run lean by default:
 # int8 weights and a head over the 32768 most common ids (measured on the Qwen 0.5B draft,
-# bf16, one decode step: 53 ms full, 31 ms int8, 22 ms int8 with the cut head).
-DEFAULT_DRAFT_QUANTIZATION = "int8"
+# bf16, one decode step: 53 ms full, 31 ms int8, 22 ms int8 with the cut head). "auto" is
+# int8 unless the draft runs in fp32, where the int8 kernel has no fast path: a lean fp32
+# draft step cost 1.46x a Qwen 1.5B target step (spec_bench, Intel Xeon), a dense one 0.32x.
+DEFAULT_DRAFT_QUANTIZATION = "auto"
 DEFAULT_DRAFT_VOCAB_LIMIT = 32768
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # gRPC's message length is a signed 32-bit int
 
@@ -154,7 +156,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     # Draft models only (see tandem/models/quantize.py): a target's logits define the output.
-    quantization: str = "none"  # none | int8 (weight-only, per output channel)
+    quantization: str = "none"  # none | int8 (weight-only, per output channel) | auto (int8 unless fp32)
     vocab_limit: int | None = None  # score only the first N token ids
     # Processes (ranks) the model is split over, one device each (tandem/parallel): targets only.
     tensor_parallel_size: int = 1
@@ -186,6 +188,8 @@ class EngineConfig:
         if self.dtype == "float16" and device.type == "cpu":
             raise InvalidRequestError("float16 is for GPUs; use bfloat16 or float32 on a CPU")
         self.resolved_dtype = default_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
+        if self.quantization == "auto":  # see DEFAULT_DRAFT_QUANTIZATION
+            self.quantization = "none" if self.resolved_dtype == torch.float32 else "int8"
         self._check_tensor_parallel(device)
 
     def _check_tensor_parallel(self, device: torch.device) -> None:

@@ -45,3 +45,10 @@ def test_engine_config_validation(tmp_path, kwargs, message):
 def test_missing_config_json_is_named(tmp_path):
     with pytest.raises(InvalidRequestError, match="no config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(("dtype", "chosen"), [("float32", "none"), ("bfloat16", "int8")])
+def test_a_draft_quantized_auto_is_int8_except_in_float32(tmp_path, dtype, chosen):
+    # fp32 has no fast int8 kernel: a lean fp32 draft step cost more than the target's (spec_bench).
+    assert EngineConfig(tmp_path, dtype=dtype, quantization="auto").quantization == chosen
+    assert EngineConfig(tmp_path, dtype=dtype).quantization == "none"  # targets are never quantized

@@ -13,7 +13,8 @@ def add_draft_flags(p: argparse.ArgumentParser, prefix: str = "--draft-") -> Non
     p.add_argument(f"{prefix}quantization", dest="draft_quantization", default=DEFAULT_DRAFT_QUANTIZATION,
                    choices=QUANTIZATIONS,
                    help="draft weights: int8 halves the bytes a draft step reads; proposals are checked by the "
-                        "target, so output is unchanged (default: %(default)s)")
+                        "target, so output is unchanged. auto: int8, except in float32, where the int8 kernel "
+                        "has no fast path and a dense draft is faster (default: %(default)s)")
     p.add_argument(f"{prefix}vocab", dest="draft_vocab", type=int, default=DEFAULT_DRAFT_VOCAB_LIMIT, metavar="N",
                    help="the draft scores only the first N token ids (the most common in BPE order); "
                         "0: the whole vocabulary (default: %(default)s)")
