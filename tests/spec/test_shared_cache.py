@@ -34,8 +34,13 @@ OTHER = list(range(5000, 5040))
 
 
 def make(url: str | None, namespace: str = "fingerprint-a", **kwargs) -> SharedContinuations:
-    """A cache with test-friendly timings; ``environ={}`` so the runner's own env never leaks in."""
-    kwargs = {"flush_interval_s": 0.01, "breaker_open_s": 0.2, "environ": {}, **kwargs}
+    """A cache with test-friendly timings; ``environ={}`` so the runner's own env never leaks in.
+
+    Reads and writes get 2 s, not the 50 / 200 ms a coordinator uses: on a loaded 2-core machine a
+    read or the flush can take longer, and a test of sharing once saw that (correct) timeout as a
+    miss. Tests of timeouts pass their own."""
+    kwargs = {"flush_interval_s": 0.01, "breaker_open_s": 0.2, "environ": {}, "call_timeout_s": 2.0,
+              "write_timeout_s": 2.0, **kwargs}
     return SharedContinuations(namespace, url, **kwargs)
 
 
