@@ -9,6 +9,8 @@ alike. Methods:
   spec-hybrid       our engine + n-gram lookup when the text repeats (3+ token match), the draft model otherwise
   spec-ngram        our engine + prompt lookup (n-gram match in prompt and output)
   spec-early-exit   our engine + the target's own first layers as drafter (not run by default)
+  spec-*-tree       spec-draft, spec-hybrid, spec-ngram with speculation trees (--tree: auto or on): the
+                    draft's next-best tokens and other n-gram continuations verified beside the chain
   hf-plain          transformers generate(do_sample=False)
   hf-assisted       transformers generate(assistant_model=draft), --hf-assistant-tokens per round
   hf-prompt-lookup  transformers generate(prompt_lookup_num_tokens=--hf-pld-tokens)
@@ -80,13 +82,16 @@ if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
 
 NAME = "spec_bench"
 BASELINE = "target-only"
-METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "hf-plain", "hf-assisted",
-           "hf-prompt-lookup")
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit")
-OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit"}
+METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "spec-draft-tree",
+           "spec-hybrid-tree", "spec-ngram-tree", "hf-plain", "hf-assisted", "hf-prompt-lookup")
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree"))
+OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
+             "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram"}
+TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
 MIX, ALL = "spec-bench-mix", "all"
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "decode_speedup", "mean_accepted_len",
-           "acceptance_rate", "accepted_per_drafted", "mean_k", "predicted_speedup", "efficiency", "mismatches")
+           "acceptance_rate", "accepted_per_drafted", "mean_k", "tree_rounds", "branch_tokens", "predicted_speedup",
+           "efficiency", "mismatches")
 
 Runner = Callable[[list[int], int], "RunOutput"]  # (prompt ids, max new tokens) -> output
 
@@ -116,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per category, 32 tokens, 3 cost reps")
     p.add_argument("--k", type=int, default=4, help="most draft tokens per round of our methods (default: %(default)s)")
     p.add_argument("--fixed-k", action="store_true", help="our methods always draft --k tokens instead of adapting k")
+    p.add_argument("--tree", choices=("auto", "on"), default="auto",
+                   help="the spec-*-tree methods: a tree when the cost model says it pays (auto), or whenever "
+                        "there are candidates (on) (default: %(default)s)")
+    p.add_argument("--tree-width", type=int, default=2,
+                   help="the spec-*-tree methods: most other candidates per position (default: %(default)s)")
     p.add_argument("--ngram-min", type=int, default=1,
                    help="spec-ngram: shortest n-gram matched (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, default=4, help="spec-ngram: longest n-gram matched (default: %(default)s)")
@@ -182,7 +192,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
     from tandem.spec.options import SpecOptions
     from tandem.tokenizer import load_tokenizer, stop_token_ids
 
-    needs_draft = bool({"spec-draft", "spec-hybrid", "hf-assisted"} & set(args.methods))
+    needs_draft = bool({"spec-draft", "spec-hybrid", "spec-draft-tree", "spec-hybrid-tree", "hf-assisted"}
+                       & set(args.methods))
     target_dir = resolve_model_dir(args.target, args.cache_dir)
     draft_dir = resolve_model_dir(args.draft, args.cache_dir) if needs_draft else None
     tokenizer = load_tokenizer(target_dir)
@@ -194,7 +205,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     draft_engine = None
     for method in [m for m in args.methods if m in OURS_SPEC]:
         drafter = None  # the model that drafts (None: n-gram lookup)
-        if method in ("spec-draft", "spec-hybrid"):
+        if OURS_SPEC[method] in ("draft", "hybrid"):
             assert draft_dir is not None
             if draft_engine is None:  # one draft model serves both methods
                 draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
@@ -203,8 +214,10 @@ def load_bench(args: argparse.Namespace) -> Bench:
         elif method == "spec-early-exit":
             drafter = early_exit_engine(target, args.early_exit_layers or max(1, target.config.num_layers // 4))
             drafter.warmup()
+        tree = args.tree if method in TREE_METHODS else "off"
         options = SpecOptions(OURS_SPEC[method], args.k, not args.fixed_k, ngram_min=args.ngram_min,
-                              ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max))
+                              ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max), tree=tree,
+                              tree_width=args.tree_width)
         bench.runners[method] = ours_runner(target, drafter, options, bench.stop_ids)
         bench.cost_ratio[method] = cost_ratio(target, drafter, args.cost_reps)
     add_hf_runners(bench, args, target_dir, draft_dir)
@@ -277,7 +290,7 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
             row.update(drafted=s.drafted, accepted=s.accepted, rejected=s.rejected, rounds=s.rounds,
                        spec_rounds=s.spec_rounds, ngram_rounds=s.ngram_rounds,
                        k_sum=sum(k * n for k, n in s.k_counts.items()), k_rounds=s.rounds,
-                       k_counts=dict(s.k_counts))
+                       k_counts=dict(s.k_counts), tree_rounds=s.tree_rounds, branch_tokens=s.branch_tokens)
         rows.append(row)
     return rows
 
@@ -326,7 +339,7 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline: 
         "seconds": round(seconds, 4), "tokens_per_s": tps, "speedup": speedup,
         "decode_tokens_per_s": decode_tps, "decode_speedup": decode_speedup,
         "mean_accepted_len": None, "acceptance_rate": None, "mean_k": None, "cost_ratio": cost_ratio,
-        "predicted_speedup": None, "efficiency": None,
+        "tree_rounds": None, "branch_tokens": None, "predicted_speedup": None, "efficiency": None,
         "mismatches": sum(not r["matches_target_only"] for r in runs),
     }
     row["mismatch_rate"] = row["mismatches"] / len(runs) if runs else None
@@ -342,7 +355,9 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline: 
         a = accepted / judged if judged else None
         k = sum(r["k_sum"] for r in runs) / k_rounds if k_rounds else None
         row.update(mean_accepted_len=accepted / spec_rounds if spec_rounds else None, acceptance_rate=a, mean_k=k,
-                   accepted_per_drafted=accepted / drafted if drafted else None)
+                   accepted_per_drafted=accepted / drafted if drafted else None,
+                   tree_rounds=sum(r.get("tree_rounds", 0) for r in runs),
+                   branch_tokens=sum(r.get("branch_tokens", 0) for r in runs))
         if a is not None and k_counts and cost_ratio is not None:
             row["predicted_speedup"] = predicted_speedup(a, k_counts, cost_ratio)
             # The formula models decoding; the target's prefill, the same for every method, is left out.
@@ -412,7 +427,8 @@ def write_results(args: argparse.Namespace, prompts: list[Prompt], bench: Bench,
     """spec_bench.json (settings, cost ratios, rows, per-prompt runs), .md and .png."""
     settings = {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": args.methods,
-        "k": args.k, "adaptive_k": not args.fixed_k, "max_new_tokens": args.max_new_tokens,
+        "k": args.k, "adaptive_k": not args.fixed_k, "tree": args.tree, "tree_width": args.tree_width,
+        "max_new_tokens": args.max_new_tokens,
         "per_category": args.per_category, "select": args.select, "seed": args.seed,
         "hf_assistant_tokens": args.hf_assistant_tokens, "hf_pld_tokens": args.hf_pld_tokens,
         "hf_pld_ngram": args.hf_pld_ngram, "quick": args.quick, "prompts": [p.prompt_id for p in prompts],

@@ -30,13 +30,13 @@ from typing import Any
 
 import grpc
 
-from tandem.errors import WorkerDeadlineError, WorkerUnavailableError
+from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
 from tandem.rpc.tls import ClientTLS, open_channel
 from tandem.rpc.wire import sampling_to_proto
 from tandem.sampling_params import SamplingParams
-from tandem.spec.transport import FittedCost
+from tandem.spec.transport import Drafted, FittedCost
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -166,18 +166,23 @@ class RequestChannel:
         return reply.next_token
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
-                     draft_probs: Sequence[common_pb2.SparseDistribution]) -> tuple[int, int]:
+                     draft_probs: Sequence[common_pb2.SparseDistribution],
+                     draft_parents: Sequence[int] = ()) -> tuple[list[int], int]:
         # draft_probs are the draft's own messages, passed on untouched: the q it sampled from.
         reply = await self._call("Verify", target_pb2.VerifyRequest(
-            seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs))
-        return reply.num_accepted, reply.next_token
+            seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs,
+            draft_parents=draft_parents))
+        accepted = list(reply.accepted_nodes)
+        if len(accepted) != reply.num_accepted or any(not 0 <= n < len(draft_tokens) for n in accepted):
+            raise InternalError("a target worker answered an inconsistent verdict")
+        return accepted, reply.next_token
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+                      sampling: SamplingParams, alternatives: int = 0) -> Drafted:
         reply = await self._call("Propose", draft_pb2.ProposeRequest(
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
-            sampling=sampling_to_proto(sampling)))
-        return list(reply.tokens), list(reply.probs)
+            sampling=sampling_to_proto(sampling), alternatives=alternatives))
+        return Drafted(list(reply.tokens), list(reply.probs), [list(a.token_ids) for a in reply.alternatives])
 
     async def release(self, seq_id: str) -> None:
         """Best effort: a worker that is gone has freed the KV anyway."""

@@ -45,12 +45,13 @@ from tandem.spec.proposers import common_prefix_len
 from tandem.v1 import common_pb2
 
 __all__ = ["ProposeCall", "ReleaseCall", "DraftReply", "DraftEngine", "DraftSequence", "early_exit_engine",
-           "MAX_PROPOSE", "DRAFT_SEED_OFFSET"]
+           "MAX_PROPOSE", "MAX_ALTERNATIVES", "DRAFT_SEED_OFFSET"]
 
 # The draft's sampling stream must be independent of the target's (same seed otherwise).
 DRAFT_SEED_OFFSET = 0x5EED
 # k drafts, plus the pipelining guesses: of the first token (during prefill) and of the bonus token.
 MAX_PROPOSE = MAX_K + 2
+MAX_ALTERNATIVES = 8  # next-best tokens per drafted position, for speculation trees
 
 
 @dataclass(slots=True)
@@ -60,12 +61,14 @@ class ProposeCall:
     new_tokens: list[int]
     k: int
     sampling: SamplingParams
+    alternatives: int = 0  # next-best tokens to report per drafted position (speculation trees)
 
 
 @dataclass(slots=True)
 class DraftReply:
     tokens: list[int]
     probs: list[common_pb2.SparseDistribution]  # one per token when sampling; empty when greedy
+    alternatives: list[list[int]] = field(default_factory=list)  # per token when asked: next-best, best first
 
 
 @dataclass(slots=True)
@@ -85,6 +88,7 @@ class _Plan:
     kv_len: int  # KV length after drafting
     drafted: list[int] = field(default_factory=list)
     probs: list[common_pb2.SparseDistribution] = field(default_factory=list)
+    alternatives: list[list[int]] = field(default_factory=list)
 
 
 def early_exit_engine(target: ModelEngine, num_layers: int, *, num_blocks: int | None = None) -> ModelEngine:
@@ -131,7 +135,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                     results[plan.index] = exc
         for plan in admitted:
             if results[plan.index] is None:
-                results[plan.index] = DraftReply(plan.drafted, plan.probs)
+                results[plan.index] = DraftReply(plan.drafted, plan.probs, plan.alternatives)
 
         self._release_late(calls, late, results)
         return results  # type: ignore[return-value]
@@ -141,6 +145,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             raise InvalidRequestError("seq_id is empty")
         if not 0 <= call.k <= MAX_PROPOSE:
             raise InvalidRequestError(f"k must be in 0..{MAX_PROPOSE}, got {call.k}")
+        if not 0 <= call.alternatives <= MAX_ALTERNATIVES:
+            raise InvalidRequestError(f"alternatives must be in 0..{MAX_ALTERNATIVES}, got {call.alternatives}")
         if call.committed_len < 0:
             raise InvalidRequestError(f"committed_len must be >= 0, got {call.committed_len}")
         check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
@@ -198,8 +204,23 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                 for plan, token in zip(greedy, picks):
                     plan.drafted.append(token)
             self._sample_step([p for p in active if not p.call.sampling.is_greedy], rows)
+            self._alternatives([p for p in active if p.call.alternatives], rows)
             active = [p for p in active if len(p.drafted) < p.call.k]
             feed = {p.index: [p.drafted[-1]] for p in active}
+
+    def _alternatives(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
+        """Each plan's next-best tokens at the position just drafted, other than the drafted one.
+
+        They become deterministic leaves of a speculation tree; excluding the drafted token
+        (even a sampled one) keeps the tree rule lossless (see ``tandem.spec.tree``).
+        """
+        if not plans:
+            return
+        width = max(p.call.alternatives for p in plans) + 1
+        top = torch.cat([rows[p.index] for p in plans]).topk(width, dim=-1).indices.tolist()  # [P, width]
+        for plan, best in zip(plans, top):
+            drafted = plan.drafted[-1]
+            plan.alternatives.append([t for t in best if t != drafted][: plan.call.alternatives])
 
     def _sample_step(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
         """One sampled token per plan: q for all of them encoded once, each token drawn from decode(messages)."""

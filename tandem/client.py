@@ -26,13 +26,14 @@ def build_request(
     stop_token_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    tree: str = "",
 ) -> generation_pb2.GenerateRequest:
     request = generation_pb2.GenerateRequest(
         chat=chat, request_id=request_id,
         stopping=generation_pb2.StoppingOptions(max_new_tokens=max_new_tokens, stop_strings=stop_strings,
                                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos),
         speculation=generation_pb2.SpeculationOptions(method=method, fixed_k=fixed_k,
-                                                      disable_pipelining=not pipelining),
+                                                      disable_pipelining=not pipelining, tree=tree),
     )
     if k is not None:
         request.speculation.k = k

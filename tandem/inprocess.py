@@ -15,6 +15,7 @@ counterpart of ``tandem.cluster``, which composes their processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ from tandem.spec.adaptive import CostModel
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import GenerationStats, RequestState, StopConditions
-from tandem.spec.transport import FittedCost
+from tandem.spec.transport import Drafted, FittedCost
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 
 TOKEN_BUDGET = 4096  # most tokens in one batched forward pass, as a worker's default
@@ -77,9 +78,10 @@ class LocalTarget:
         return await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len))
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
-                     draft_probs: Sequence[Any]) -> tuple[int, int]:
-        verdict = await self.batcher.submit(VerifyCall(seq_id, committed_len, draft_tokens, list(draft_probs)))
-        return verdict.num_accepted, verdict.next_token
+                     draft_probs: Sequence[Any], draft_parents: Sequence[int] = ()) -> tuple[list[int], int]:
+        verdict = await self.batcher.submit(
+            VerifyCall(seq_id, committed_len, draft_tokens, list(draft_probs), list(draft_parents)))
+        return verdict.accepted_nodes, verdict.next_token
 
     async def release(self, seq_id: str) -> None:
         await self.batcher.submit(ReleaseCall(seq_id))
@@ -97,9 +99,9 @@ class LocalDraft:
         return _fitted(self.engine.engine)
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams) -> tuple[list[int], Sequence[Any]]:
-        reply = await self.batcher.submit(ProposeCall(seq_id, committed_len, new_tokens, k, sampling))
-        return reply.tokens, reply.probs
+                      sampling: SamplingParams, alternatives: int = 0) -> Drafted:
+        reply = await self.batcher.submit(ProposeCall(seq_id, committed_len, new_tokens, k, sampling, alternatives))
+        return Drafted(reply.tokens, reply.probs, reply.alternatives)
 
     async def release(self, seq_id: str) -> None:
         await self.batcher.submit(ReleaseCall(seq_id))
@@ -166,5 +168,4 @@ class SpeculativeGenerator:
         adaptive = opts.adaptive_k if r.adaptive_k is None else r.adaptive_k
         if (k_max, adaptive) == (opts.k_max, opts.adaptive_k):
             return opts
-        return SpecOptions(opts.method, k_max, adaptive, opts.pipelined, opts.ngram_min, opts.ngram_max,
-                           opts.hybrid_min_match)
+        return dataclasses.replace(opts, k_max=k_max, adaptive_k=adaptive)

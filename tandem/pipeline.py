@@ -7,6 +7,7 @@ draft's weights are read.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,7 @@ class LocalPipeline:
         """Load what ``method`` (``auto`` resolved here) needs; ``options`` gives k and the rest."""
         method = resolve_method(method, draft_cfg is not None)
         base = options or SpecOptions("none")
-        options = SpecOptions(method, base.k_max, base.adaptive_k, base.pipelined, base.ngram_min, base.ngram_max,
-                              base.hybrid_min_match)
+        options = dataclasses.replace(base, method=method)
         if early_exit_layers is not None and early_exit_layers < 1:
             raise InvalidRequestError(f"early-exit layers must be >= 1, got {early_exit_layers}")
         tokenizer = load_tokenizer(target_cfg.model_dir)

@@ -17,11 +17,15 @@ A batch runs in phases, all on the model thread (the batcher's):
 3. only then do the admitted calls change anything: histories are cut to
    committed_len, KV rolled back, ONE forward pass runs over all of them,
    the rejection sampler decides, KV is trimmed to the accepted prefix;
+   a token tree (``draft_parents``) goes through the same pass, its tokens
+   at positions by depth, each seeing only its ancestors; the KV of the
+   kept path is then moved into place, as if it had been a chain;
 4. releases queued after a call of their sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +42,8 @@ from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.sequence_engine import SequenceEngine
 from tandem.sampling import SamplingParams, pick_tokens
-from tandem.spec.rejection import Verdict, verify
+from tandem.spec.rejection import Verdict, verify, verify_tree
+from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
 
 __all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict"]
@@ -58,6 +63,7 @@ class VerifyCall:
     committed_len: int
     draft_tokens: list[int]
     draft_probs: list[common_pb2.SparseDistribution]  # one per draft token; [] = a deterministic draft
+    draft_parents: Sequence[int] = ()  # a token tree: each draft token's parent (-1: the root); () = a chain
 
 
 Call = PrefillCall | VerifyCall | ReleaseCall
@@ -82,6 +88,7 @@ class _Plan:
     # tokens in runs short enough for the row-invariant kernels that computed them the first time.
     before: list[list[int]] = field(default_factory=list)
     q: torch.Tensor | None = None  # decoded draft_probs [k, vocab] (CPU), sampled Verify only
+    children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
 
 
 def rebuild_runs(token_ids: list[int], prompt_len: int) -> list[list[int]]:
@@ -166,19 +173,32 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if call.committed_len + k >= self.max_context:
             raise InvalidRequestError(f"sequence {call.seq_id!r} would exceed the context of {self.max_context}")
         check_token_ids("draft_tokens", call.draft_tokens, self.vocab_size)
+        tree = bool(call.draft_parents) and not is_chain(call.draft_parents)
+        if tree and k + 1 > ROWWISE_MAX_QUERY:
+            raise InvalidRequestError(f"a token tree holds at most {ROWWISE_MAX_QUERY - 1} draft tokens, got {k}")
+        if call.draft_parents:
+            try:
+                check_parents(call.draft_parents, k)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
         if call.draft_probs and len(call.draft_probs) != k:
             raise InvalidRequestError(
                 f"draft_probs must be empty or hold one distribution per draft token: {len(call.draft_probs)} for {k}"
             )
         q = None
         if call.draft_probs and not seq.sampling.is_greedy:  # greedy verification never reads q
-            q = distributions.decode_distributions(call.draft_probs, self.vocab_size)  # [k, vocab]
+            q = distributions.decode_distributions(call.draft_probs, self.vocab_size, call.draft_tokens)  # [k, vocab]
             drawn = q[torch.arange(k), torch.tensor(call.draft_tokens, dtype=torch.int64)]
             if not (drawn > 0).all():
                 raise InvalidRequestError("a draft token has probability 0 under the distribution it was drawn from")
         tokens = [seq.history[call.committed_len - 1], *call.draft_tokens]
-        item = ForwardItem(call.seq_id, tokens, num_logits=k + 1)
-        return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
+        if not tree:
+            item = ForwardItem(call.seq_id, tokens, num_logits=k + 1)
+            return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
+        # Row 0 is the root (the last committed token), row i + 1 draft node i.
+        rows = [-1, *(p + 1 for p in call.draft_parents)]
+        item = ForwardItem(call.seq_id, tokens, num_logits=k + 1, parents=rows)
+        return _Plan(index, call, item, kv_len=call.committed_len + k, q=q, children=children_of(call.draft_parents))
 
     def _apply(self, plan: _Plan) -> None:
         """The admitted call's changes before the forward pass."""
@@ -224,13 +244,18 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             seq.history.append(token)
             return token
         q = None if plan.q is None else plan.q.to(logits.device)
-        verdict = verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
-        self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
-        seq.history.extend([*call.draft_tokens[: verdict.num_accepted], verdict.next_token])
+        if plan.children is None:
+            verdict = verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
+            self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
+        else:
+            verdict = verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator)
+            # The root's row (at committed_len - 1) stays; the kept nodes' KV moves to the positions a chain had.
+            self.engine.keep_path(call.seq_id, call.committed_len - 1, [0, *(n + 1 for n in verdict.accepted_nodes)])
+        seq.history.extend([*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token])
         return verdict
 
     def warmup(self) -> None:
-        """The engine's own warm-up (kernels, cost fit), then the Prefill, Verify and Release paths once."""
+        """The engine's own warm-up (kernels, cost fit), then the Prefill, Verify (chain and tree) and Release paths."""
         self.engine.warmup()
         seq = "__warmup__"
         greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
@@ -238,7 +263,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         q = torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab_size).float()
         for sampling, probs in ((greedy, []), (sampled, distributions.encode_distributions(q))):
             results = self.run_batch([PrefillCall(seq, [1, 2, 3, 4], sampling)])
-            results += self.run_batch([VerifyCall(seq, 5, drafts, probs), ReleaseCall(seq)])
+            results += self.run_batch([VerifyCall(seq, 5, drafts, probs)])
+            committed = len(self.sequences[seq].history) if seq in self.sequences else 5
+            results += self.run_batch([VerifyCall(seq, committed, drafts, probs, [-1, 0, -1, 2]), ReleaseCall(seq)])
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]

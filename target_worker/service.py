@@ -27,6 +27,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
-        call = VerifyCall(request.seq_id, request.committed_len, list(request.draft_tokens), list(request.draft_probs))
+        call = VerifyCall(request.seq_id, request.committed_len, list(request.draft_tokens), list(request.draft_probs),
+                          list(request.draft_parents))
         verdict: Verdict = await self.batcher.submit(call)
-        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token)
+        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
+                                         accepted_nodes=verdict.accepted_nodes)

@@ -23,7 +23,7 @@ from tandem.cli.security_flags import add_client_flags, client_options
 from tandem.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
-from tandem.spec.options import METHODS, SpecOptions, resolve_method
+from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, resolve_method
 
 DEFAULT_TARGET = "qwen-coder-1.5b"
 
@@ -41,6 +41,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--fixed-k", action="store_true", help="always draft k tokens instead of adapting k per request")
+    p.add_argument("--tree", default="auto", choices=TREE_MODES,
+                   help="speculation trees: verify the draft's next-best tokens and other n-gram continuations "
+                        "beside the chain in the same pass. auto: when the cost model says the extra rows pay "
+                        "(they do where a verification of 16 tokens costs about one of 1, as on a GPU); on: "
+                        "whenever there are candidates; off: chains only (default: %(default)s)")
+    p.add_argument("--tree-width", type=int, default=2,
+                   help=f"most other candidates per position in a tree, 1..{MAX_TREE_WIDTH} (default: %(default)s)")
     p.add_argument("--early-exit-layers", type=int, default=None,
                    help="layers of the target used as self-draft (default: a quarter of them)")
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched (default: %(default)s)")
@@ -99,7 +106,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[str, SpecOptions]:
     method = resolve_method(args.method, args.draft is not None)
     if args.early_exit_layers is not None and args.early_exit_layers < 1:
         raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
-    return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                               tree=args.tree, tree_width=args.tree_width)
 
 
 def configs_from_args(
@@ -161,7 +169,7 @@ def run_remote(args: argparse.Namespace) -> int:
     method = "" if args.method == "auto" else args.method
     request = build_request(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
-                            stop_strings=tuple(args.stop))
+                            stop_strings=tuple(args.stop), tree=args.tree)
     tokens: list[int] = []
     text_parts: list[str] = []
     last = None

@@ -154,13 +154,19 @@ def parse(msg: common_pb2.SparseDistribution, vocab_size: int) -> tuple[np.ndarr
     return ids, values
 
 
-def decode_distributions(msgs: list[common_pb2.SparseDistribution], vocab_size: int) -> torch.Tensor:
+def decode_distributions(msgs: list[common_pb2.SparseDistribution], vocab_size: int,
+                         drafted: list[int] | None = None) -> torch.Tensor:
     """Messages -> dense ``[len(msgs), vocab]`` float32 on the CPU, each row renormalised.
 
-    Raises ``InvalidRequestError`` (a ``ValueError``) on a malformed message.
+    ``drafted``: the token of each row; an empty message then stands for a point mass on it (a
+    deterministic node in a sampled tree, ``tandem.spec.tree.POINT_MASS``). Raises
+    ``InvalidRequestError`` (a ``ValueError``) on a malformed message.
     """
     dense = torch.zeros(len(msgs), vocab_size)
     for row, msg in enumerate(msgs):
+        if drafted is not None and not msg.token_ids and not msg.probs_fp16:
+            dense[row, drafted[row]] = 1.0
+            continue
         ids, values = parse(msg, vocab_size)
         dense[row, torch.from_numpy(ids)] = _normalised(values)
     return dense

@@ -56,8 +56,9 @@ class CostModel:
         self.verify_base_s = self._mix(self.verify_base_s, base, self.verify_measured)
         self.verify_measured = True
 
-    def round_seconds(self, k: int) -> float:
-        return k * self.draft_step_s + self.verify_base_s * (1 + self.verify_slope * k)
+    def round_seconds(self, k: int, extra_nodes: int = 0) -> float:
+        """k draft steps and a verification of k + 1 tokens (plus a tree's ``extra_nodes``)."""
+        return k * self.draft_step_s + self.verify_base_s * (1 + self.verify_slope * (k + extra_nodes))
 
     @property
     def speculation_margin(self) -> float:
@@ -73,6 +74,10 @@ class AcceptanceTracker:
 
     accepted: float = 3.0  # prior: 3 of 4 accepted, so a fresh request tries speculation
     rejected: float = 1.0
+    # Trees: where the chain was rejected and the tree had other candidates, how often each candidate
+    # tried (in order) was the one kept (prior: 1 of 4).
+    branch_hits: float = 1.0
+    branch_misses: float = 3.0
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.accepted += num_accepted
@@ -82,6 +87,16 @@ class AcceptanceTracker:
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def observe_branches(self, tried: int, kept: bool) -> None:
+        """After a chain's rejection: ``tried`` other candidates were tried in order, the last kept or not."""
+        self.branch_hits += kept
+        self.branch_misses += tried - kept
+
+    @property
+    def branch_rate(self) -> float:
+        """Chance that one more candidate at a rejected position is the one kept."""
+        return self.branch_hits / (self.branch_hits + self.branch_misses)
 
 
 @dataclass(slots=True)
@@ -110,19 +125,19 @@ class LoadAwareCost:
     def speculation_margin(self) -> float:
         return TIE_MARGIN + self.margin_per_extra_stream * (max(1, self.streams) - 1)
 
-    def round_seconds(self, k: int) -> float:
+    def round_seconds(self, k: int, extra_nodes: int = 0) -> float:
         n = max(1, self.streams)
         if self.target_base_s > 0:
-            verify = self.target_base_s + self.target_per_token_s * n * (k + 1)
+            verify = self.target_base_s + self.target_per_token_s * n * (k + 1 + extra_nodes)
         else:
-            verify = self.fallback.verify_base_s * (1 + self.fallback.verify_slope * k)
+            verify = self.fallback.verify_base_s * (1 + self.fallback.verify_slope * (k + extra_nodes))
         draft_step = (self.draft_base_s + self.draft_per_token_s * n if self.draft_base_s > 0
                       else self.fallback.draft_step_s)
         return k * draft_step + verify
 
 
 class RoundCost(Protocol):
-    def round_seconds(self, k: int) -> float: ...
+    def round_seconds(self, k: int, extra_nodes: int = 0) -> float: ...
 
     @property
     def speculation_margin(self) -> float: ...  # how much better than k = 0 drafting must look
@@ -136,3 +151,52 @@ def choose_k(acceptance: float, costs: RoundCost, k_max: int) -> int:
         if rate > best_rate * (costs.speculation_margin if best_k == 0 else TIE_MARGIN):
             best_k, best_rate = k, rate
     return best_k
+
+
+# Speculation trees: candidates beyond the chain go at its first positions, where a round is most
+# often decided (the chain reaches depth d with probability a^(d-1)).
+MAX_TREE_DEPTHS = 3
+
+
+@dataclass(slots=True, frozen=True)
+class TreeShape:
+    """Besides the chain of k: ``width`` other candidates at each of its first ``depths`` positions."""
+
+    depths: int
+    width: int
+
+    @property
+    def extra_nodes(self) -> int:
+        return self.depths * self.width
+
+
+def expected_tree_tokens(acceptance: float, branch_rate: float, k: int, shape: TreeShape) -> float:
+    """Mean tokens per round of a chain of k with ``shape``'s extra candidates.
+
+    The chain is rejected at depth d with probability a^(d-1) (1 - a); then one of the ``width``
+    other candidates there is kept with probability 1 - (1 - b)^width (b: ``branch_rate``,
+    measured per request): one more token than the chain gave (deeper branches, such as an
+    n-gram continuation's, are not counted).
+    """
+    rejected_early = sum(acceptance ** (d - 1) * (1 - acceptance) for d in range(1, min(k, shape.depths) + 1))
+    return expected_tokens(acceptance, k) + (1 - (1 - branch_rate) ** shape.width) * rejected_early
+
+
+def choose_tree(acceptance: float, branch_rate: float, costs: RoundCost, k: int, max_width: int,
+                max_nodes: int) -> TreeShape | None:
+    """The tree shape with the most expected tokens per second at this k, or None when the chain wins.
+
+    A tree must beat the chain by ``TIE_MARGIN``, and a larger tree the smaller: extra rows make
+    every verification longer.
+    """
+    best, best_rate = None, expected_tokens(acceptance, k) / costs.round_seconds(k)
+    for width in range(1, max_width + 1):
+        for depths in range(1, min(k, MAX_TREE_DEPTHS) + 1):
+            shape = TreeShape(depths, width)
+            if k + shape.extra_nodes > max_nodes:
+                break
+            tokens = expected_tree_tokens(acceptance, branch_rate, k, shape)
+            rate = tokens / costs.round_seconds(k, shape.extra_nodes)
+            if rate > best_rate * TIE_MARGIN:
+                best, best_rate = shape, rate
+    return best

@@ -15,6 +15,12 @@ its next call (its KV rolls back to the common prefix by itself). The first
 proposal is drafted during the target's prefill the same way, the draft
 guessing the first token.
 
+Trees (``options.tree``): besides the chain of k, a round may send a token
+tree: the draft's next-best tokens at the chain's first positions and other
+n-gram continuations as branches (``tandem.spec.tree``), verified in the same
+pass; the shape comes from the cost model and the request's measured
+acceptance (``choose_tree``), as k does. A chain is the tree with no branches.
+
 Invariant: the target's KV holds every committed token but the last, which
 the next verification feeds; k = 0 is plain decoding through the same path.
 
@@ -32,15 +38,26 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
-from tandem.spec.adaptive import MAX_K, CostModel, LoadAwareCost, choose_k, expected_tokens
+from tandem.spec.adaptive import (
+    MAX_K,
+    MAX_TREE_DEPTHS,
+    CostModel,
+    LoadAwareCost,
+    TreeShape,
+    choose_k,
+    choose_tree,
+    expected_tokens,
+)
+from tandem.spec.ngram import lookup_continuations
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import CACHE, DRAFT, NGRAM, ContinuationCache, DraftProposer, Proposal, ngram_proposal
 from tandem.spec.request import RequestState
-from tandem.spec.transport import DraftChannel, ReplicaSource, Verifier
+from tandem.spec.transport import DraftChannel, Drafted, ReplicaSource, Verifier
+from tandem.spec.tree import ROOT, TokenTree, children_of
 
 T = TypeVar("T")
 
@@ -118,9 +135,11 @@ class SpeculationLoop:
         self._learn()
         if early is None:
             return None
-        tokens, probs = await self._timed_draft(early)
+        drafted = await self._timed_draft(early)
+        tokens = drafted.tokens
         if len(tokens) > 1 and tokens[0] == first and not s.finish_reason:
-            return Proposal(len(s.history), tokens[1:-1], list(probs)[1:-1], tokens[-1], DRAFT)
+            return Proposal(len(s.history), tokens[1:-1], list(drafted.probs)[1:-1], tokens[-1], DRAFT,
+                            list(drafted.alternatives)[1:-1])
         return None
 
     async def _round(self, ready: Proposal | None) -> Proposal | None:
@@ -128,65 +147,106 @@ class SpeculationLoop:
         started = time.perf_counter()
         k = self._choose_k(after_tokens=0)
         committed = len(s.history)
-        proposal = await self._proposal(k, ready)
-        drafts, probs = proposal.tokens[:k], list(proposal.probs)[:k]
-        verifying = self._spawn(self._on_target(lambda v: v.verify(self.seq_id, committed, drafts, probs)))
+        proposal = await self._proposal(k, ready, self._choose_tree(k))
+        chain = proposal.tokens[:k]
+        tree = proposal.tree
+        if tree is not None:  # the chain is its first branch: nodes 0..len(chain)-1
+            drafts, probs, parents = tree.tokens, tree.chain_probs(), tree.parents
+        else:
+            drafts, probs, parents = chain, list(proposal.probs)[:k], []
+        verifying = self._spawn(self._on_target(lambda v: v.verify(self.seq_id, committed, drafts, probs, parents)))
         ahead: asyncio.Task | None = None
-        if (self.draft is not None and self.options.pipelined and proposal.source == DRAFT and drafts
-                and proposal.guess is not None and len(drafts) == len(proposal.tokens)):
-            # Draft round r+1 now, betting that all of round r is accepted and the guess is right.
-            ahead = self._spawn(self._propose([*s.history, *drafts, proposal.guess], k + 1))
+        if (self.draft is not None and self.options.pipelined and proposal.source == DRAFT and chain
+                and proposal.guess is not None and len(chain) == len(proposal.tokens)):
+            # Draft round r+1 now, betting that all of round r's chain is accepted and the guess is right.
+            ahead = self._spawn(self._propose([*s.history, *chain, proposal.guess], k + 1))
         t0 = time.perf_counter()
-        accepted, next_token = await verifying
+        kept, next_token = await verifying
         waited = time.perf_counter() - t0
         stats.verify_wait_s += waited
         self.costs.observe_verify(len(drafts) + 1, waited)
         if self.observer:
             self.observer.on_verify(waited)
-        s.commit([*drafts[:accepted], next_token])
+        accepted = [drafts[n] for n in kept]
+        s.commit([*accepted, next_token])
         self._learn()
-        self._record(k, len(drafts), accepted, proposal.source)
+        self._record(k, len(drafts), len(kept), proposal.source, chain_only=tree is None)
+        if tree is not None:
+            self._record_tree(tree, len(chain), kept)
 
         next_proposal = None
         if ahead is not None:
-            tokens, ahead_probs = await self._timed_draft(ahead)
-            if accepted == len(drafts) and next_token == proposal.guess and tokens and not s.finish_reason:
-                next_proposal = Proposal(len(s.history), tokens[:-1], list(ahead_probs)[:-1], tokens[-1], DRAFT)
+            drafted = await self._timed_draft(ahead)
+            tokens = drafted.tokens
+            if accepted == chain and next_token == proposal.guess and tokens and not s.finish_reason:
+                next_proposal = Proposal(len(s.history), tokens[:-1], list(drafted.probs)[:-1], tokens[-1], DRAFT,
+                                         list(drafted.alternatives)[:-1])
         stats.round_wall_s += time.perf_counter() - started
         return next_proposal
 
     # ----- proposals -------------------------------------------------------
-    async def _proposal(self, k: int, ready: Proposal | None) -> Proposal:
-        """This round's proposal (the policy, written once).
+    async def _proposal(self, k: int, ready: Proposal | None, shape: TreeShape | None) -> Proposal:
+        """This round's proposal (the policy, written once), with its token tree when ``shape`` is given.
 
         n-gram sources first: the request's own text and the continuation cache, the longer
         match winning (the request's own text on a tie: it is this request's evidence). Under
         ``hybrid`` an n-gram match of ``hybrid_min_match``+ tokens beats the draft model (a long
         repeat is as good a guess as the draft's and costs nothing); otherwise the draft drafts.
+        In a tree, the continuations that lost become branches.
         """
         s, opts = self.state, self.options
         committed = len(s.history)
         if k == 0:
             return Proposal(committed, [])
+        branches: list[list[int]] = []
         if opts.uses_ngram or self.draft is None:  # (a request whose draft is lost goes on with n-grams)
             min_n = opts.ngram_min if opts.method == "ngram" or self.draft is None else opts.hybrid_min_match
-            proposal, matched = ngram_proposal(s.history, k, min_n, max(min_n, opts.ngram_max))
+            max_n = max(min_n, opts.ngram_max)
+            proposal, matched = ngram_proposal(s.history, k, min_n, max_n)
+            if shape is not None:  # the other continuations of the request's text, of any match length
+                branches = [c for c, _ in lookup_continuations(s.history, k, opts.ngram_min, max_n, shape.width + 1)]
             if self.cache is not None:
                 hit = await self._cache_lookup(k)
                 if hit is not None and hit.tokens and hit.match_len > matched:
                     proposal, matched = Proposal(committed, list(hit.tokens[:k]), source=CACHE), hit.match_len
+                if hit is not None and hit.tokens:
+                    branches.insert(0, list(hit.tokens[:k]))
             if self.draft is None or (matched >= opts.hybrid_min_match and proposal.tokens):
-                return proposal
+                return self._with_tree(proposal, k, shape, branches)
         if ready is not None and ready.base_len == committed:
-            return ready
+            return self._with_tree(ready, k, shape, branches)
         extra = 1 if opts.pipelined else 0  # the guess of the target's extra token
         t0 = time.perf_counter()
-        tokens, probs = await self._timed_draft(self._propose(s.history, k + extra))
+        drafted = await self._timed_draft(self._propose(s.history, k + extra))
         self.costs.observe_draft((time.perf_counter() - t0) / (k + extra))
-        probs = list(probs)
+        tokens, probs, alternatives = drafted.tokens, list(drafted.probs), list(drafted.alternatives)
         if extra and len(tokens) == k + 1:
-            return Proposal(committed, tokens[:-1], probs[:-1], tokens[-1], DRAFT)
-        return Proposal(committed, tokens, probs, source=DRAFT)
+            proposal = Proposal(committed, tokens[:-1], probs[:-1], tokens[-1], DRAFT, alternatives[:-1])
+        else:
+            proposal = Proposal(committed, tokens, probs, source=DRAFT, alternatives=alternatives)
+        return self._with_tree(proposal, k, shape, branches)
+
+    def _with_tree(self, proposal: Proposal, k: int, shape: TreeShape | None,
+                   branches: list[list[int]]) -> Proposal:
+        """``proposal`` with its token tree: the chain first (sampled nodes before the deterministic ones,
+        which the acceptance rule needs), then the draft's next-best tokens at the chain's first
+        ``shape.depths`` positions, then n-gram continuations, within ``k + shape.extra_nodes`` nodes.
+        Unchanged when nothing but the chain would be in it."""
+        chain = proposal.tokens[:k]
+        if shape is None or not chain:
+            return proposal
+        tree = TokenTree()
+        tree.add_path(chain, list(proposal.probs)[:k] or None)
+        budget = len(chain) + shape.extra_nodes
+        for depth, alternatives in enumerate(list(proposal.alternatives)[: min(len(chain), shape.depths)]):
+            for token in list(alternatives)[: shape.width]:
+                tree.add_path([token], parent=depth - 1 if depth else ROOT, budget=budget)
+        for branch in branches:
+            tree.add_path(branch[: shape.depths], budget=budget)
+        if len(tree) == len(chain):
+            return proposal
+        proposal.tree = tree
+        return proposal
 
     async def _cache_lookup(self, k: int) -> Any:
         assert self.cache is not None
@@ -253,23 +313,24 @@ class SpeculationLoop:
             self.verifier = replacement
             needs_rebuild = rebuild
 
-    async def _propose(self, tokens: list[int], k: int) -> tuple[list[int], Sequence[Any]]:
+    async def _propose(self, tokens: list[int], k: int) -> Drafted:
         """The draft's proposal after ``tokens``; none when the draft failed (the request goes on)."""
         draft = self.draft
         if draft is None:
-            return [], []
+            return Drafted([])
+        alternatives = self.options.tree_width if self.options.tree != "off" else 0
         try:
-            return await draft.propose(tokens, k)
+            return await draft.propose(tokens, k, alternatives)
         except KVCacheExhaustedError:
             if self.replicas is None:
                 raise
-            return [], []  # the draft is full: this round goes without it
+            return Drafted([])  # the draft is full: this round goes without it
         except REPLICA_FAULTS:
             if self.replicas is None:
                 raise
             if self.draft is draft:  # not already replaced by a concurrent call's failure
                 await self._replace_draft(draft)
-            return [], []
+            return Drafted([])
 
     async def _replace_draft(self, lost: DraftProposer) -> None:
         self.draft = None
@@ -293,6 +354,21 @@ class SpeculationLoop:
         if k > 0 and not self._catch_up_pays(k, costs):
             return 0
         return min(k, room)
+
+    def _choose_tree(self, k: int) -> TreeShape | None:
+        """This round's tree shape (None: a chain): see ``choose_tree``; ``on`` takes the largest that fits."""
+        opts = self.options
+        if opts.tree == "off" or k <= 0:
+            return None
+        room = self.max_context - len(self.state.history) - 1  # the tree's rows occupy KV during verification
+        max_nodes = min(MAX_K, room)
+        if opts.tree == "on":
+            for depths in range(min(k, MAX_TREE_DEPTHS), 0, -1):
+                if k + depths * opts.tree_width <= max_nodes:
+                    return TreeShape(depths, opts.tree_width)
+            return None
+        tracker = self.state.tracker
+        return choose_tree(tracker.rate, tracker.branch_rate, self._round_costs(), k, opts.tree_width, max_nodes)
 
     def _round_costs(self) -> LoadAwareCost:
         """What a round costs at the current load, from the workers' fitted forward costs.
@@ -337,7 +413,7 @@ class SpeculationLoop:
         return self.state.remaining * (plain_s_per_token - spec_s_per_token) > catch_up_s
 
     # ----- bookkeeping -----------------------------------------------------
-    def _record(self, k: int, drafted: int, accepted: int, source: str) -> None:
+    def _record(self, k: int, drafted: int, accepted: int, source: str, chain_only: bool = True) -> None:
         stats = self.state.stats
         stats.rounds += 1
         stats.k_counts[k] += 1
@@ -348,9 +424,31 @@ class SpeculationLoop:
             stats.rejected += accepted < drafted
             stats.ngram_rounds += source in (NGRAM, CACHE)
             stats.cache_rounds += source == CACHE
-            self.state.tracker.observe(drafted, accepted)
+            if chain_only:  # (a tree's chain is judged in _record_tree)
+                self.state.tracker.observe(drafted, accepted)
         if self.observer:
             self.observer.on_round(k, drafted, accepted, source)
+
+    def _record_tree(self, tree: TokenTree, chain_len: int, kept: list[int]) -> None:
+        """What a tree round teaches: did a candidate off the chain save the round where the chain failed?"""
+        stats = self.state.stats
+        stats.tree_rounds += 1
+        stats.tree_nodes += len(tree)
+        along = 0  # kept nodes still on the chain (the chain's nodes are 0..chain_len-1)
+        while along < len(kept) and kept[along] == along:
+            along += 1
+        stats.branch_tokens += len(kept) - along
+        self.state.tracker.observe(chain_len, along)  # the acceptance rate that k plans with is the chain's
+        if along == chain_len:
+            return
+        parent = along - 1 if along else ROOT
+        others = [c for c in children_of(tree.parents).get(parent, []) if c != along]
+        if not others:
+            return
+        if len(kept) > along:
+            self.state.tracker.observe_branches(others.index(kept[along]) + 1, kept=True)
+        else:
+            self.state.tracker.observe_branches(len(others), kept=False)
 
     def _spawn(self, call: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(call)

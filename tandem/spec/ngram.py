@@ -32,3 +32,30 @@ def lookup_match(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> tuple
             start = int(hits[-1]) + n  # the most recent match: the likeliest continuation
             return ids[start : start + k].tolist(), n
     return [], 0
+
+
+def lookup_continuations(tokens: Sequence[int], k: int, min_n: int, max_n: int,
+                         limit: int) -> list[tuple[list[int], int]]:
+    """Up to ``limit`` continuations with different first tokens, each with its match length.
+
+    The branches of an n-gram token tree: longest match first and, for one length, the most
+    recent first. The first is ``lookup_match``'s.
+    """
+    if k <= 0 or limit <= 0:
+        return []
+    ids = np.asarray(tokens, dtype=np.int64)
+    length = len(ids)
+    found: list[tuple[list[int], int]] = []
+    firsts: set[int] = set()
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = ids[length - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: length - 1], n)
+        for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+            start = int(hit) + n
+            continuation = ids[start : start + k].tolist()
+            if continuation[0] not in firsts:
+                firsts.add(continuation[0])
+                found.append((continuation, n))
+                if len(found) == limit:
+                    return found
+    return found

@@ -11,6 +11,10 @@ Methods:
   model inside the target worker rather than a draft fleet of its own;
 - ``auto``: ``hybrid`` when a draft model is configured (spec_bench: 1.91x
   target-only against 1.73x for ``draft``), else ``ngram``.
+
+Any of them may verify a token tree instead of a chain (``tree``, ``tree_width``;
+``tandem.spec.tree``): the draft's next-best tokens and other n-gram continuations
+become branches beside the chain.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from dataclasses import dataclass
 
 from tandem.errors import InvalidRequestError
 from tandem.spec.adaptive import MAX_K
+
+# Speculation trees: ``auto`` builds one when the cost model says its extra candidates pay for their
+# rows in the verification; ``on`` whenever there are candidates to add (tests, benchmarks); ``off``: chains.
+TREE_MODES = ("auto", "on", "off")
+MAX_TREE_WIDTH = 4  # other candidates per position at most
 
 METHODS = ("auto", "none", "draft", "ngram", "hybrid", "early-exit")
 REMOTE_METHODS = ("auto", "none", "draft", "ngram", "hybrid")  # offered over gRPC
@@ -47,6 +56,8 @@ class SpecOptions:
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = 3  # hybrid: an n-gram match this long wins over the draft model
+    tree: str = "off"  # one of TREE_MODES
+    tree_width: int = 2  # most other candidates per position in a tree
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":
@@ -57,6 +68,10 @@ class SpecOptions:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
         if not 1 <= self.hybrid_min_match:
             raise InvalidRequestError(f"hybrid min match must be >= 1, got {self.hybrid_min_match}")
+        if self.tree not in TREE_MODES:
+            raise InvalidRequestError(f"unknown tree mode {self.tree!r}; choose one of {', '.join(TREE_MODES)}")
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise InvalidRequestError(f"tree width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
 
     @property
     def uses_draft(self) -> bool:

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 from tandem.sampling_params import SamplingParams
 from tandem.spec.ngram import lookup_match
-from tandem.spec.transport import DraftChannel
+from tandem.spec.transport import DraftChannel, Drafted
+from tandem.spec.tree import TokenTree
 
 NGRAM = "ngram"  # the request's own text (prompt lookup)
 CACHE = "cache"  # the continuation cache: what every request generated (tandem.spec.shared_cache)
@@ -30,6 +31,8 @@ class Proposal:
     probs: Sequence[Any] = ()  # one q per token, as the draft sampled from it; empty: deterministic
     guess: int | None = None  # the draft's guess of the token after all drafts (pipelining)
     source: str = NGRAM
+    alternatives: Sequence[Sequence[int]] = ()  # per token, the draft's next-best tokens (trees), when asked
+    tree: TokenTree | None = None  # this round's token tree, the tokens above its first branch; None: a chain
 
 
 class ContinuationCache(Protocol):
@@ -69,7 +72,7 @@ class DraftProposer:
         """Committed tokens the draft has not seen (it must read them before it can draft)."""
         return len(history) - common_prefix_len(self.sent, history)
 
-    async def propose(self, tokens: list[int], k: int) -> tuple[list[int], Sequence[Any]]:
+    async def propose(self, tokens: list[int], k: int, alternatives: int = 0) -> Drafted:
         """Draft ``k`` tokens after ``tokens``, sending only what the draft does not hold yet."""
         keep = common_prefix_len(self.sent, tokens)
         new_tokens = list(tokens[keep:])
@@ -77,7 +80,7 @@ class DraftProposer:
         self.sent = list(tokens)
         self.opened = True
         try:
-            return await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling)
+            return await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling, alternatives)
         except BaseException:
             self.sent = []  # unknown state on the draft side: the next call resends everything
             raise

@@ -45,6 +45,9 @@ class GenerationStats:
     ngram_rounds: int = 0  # of which proposed by n-gram lookup (own text or cache; the rest: the draft model)
     cache_rounds: int = 0  # of which from the continuation cache
     k_counts: Counter[int] = field(default_factory=Counter)  # rounds per chosen k (bounded by MAX_K + 1 keys)
+    tree_rounds: int = 0  # rounds that verified a token tree rather than a chain
+    tree_nodes: int = 0  # draft tokens those trees held (all counted in drafted)
+    branch_tokens: int = 0  # accepted tokens off the trees' first branch: what trees added
     generated: int = 0
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -100,6 +103,8 @@ class GenerationStats:
             "cache_rounds": self.cache_rounds,
             "mean_k": round(self.mean_k, 3),
             "mean_accepted_len": round(self.mean_accepted_len, 3),
+            "tree_rounds": self.tree_rounds,
+            "branch_tokens": self.branch_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
         }
 

@@ -17,6 +17,15 @@ from typing import Any, Protocol
 from tandem.sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class Drafted:
+    """What a draft channel proposed: tokens, their q when sampled, and next-best tokens when asked."""
+
+    tokens: list[int]
+    probs: Sequence[Any] = ()  # one q per token (opaque wire messages), or empty: deterministic
+    alternatives: Sequence[Sequence[int]] = ()  # per token when asked: the draft's next-best, best first
+
+
 @dataclass(slots=True, frozen=True)
 class FittedCost:
     """Seconds of one forward pass ~ ``base_s + per_token_s * tokens``, as the worker measured it."""
@@ -33,8 +42,9 @@ class Verifier(Protocol):
         from its whole committed history (the first ``prompt_len`` tokens its prompt); echoes the last."""
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
-                     draft_probs: Sequence[Any]) -> tuple[int, int]:
-        """Keep ``committed_len`` tokens, score the last one plus the drafts: (accepted, next token)."""
+                     draft_probs: Sequence[Any], draft_parents: Sequence[int] = ()) -> tuple[list[int], int]:
+        """Keep ``committed_len`` tokens, score the last one plus the drafts (a chain, or a token tree
+        given ``draft_parents``): (the kept drafts' indices, root to leaf; the target's next token)."""
 
     async def release(self, seq_id: str) -> None:
         """Best effort: free the sequence's KV."""
@@ -50,8 +60,9 @@ class DraftChannel(Protocol):
     """The draft side: Propose(seq, committed_len, new_tokens, k) as the draft worker defines it."""
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams) -> tuple[list[int], Sequence[Any]]:
-        """Keep ``committed_len`` tokens, append ``new_tokens``, draft k: (tokens, q per token or empty)."""
+                      sampling: SamplingParams, alternatives: int = 0) -> Drafted:
+        """Keep ``committed_len`` tokens, append ``new_tokens``, draft k (and ``alternatives``
+        next-best tokens per position)."""
 
     async def release(self, seq_id: str) -> None: ...
 

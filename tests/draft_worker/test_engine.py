@@ -261,3 +261,18 @@ def test_warmup_leaves_nothing_behind(draft):
     draft.warmup()
     assert draft.num_sequences == 0
     assert draft.engine.kv_cache.num_free_blocks == draft.engine.kv_cache.num_blocks
+
+
+def test_alternatives_are_the_next_best_tokens_other_than_the_drafted_one(draft):
+    (reply,) = ok(draft.run_batch([ProposeCall("a", 0, PROMPT, 3, GREEDY, alternatives=2)]))
+    assert len(reply.alternatives) == 3
+    history = list(PROMPT)
+    for token, others in zip(reply.tokens, reply.alternatives):
+        logits = draft.engine.forward([ForwardItem("scratch", history)])[0][-1]
+        draft.engine.release("scratch")
+        assert others == [t for t in logits.topk(3).indices.tolist() if t != token][:2]
+        history.append(token)
+    (plain,) = ok(draft.run_batch([ProposeCall("b", 0, PROMPT, 3, GREEDY)]))
+    assert plain.tokens == reply.tokens and plain.alternatives == []
+    (bad,) = draft.run_batch([ProposeCall("c", 0, PROMPT, 3, GREEDY, alternatives=99)])
+    assert isinstance(bad, InvalidRequestError) and "alternatives" in str(bad)

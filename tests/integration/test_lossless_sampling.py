@@ -51,8 +51,9 @@ def expected(pair):
     return exact_two_token_distribution(target, PROMPT, TEMPERATURE)
 
 
-def sample_through_services(pair, log_dir, draft_command: tuple[str, ...] | None) -> tuple[list[int], int, int]:
-    """(t2 * VOCAB + t3) per seeded request, and the drafted / accepted token totals."""
+def sample_through_services(pair, log_dir, draft_command: tuple[str, ...] | None,
+                            tree: str = "off") -> tuple[list[int], int, int, int]:
+    """(t2 * VOCAB + t3) per seeded request, the drafted / accepted token totals and the tree rounds."""
     target_dir, draft_dir = pair
     spec = ClusterSpec(target=str(target_dir), draft=str(draft_dir), dtype="float32", kv_cache_tokens=65536,
                        log_dir=log_dir, draft_args=("--quantization", "none", "--vocab", "0"),
@@ -61,22 +62,27 @@ def sample_through_services(pair, log_dir, draft_command: tuple[str, ...] | None
         def one(seed: int):
             # 4 tokens: the first from the prefill, the next two from one k=2 round (or a k=1 round after it)
             request = build_request(PROMPT, max_new_tokens=4, sampling=SamplingParams(TEMPERATURE, seed=seed),
-                                    method="draft", k=2, fixed_k=True, ignore_eos=True)
+                                    method="draft", k=2, fixed_k=True, ignore_eos=True, tree=tree)
             return client.generate(request)
 
         with ThreadPoolExecutor(16) as pool:
             replies = list(pool.map(one, range(SAMPLES)))
     samples = [r.token_ids[1] * VOCAB + r.token_ids[2] for r in replies]
-    return samples, sum(r.stats.drafted for r in replies), sum(r.stats.accepted for r in replies)
+    stats = [r.stats for r in replies]
+    return (samples, sum(s.drafted for s in stats), sum(s.accepted for s in stats),
+            sum(s.tree_rounds for s in stats))
 
 
-@pytest.mark.parametrize("draft_command,lossless", [
-    (None, True),  # the real wire format, the real draft worker
-    ((*FAULTY_DRAFT, "coarse"), True),  # a coarse format, sent exactly once: still lossless
-    ((*FAULTY_DRAFT, "double-encoding"), False),  # the q sent is not the q sampled from: caught
-], ids=["fp16-wire", "coarse-wire-once", "coarse-wire-double-encoded"])
-def test_sampling_through_workers_follows_the_target(pair, expected, tmp_path, draft_command, lossless):
-    samples, drafted, accepted = sample_through_services(pair, tmp_path, draft_command)
+@pytest.mark.parametrize("draft_command,lossless,tree", [
+    (None, True, "off"),  # the real wire format, the real draft worker
+    ((*FAULTY_DRAFT, "coarse"), True, "off"),  # a coarse format, sent exactly once: still lossless
+    ((*FAULTY_DRAFT, "double-encoding"), False, "off"),  # the q sent is not the q sampled from: caught
+    # token trees: the sampled chain and the draft's next-best tokens (point masses) under the tree rule
+    (None, True, "on"),
+], ids=["fp16-wire", "coarse-wire-once", "coarse-wire-double-encoded", "fp16-wire-trees"])
+def test_sampling_through_workers_follows_the_target(pair, expected, tmp_path, draft_command, lossless, tree):
+    samples, drafted, accepted, tree_rounds = sample_through_services(pair, tmp_path, draft_command, tree)
     assert drafted >= SAMPLES and 0 < accepted < drafted  # the drafts were judged, and some rejected
+    assert (tree_rounds >= SAMPLES) == (tree == "on")
     pvalue = chi_square_pvalue(samples, expected)
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

@@ -80,6 +80,17 @@ def test_hybrid_output_unchanged_and_uses_both_sources(target, plain, tiny_qwen2
     assert 0 < ngram < sum(r.stats.spec_rounds for r in results)  # n-gram matched some rounds, the draft the rest
 
 
+@pytest.mark.parametrize("method", ["draft", "hybrid", "ngram"])
+def test_token_trees_output_unchanged_and_branches_are_kept(target, plain, tiny_qwen2_other_dir, method):
+    """An unrelated draft is mostly wrong: its next-best tokens and the n-gram branches save some rounds."""
+    draft = None if method == "ngram" else load(tiny_qwen2_other_dir)
+    results = run(target, draft, method, k_max=3, ngram_max=3, hybrid_min_match=2, tree="on", tree_width=2)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.stats.tree_rounds for r in results) > 0
+    assert sum(r.stats.branch_tokens for r in results) > 0
+    assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks
+
+
 def test_early_exit_output_unchanged(target, plain):
     results = run(target, early_exit_engine(target, 1), "early-exit", k_max=3)
     assert [r.token_ids for r in results] == plain
@@ -125,8 +136,9 @@ def test_smollm2_early_exit_greedy_identical(smollm2_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["early-exit", "ngram", "draft", "hybrid"])
-def test_smollm2_bf16_speculative_greedy_identical(smollm2_dir, method):
+@pytest.mark.parametrize("method,tree", [("early-exit", "off"), ("ngram", "off"), ("draft", "off"),
+                                         ("hybrid", "off"), ("early-exit", "on"), ("ngram", "on")])
+def test_smollm2_bf16_speculative_greedy_identical(smollm2_dir, method, tree):
     """In bf16 too: verification rows are computed exactly like decode steps (batch-invariant kernels)."""
     from tandem.tokenizer import encode_prompt, load_tokenizer
 
@@ -142,8 +154,10 @@ def test_smollm2_bf16_speculative_greedy_identical(smollm2_dir, method):
         "hybrid": lambda: ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16")),
     }[method]()
     plain = [r.token_ids for r in run(target, prompts=prompts, n=60)]
-    results = run(target, draft, method, prompts, n=60, k_max=4, ngram_max=3)
+    results = run(target, draft, method, prompts, n=60, k_max=4, ngram_max=3, tree=tree)
     assert [r.token_ids for r in results] == plain
     assert sum(r.stats.drafted for r in results) > 0
+    if tree == "on":  # trees, each path scored in bf16 bit for bit as a chain of it would be
+        assert sum(r.stats.tree_rounds for r in results) > 0
     if method == "draft":  # the same model drafting: every draft token is accepted, in bf16 too
         assert all(r.stats.accepted == r.stats.drafted for r in results)

@@ -20,7 +20,8 @@ from tandem.spec.adaptive import CostModel
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import RequestState, StopConditions
-from tandem.spec.transport import FittedCost
+from tandem.spec.transport import Drafted, FittedCost
+from tandem.spec.tree import children_of
 
 VOCAB = 50
 
@@ -55,6 +56,7 @@ class FakeTarget:
         self.histories: dict[str, list[int]] = {}
         self.released: list[str] = []
         self.verified_tokens = 0
+        self.trees = 0  # Verify calls that carried a token tree
 
     streams = 1
 
@@ -70,21 +72,22 @@ class FakeTarget:
         self.histories[seq_id] = [*token_ids, token]
         return token
 
-    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs):
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
         await asyncio.sleep(0)
         history = self.histories[seq_id]
         assert committed_len == len(history), "the loop must verify against the whole committed history"
         assert not draft_probs  # greedy: deterministic drafts
         self.verified_tokens += len(draft_tokens)
-        accepted = 0
-        for token in draft_tokens:
-            if token != target_next(history):
-                break
-            history.append(token)
-            accepted += 1
+        self.trees += bool(draft_parents)
+        children = children_of(draft_parents or range(-1, len(draft_tokens) - 1))
+        kept, node = [], -1
+        while (node := next((c for c in children.get(node, []) if draft_tokens[c] == target_next(history)),
+                            None)) is not None:
+            history.append(draft_tokens[node])
+            kept.append(node)
         nxt = target_next(history)
         history.append(nxt)
-        return accepted, nxt
+        return kept, nxt
 
     async def release(self, seq_id):
         self.released.append(seq_id)
@@ -100,7 +103,7 @@ class FakeDraft:
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.01, 0.001)
 
-    async def propose(self, seq_id, committed_len, new_tokens, k, sampling):
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0):
         await asyncio.sleep(0)
         self.calls += 1
         held = self.histories.setdefault(seq_id, [])
@@ -110,7 +113,9 @@ class FakeDraft:
         drafted: list[int] = []
         for _ in range(k):
             drafted.append(draft_next(history + drafted))
-        return drafted, []
+        # Next-best: the token one below the drafted one, which is the target's where the draft errs.
+        others = [[(t - 1 - i) % VOCAB for i in range(alternatives)] for t in drafted] if alternatives else []
+        return Drafted(drafted, [], others)
 
     async def release(self, seq_id):
         self.released.append(seq_id)
@@ -226,3 +231,33 @@ def test_the_continuation_cache_proposes_what_an_earlier_request_generated():
     assert first.generated == second.generated == expected
     assert second.stats.cache_rounds > 0
     assert second.stats.accepted > first.stats.accepted  # what the first generated, the second reuses
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_greedy_output_with_trees_equals_target_alone(method, pipelined):
+    state, target, _ = run(SpecOptions(method, 4, adaptive_k=False, pipelined=pipelined, tree="on", tree_width=2),
+                           n=60)
+    assert state.generated == target_only([3, 1, 4, 1, 5], 60)
+    assert target.trees > 0 and state.stats.tree_rounds == target.trees
+
+
+def test_tree_branches_add_tokens_where_the_chain_fails():
+    """The draft errs at every fourth position and its next-best is the target's token there."""
+    chain, _, _ = run(SpecOptions("draft", 2, adaptive_k=False), n=80)
+    tree, _, _ = run(SpecOptions("draft", 2, adaptive_k=False, tree="on", tree_width=1), n=80)
+    assert tree.generated == chain.generated
+    assert tree.stats.branch_tokens > 0
+    assert tree.stats.rounds < chain.stats.rounds
+
+
+def test_auto_tree_follows_the_cost_model():
+    """Verifying more rows is nearly free here (FittedCost per token 1% of the base): auto builds trees."""
+    state, target, _ = run(SpecOptions("draft", 4, tree="auto", tree_width=1), n=80)
+    assert state.generated == target_only([3, 1, 4, 1, 5], 80)
+    assert target.trees > 0
+
+
+def test_tree_off_sends_chains_only():
+    _, target, _ = run(SpecOptions("draft", 4, adaptive_k=False, tree="off"), n=40)
+    assert target.trees == 0

@@ -38,11 +38,11 @@ class DyingTarget(FakeTarget):
             raise self.error
         return await super().prefill(seq_id, token_ids, sampling, prompt_len)
 
-    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs):
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
         self.calls_left -= 1
         if self.calls_left < 0:
             raise self.error
-        return await super().verify(seq_id, committed_len, draft_tokens, draft_probs)
+        return await super().verify(seq_id, committed_len, draft_tokens, draft_probs, draft_parents)
 
 
 class RecordingTarget(FakeTarget):
@@ -119,11 +119,11 @@ class DyingDraft(FakeDraft):
         super().__init__()
         self.calls_left = calls
 
-    async def propose(self, seq_id, committed_len, new_tokens, k, sampling):
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0):
         self.calls_left -= 1
         if self.calls_left < 0:
             raise WorkerUnavailableError("draft gone")
-        return await super().propose(seq_id, committed_len, new_tokens, k, sampling)
+        return await super().propose(seq_id, committed_len, new_tokens, k, sampling, alternatives)
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -159,13 +159,13 @@ class FullTarget(FakeTarget):
         assert prompt_len in (0, len(PROMPT))  # a rebuild says where the prompt ends
         return await super().prefill(seq_id, token_ids, sampling, prompt_len)
 
-    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs):
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
         if self.after > 0:
             self.after -= 1
         elif self.refusals > 0:
             self.refusals -= 1
             raise KVCacheExhaustedError("KV cache full")
-        return await super().verify(seq_id, committed_len, draft_tokens, draft_probs)
+        return await super().verify(seq_id, committed_len, draft_tokens, draft_probs, draft_parents)
 
 
 def test_a_full_kv_pool_preempts_the_request_and_rebuilds_it_later(monkeypatch):

@@ -130,14 +130,17 @@ def exact_two_token_distribution(engine, prompt: list[int], temperature: float) 
     return joint.reshape(-1)
 
 
-@pytest.mark.parametrize("lossless,draft_options", [
-    (True, {}),
+@pytest.mark.parametrize("lossless,draft_options,tree", [
+    (True, {}, "off"),
     # q is 0 on ids 4 and 5 and int8-rounded elsewhere: still lossless, since q is what the draft sampled from.
-    (True, {"quantization": "int8", "vocab_limit": 4}),
-    (False, {}),
-], ids=["correct", "correct-lean-draft", "broken-resample-from-p"])
+    (True, {"quantization": "int8", "vocab_limit": 4}, "off"),
+    (False, {}, "off"),
+    # token trees: the sampled chain plus the draft's next-best tokens under the multi-candidate rule
+    (True, {}, "on"),
+    (False, {}, "on"),
+], ids=["correct", "correct-lean-draft", "broken-resample-from-p", "correct-tree", "broken-tree-no-residual"])
 def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab_pair, monkeypatch, lossless,
-                                                                     draft_options):
+                                                                     draft_options, tree):
     """In process, through the one loop and the worker engines (the wire format included)."""
     import target_worker.engine as target_engine_module
     from tandem.config import EngineConfig
@@ -150,7 +153,11 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab
     target = ModelEngine.load(EngineConfig(target_dir, **cfg))
     draft = ModelEngine.load(EngineConfig(draft_dir, **cfg, **draft_options))
     prompt, temperature, n = [0, 3, 2, 5], 1.0, 4000
-    if not lossless:
+    if not lossless and tree == "on":  # a rejected candidate's mass stays in the residual
+        from tandem.spec import rejection
+
+        monkeypatch.setattr(rejection, "_without", lambda residual, token, q: residual)
+    elif not lossless:
         broken = lambda logits, tokens, probs, params, gen: (  # noqa: E731
             broken_resample_from_p(logits, tokens, probs, params, gen) if tokens
             else verify(logits, tokens, probs, params, gen))
@@ -158,8 +165,10 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab
     # Token 1 comes from the target's prefill, tokens 2 and 3 from speculative rounds.
     requests = [GenerationRequest(prompt, max_new_tokens=4, sampling=SamplingParams(temperature, seed=s))
                 for s in range(n)]
-    results = SpeculativeGenerator(target, draft, SpecOptions("draft", 2, adaptive_k=False)).generate(requests)
+    options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
+    results = SpeculativeGenerator(target, draft, options).generate(requests)
     assert all(r.stats.k_counts[2] >= 1 for r in results)  # tokens 2-3 come from a k=2 round (or k=1 after it)
+    assert all((r.stats.tree_rounds >= 1) == (tree == "on") for r in results)
     samples = [r.token_ids[1] * 6 + r.token_ids[2] for r in results]
     pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target, prompt, temperature))
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

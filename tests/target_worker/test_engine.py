@@ -6,6 +6,7 @@ a 5-token verify equals, bit for bit, one computed in a 2-token one.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -315,3 +316,83 @@ def test_a_seeded_sequence_draws_the_same_after_a_rebuild(target):
         ok(target.run_batch([PrefillCall(f"s{i}", history, params, prompt_len=len(PROMPT))]))
         draws.add(ok(target.run_batch([VerifyCall(f"s{i}", len(history), [], [])]))[0].next_token)
     assert len(draws) > 1
+
+
+# ----- token trees ---------------------------------------------------------------------
+
+def test_a_tree_keeps_the_path_the_target_follows_and_its_kv_equals_the_chains(target):
+    """a verifies a tree whose kept path is off its first branch; b the same tokens as a chain."""
+    expected = greedy_continuation(target.engine, PROMPT, 6)
+    vocab = target.vocab_size
+    wrong = [(t + 1) % vocab for t in expected]
+    ok(target.run_batch([PrefillCall("a", PROMPT, GREEDY), PrefillCall("b", PROMPT, GREEDY)]))
+    n = len(PROMPT) + 1
+    # nodes: 0 wrong1 (root), 1 e1 (root), 2 wrong2 (under 0), 3 wrong2 (under 1), 4 e2 (under 1), 5 e3 (under 4)
+    tokens = [wrong[1], expected[1], wrong[2], wrong[2], expected[2], expected[3]]
+    parents = [-1, -1, 0, 1, 1, 4]
+    verdicts = ok(target.run_batch([VerifyCall("a", n, tokens, [], parents),
+                                    VerifyCall("b", n, expected[1:4], [])]))
+    assert verdicts[0] == Verdict(3, expected[4], [1, 4, 5])
+    assert verdicts[1] == Verdict(3, expected[4])
+    assert target.sequences["a"].history == target.sequences["b"].history == [*PROMPT, *expected[:5]]
+    assert target.engine.seq_len("a") == target.engine.seq_len("b") == len(PROMPT) + 4
+    assert torch.equal(kv_of(target.engine, "a"), kv_of(target.engine, "b"))
+    # And they go on alike (a tree that keeps only its root's first child, b a chain).
+    committed = len(target.sequences["a"].history)
+    verdicts = ok(target.run_batch([VerifyCall("a", committed, [wrong[5], expected[5]], [], [-1, -1]),
+                                    VerifyCall("b", committed, [expected[5]], [])]))
+    assert verdicts[0].accepted_nodes == [1] and verdicts[1].accepted_nodes == [0]
+    assert verdicts[0].next_token == verdicts[1].next_token
+    assert torch.equal(kv_of(target.engine, "a"), kv_of(target.engine, "b"))
+
+
+def test_a_tree_whose_root_is_all_it_keeps_rolls_back_to_the_committed_tokens(target):
+    expected = greedy_continuation(target.engine, PROMPT, 2)
+    vocab = target.vocab_size
+    ok(target.run_batch([PrefillCall("a", PROMPT, GREEDY), PrefillCall("b", PROMPT, GREEDY)]))
+    n = len(PROMPT) + 1
+    bad = [(expected[1] + i) % vocab for i in (1, 2, 3)]
+    (verdict,) = ok(target.run_batch([VerifyCall("a", n, bad, [], [-1, -1, 0])]))
+    (chain,) = ok(target.run_batch([VerifyCall("b", n, [], [])]))
+    assert verdict == Verdict(0, expected[1], []) and chain.next_token == expected[1]
+    assert torch.equal(kv_of(target.engine, "a"), kv_of(target.engine, "b"))
+
+
+def test_bad_trees_fail_alone_and_leave_the_sequence_as_it_was(target):
+    ok(target.run_batch([PrefillCall("a", PROMPT, GREEDY)]))
+    before = snapshot(target, "a")
+    n = len(PROMPT) + 1
+    for parents, words in (([-1], "1 entries for 2"), ([-1, 1], r"draft_parents\[1\] = 1"),
+                           ([-1, -3], r"draft_parents\[1\] = -3")):
+        (result,) = target.run_batch([VerifyCall("a", n, [5, 6], [], parents)])
+        assert isinstance(result, InvalidRequestError), result
+        assert re.search(words, str(result)), str(result)
+        assert_unchanged(target, "a", before)
+    (result,) = target.run_batch([VerifyCall("a", n, [5] * 16, [], [-1] * 16)])
+    assert isinstance(result, InvalidRequestError) and "at most 15" in str(result)
+    assert_unchanged(target, "a", before)
+
+
+def test_a_sampled_tree_reads_empty_messages_as_point_masses(target, monkeypatch):
+    seen = []
+
+    def spy(logits, tokens, children, draft_probs, params, generator):
+        seen.append((children, draft_probs))
+        return real(logits, tokens, children, draft_probs, params, generator)
+
+    real = engine_module.verify_tree
+    monkeypatch.setattr(engine_module, "verify_tree", spy)
+    sampled = SamplingParams(temperature=1.0, seed=4)
+    ok(target.run_batch([PrefillCall("a", PROMPT, sampled)]))
+    q = torch.softmax(torch.randn(1, target.vocab_size, generator=torch.Generator().manual_seed(3)), -1)
+    drafted = int(q.argmax())
+    other = (drafted + 1) % target.vocab_size
+    from tandem.spec.tree import POINT_MASS
+
+    (verdict,) = ok(target.run_batch([VerifyCall("a", len(PROMPT) + 1, [drafted, other],
+                                                 [*encode_distributions(q), POINT_MASS], [-1, -1])]))
+    children, probs = seen[0]
+    assert children == {-1: [0, 1]}
+    assert torch.equal(probs[0], decode_distributions(encode_distributions(q), target.vocab_size)[0])
+    assert torch.equal(probs[1], torch.nn.functional.one_hot(torch.tensor(other), target.vocab_size).float())
+    assert len(target.sequences["a"].history) == len(PROMPT) + 1 + verdict.num_accepted + 1
