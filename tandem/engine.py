@@ -7,6 +7,10 @@ prefill, k+1 to verify k draft tokens). ``forward`` appends them to the KV
 cache, runs the model once over all of them, and returns logits per item.
 Rollback and release are cache operations exposed here so callers hold one
 object.
+
+An item's new tokens may form a speculation tree (``ForwardItem.parents``, see
+``tandem.tree_rows``): the target verifies every branch in one pass, and
+``keep_path`` then leaves the KV exactly as if only the accepted path had been fed.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
+from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.config import EngineConfig, ModelConfig
 from tandem.cost_fit import ForwardCostFit
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
 from tandem.models.quantize import shrink_for_drafting
 from tandem.models.tensor_parallel import local_kv_heads
+from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
 
 
 @dataclass(slots=True)
@@ -41,15 +47,23 @@ class ForwardBatch:
     query_lens: list[int]  # [B] new tokens per sequence
     context_lens: list[int]  # [B] tokens cached per sequence before this pass
     logit_rows: torch.Tensor  # [R] int64, the rows of the T whose logits are wanted
+    parents: torch.Tensor  # [T] int64, each token's parent row within its sequence's new tokens (-1: the context)
 
 
 @dataclass(slots=True)
 class ForwardItem:
-    """One sequence's part of a batch."""
+    """One sequence's part of a batch.
+
+    ``parents``: None for a chain (each new token follows the one before), else per new token
+    the index in ``token_ids`` of its parent, or -1 for a token that follows the cached context
+    directly. Token ``i`` is written at KV position ``context + i`` whatever its depth; it sits
+    at position ``context + depth`` and sees the context, its ancestors and itself only.
+    """
 
     seq_id: SeqId
     token_ids: Sequence[int]  # new tokens, appended after the sequence's cached ones
     num_logits: int = 1  # how many of the last new positions to compute logits for
+    parents: Sequence[int] | None = None  # a speculation tree over token_ids; None: a chain
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -58,6 +72,29 @@ class ForwardItem:
             raise ValueError(
                 f"sequence {self.seq_id!r}: num_logits {self.num_logits} outside 0..{len(self.token_ids)}"
             )
+        if self.parents is None:
+            return
+        if (problem := parents_problem(self.parents, len(self.token_ids))) is not None:
+            raise ValueError(f"sequence {self.seq_id!r}: {problem}")
+        if len(self.token_ids) > ROWWISE_MAX_QUERY and not is_chain(self.parents):
+            # Trees go through attention row by row, which is what makes each path batch-invariant.
+            raise ValueError(
+                f"sequence {self.seq_id!r}: a tree of {len(self.token_ids)} tokens, at most {ROWWISE_MAX_QUERY}"
+            )
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and not is_chain(self.parents)
+
+    def row_parents(self) -> list[int]:
+        """Each new token's parent row, chains included (``[-1, 0, 1, ...]``)."""
+        return list(self.parents) if self.parents is not None else chain_parents(len(self.token_ids))
+
+    def positions(self, context_len: int) -> torch.Tensor:  # [q] int64
+        """Each new token's absolute position: ``context_len + depth``."""
+        if not self.is_tree:
+            return torch.arange(context_len, context_len + len(self.token_ids), dtype=torch.int64)
+        return torch.tensor(depths(self.parents), dtype=torch.int64) + context_len
 
 
 class ModelEngine:
@@ -136,6 +173,39 @@ class ModelEngine:
     def release(self, seq_id: SeqId) -> None:
         self.kv_cache.release(seq_id)
 
+    def keep_path(self, seq_id: SeqId, base_len: int, rows: Sequence[int]) -> None:
+        """After a tree forward, keep the KV of one root-to-node path only, as if it alone had been fed.
+
+        The sequence held ``base_len`` tokens before the tree; its new token ``row`` was written
+        at position ``base_len + row``. ``rows`` is the accepted path in depth order (each row's
+        parent before it, e.g. ``[0, 2, 5]``; empty when nothing was accepted). The K/V of the
+        path's row at depth ``d`` is copied, in every layer, to position ``base_len + d`` (rows
+        already there stay), then the sequence is rolled back to ``base_len + len(rows)``:
+        bitwise the KV of a chain forward of the path, since a tree row computes exactly what
+        that chain's row does.
+        """
+        length = self.kv_cache.length(seq_id)  # unknown sequences raise here
+        if not 0 <= base_len <= length:
+            raise ValueError(f"sequence {seq_id!r} holds {length} tokens: base_len {base_len} is outside 0..{length}")
+        rows = list(rows)
+        num_new = length - base_len
+        if any(not 0 <= r < num_new for r in rows):
+            raise ValueError(f"sequence {seq_id!r}: path rows {rows} outside the {num_new} tokens after {base_len}")
+        if any(a >= b for a, b in zip(rows, rows[1:])):
+            # A parent comes before its children, so a root-to-node path has increasing rows.
+            raise ValueError(f"sequence {seq_id!r}: path rows {rows} are not increasing (a root-to-node path is)")
+        moves = [(base_len + row, base_len + depth) for depth, row in enumerate(rows) if row != depth]
+        if moves:
+            self.move_kv(
+                self.kv_cache.slots(seq_id, [src for src, _ in moves]),
+                self.kv_cache.slots(seq_id, [dst for _, dst in moves]),
+            )
+        self.rollback(seq_id, base_len + len(rows))
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of flat slots ``src`` ``[n]`` to ``dst`` ``[n]`` in every layer (on every rank, in TP)."""
+        self.kv_cache.move(src, dst)
+
     # ----- the forward pass ---------------------------------------------
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
@@ -175,12 +245,13 @@ class ModelEngine:
             rows.extend(range(end - it.num_logits, end))
         batch = ForwardBatch(
             input_ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64),
-            positions=torch.cat([torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens)]),
+            positions=torch.cat([it.positions(c) for it, c in zip(items, context_lens)]),
             slot_mapping=torch.cat([slots[it.seq_id] for it in items]),
             block_tables=self.kv_cache.block_table([it.seq_id for it in items]),
             query_lens=query_lens,
             context_lens=list(context_lens),
             logit_rows=torch.tensor(rows, dtype=torch.int64),
+            parents=torch.tensor([p for it in items for p in it.row_parents()], dtype=torch.int64),
         )
         logits = self.compute(batch)  # [R, vocab]
         return list(logits.split([it.num_logits for it in items]))  # each [num_logits, vocab]
@@ -190,10 +261,23 @@ class ModelEngine:
         """The model over one batch whose KV slots are already allocated; no bookkeeping."""
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
-            self.kv_cache.block_size, self.device,
+            self.kv_cache.block_size, self.device, tree_parents_of(batch.parents, batch.query_lens),
         )
         hidden = self.model.hidden_states(
             batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_cache, meta, self.backend,
             self.num_layers,
         )  # [T, hidden]
         return self.model.logits(hidden[batch.logit_rows.to(self.device)])
+
+
+def tree_parents_of(parents: torch.Tensor, query_lens: list[int]) -> list[list[int] | None]:
+    """Per sequence, None for a chain, else its new tokens' parents (from ``ForwardBatch.parents`` ``[T]``)."""
+    starts = torch.tensor([0, *query_lens[:-1]], dtype=torch.int64).cumsum(0)  # [B]
+    offsets = torch.repeat_interleave(starts, torch.tensor(query_lens))  # [T], each token's sequence start
+    off_chain = parents != torch.arange(parents.numel()) - offsets - 1  # [T], True where a chain would differ
+    if not off_chain.any():  # the common case: one vectorized check, nothing per sequence
+        return [None] * len(query_lens)
+    return [
+        rows.tolist() if tree.any() else None
+        for rows, tree in zip(parents.split(query_lens), off_chain.split(query_lens))
+    ]

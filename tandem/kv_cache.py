@@ -158,6 +158,29 @@ class PagedKVCache:
             table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         return table.to(device)
 
+    def slots(self, seq_id: SeqId, positions: list[int]) -> torch.Tensor:
+        """The flat slots ``[len(positions)]`` int64 of a sequence's filled ``positions``."""
+        seq = self.sequence(seq_id)
+        outside = [p for p in positions if not 0 <= p < seq.length]
+        if outside:
+            raise ValueError(f"sequence {seq_id!r} holds {seq.length} tokens: no position {outside[0]}")
+        pos = torch.tensor(positions, dtype=torch.int64)
+        blocks = torch.tensor(seq.block_ids, dtype=torch.int64)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of flat slots ``src`` ``[n]`` to slots ``dst`` ``[n]``, in every layer.
+
+        Every source is read before any destination is written, so moves whose sources
+        and destinations overlap (a path shifted down over its own rows) are safe.
+        """
+        if src.shape != dst.shape or src.dim() != 1:
+            raise ValueError(f"a KV move needs two [n] slot lists, got {tuple(src.shape)} and {tuple(dst.shape)}")
+        src, dst = src.to(self.key.device), dst.to(self.key.device)
+        for pool in (self.key, self.value):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[-2:])  # [L, slots, Hkv, D]
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new keys/values ``[num_tokens, Hkv, D]`` at flat ``slots`` ``[num_tokens]`` of a layer."""
         flat_k = self.key[layer].view(-1, *self.key.shape[-2:])

@@ -12,11 +12,12 @@ from tandem.attention.flash import FlashAttention
 from tandem.attention.reference import ReferenceAttention
 from tandem.attention.sdpa import SdpaAttention
 from tandem.kv_cache import PagedKVCache
+from tandem.tree_rows import path_to
 
 H, HKV, D = 4, 2, 16
 
 
-def random_batch(context_lens, query_lens, block_size, dtype=torch.float32, seed=0):
+def random_batch(context_lens, query_lens, block_size, dtype=torch.float32, seed=0, tree_parents=None):
     """A cache holding random K/V for each sequence's context + new tokens, its metadata and queries."""
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(1, 64, block_size, HKV, D, dtype)
@@ -30,7 +31,7 @@ def random_batch(context_lens, query_lens, block_size, dtype=torch.float32, seed
         slot_rows.append(slots[c:])
     meta = AttentionMetadata.build(
         list(query_lens), list(context_lens), torch.cat(slot_rows),
-        cache.block_table(list(range(len(query_lens)))), block_size, torch.device("cpu"),
+        cache.block_table(list(range(len(query_lens)))), block_size, torch.device("cpu"), tree_parents,
     )
     query = torch.randn(sum(query_lens), H, D, generator=g).to(dtype)
     return cache, meta, query
@@ -119,6 +120,23 @@ def test_flash_plumbing_matches_reference(context_lens, query_lens):
     assert stand_in.calls == ["kvcache" if meta.is_decode_only else "varlen"]
 
 
+def test_flash_computes_a_batch_with_a_tree_through_sdpa():
+    """flash-attn takes no custom mask: a batch holding a tree goes through the SDPA math, chains do not."""
+    context_lens, query_lens = [400, 300, 10], [1, len(TREE), 5]
+    cache, meta, query = random_batch(context_lens, query_lens, 256, tree_parents=[None, TREE, None])
+    stand_in = FlashStandIn()
+    backend = FlashAttention(256, flash_module=stand_in, dtype=torch.float32)
+    got = run(backend, cache, meta, query)
+    want = run(ReferenceAttention(), cache, meta, query)
+    assert (got - want).abs().max().item() < 1e-5
+    assert torch.equal(got, run(SdpaAttention(torch.float32), cache, meta, query))
+    assert stand_in.calls == []
+    # The same batch as chains keeps the kernel.
+    _, chain_meta, _ = random_batch(context_lens, query_lens, 256)
+    run(backend, cache, chain_meta, query)
+    assert stand_in.calls == ["varlen"]
+
+
 def test_flash_refuses_small_pages():
     with pytest.raises(ValueError, match="multiple of 256"):
         FlashAttention(16, flash_module=types.SimpleNamespace())
@@ -169,3 +187,97 @@ def test_sdpa_bf16_token_is_bitwise_the_same_decoded_verified_or_batched(onednn,
     batched = attend([("b", 40, 3), ("a", 100, 5), ("c", 40, 20)])[3:8]
     assert torch.equal(verified, decoded)
     assert torch.equal(batched, decoded)
+
+
+# ----- speculation trees ------------------------------------------------------------
+#  0 - 1 - 2 - 3
+#  |   `-- 9 - 10
+#  `-- 4 - 5 - 6 - 7 - 8
+TREE = [-1, 0, 1, 2, 0, 4, 5, 6, 7, 1, 9]
+LEAVES = [3, 8, 10]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sdpa_tree_matches_reference(block_size):
+    cache, meta, query = random_batch([9, 13, 0, 30], [1, len(TREE), 5, 20], block_size,
+                                      tree_parents=[None, TREE, None, None])
+    got = run(SdpaAttention(torch.float32), cache, meta, query)
+    want = run(ReferenceAttention(), cache, meta, query)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_reference_tree_row_sees_only_its_path():
+    """The oracle itself: a tree row equals softmax attention over context + path, computed by hand."""
+    ctx = 6
+    cache, meta, query = random_batch([ctx], [len(TREE)], 4, tree_parents=[TREE])
+    got = run(ReferenceAttention(), cache, meta, query)
+    slots = cache.slots(0, list(range(ctx + len(TREE))))
+    keys, values = cache.key[0].view(-1, HKV, D)[slots], cache.value[0].view(-1, HKV, D)[slots]  # [ctx + q, Hkv, D]
+    row = 7  # path 0, 4, 5, 6, 7
+    seen = [*range(ctx), *(ctx + r for r in path_to(TREE, row))]
+    for h in range(H):
+        probs = torch.softmax(keys[seen, h // (H // HKV)] @ query[row, h] * D**-0.5, dim=0)
+        torch.testing.assert_close(got[row, h], probs @ values[seen, h // (H // HKV)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_tree_rows_are_bitwise_the_rows_of_a_chain_of_their_path(dtype):
+    """Each root-to-leaf path of a tree, batched among decode, verify and prefill sequences, gives
+    bitwise what a chain of that path alone gives, with the same K/V and queries."""
+    ctx, block = 21, 4
+    g = torch.Generator().manual_seed(11)
+    cache = PagedKVCache(1, 128, block, HKV, D, dtype)
+    backend = SdpaAttention(dtype)
+    others = {"decode": (30, 1), "verify": (12, 5), "prefill": (8, 20)}  # (context, new tokens)
+    lens = {"tree": ctx + len(TREE), **{s: c + q for s, (c, q) in others.items()}}
+    slots = cache.append_slots(lens)
+    for seq, n in lens.items():
+        kv = torch.randn(2, n, HKV, D, generator=g).to(dtype)
+        cache.write(0, slots[seq], kv[0], kv[1])
+    tree_query = torch.randn(len(TREE), H, D, generator=g).to(dtype)
+    other_query = {s: torch.randn(q, H, D, generator=g).to(dtype) for s, (_, q) in others.items()}
+
+    def attend(runs):  # (sequence, context, new-token slots, queries, parents or None) each
+        meta = AttentionMetadata.build(
+            [len(s) for _, _, s, _, _ in runs], [c for _, c, _, _, _ in runs], torch.cat([s for _, _, s, _, _ in runs]),
+            cache.block_table([seq for seq, *_ in runs]), block, torch.device("cpu"), [p for *_, p in runs],
+        )
+        query = torch.cat([q for _, _, _, q, _ in runs])
+        return backend.forward(query, cache.key[0], cache.value[0], meta, backend.prepare(meta), D**-0.5)
+
+    mixed = attend([
+        ("decode", 30, slots["decode"][30:], other_query["decode"], None),
+        ("tree", ctx, slots["tree"][ctx:], tree_query, TREE),
+        ("verify", 12, slots["verify"][12:], other_query["verify"], None),
+        ("prefill", 8, slots["prefill"][8:], other_query["prefill"], None),
+    ])
+    tree_rows = mixed[1 : 1 + len(TREE)]
+    alone = attend([("tree", ctx, slots["tree"][ctx:], tree_query, TREE)])
+    assert torch.equal(alone, tree_rows)
+    for leaf in LEAVES:
+        path = path_to(TREE, leaf)
+        chain = f"chain-{leaf}"
+        chain_slots = cache.append_slots({chain: ctx + len(path)})[chain]
+        flat_k, flat_v = cache.key[0].view(-1, HKV, D), cache.value[0].view(-1, HKV, D)
+        source = torch.cat([slots["tree"][:ctx], slots["tree"][ctx + torch.tensor(path)]])
+        cache.write(0, chain_slots, flat_k[source].clone(), flat_v[source].clone())
+        got = attend([(chain, ctx, chain_slots[ctx:], tree_query[path], None)])  # [len(path), H, D]
+        assert torch.equal(tree_rows[path], got), f"path {path}"
+    # The chains in the mixed batch are untouched by the tree next to them.
+    assert torch.equal(mixed[:1], attend([("decode", 30, slots["decode"][30:], other_query["decode"], None)]))
+    verify = attend([("verify", 12, slots["verify"][12:], other_query["verify"], None)])
+    assert torch.equal(mixed[1 + len(TREE) : 6 + len(TREE)], verify)
+
+
+def test_tree_metadata_is_validated():
+    cache, meta, _ = random_batch([3], [4], 4)
+    with pytest.raises(ValueError, match=r"sequence 0 of the batch: parents\[2\] = 2 is outside -1..1"):
+        AttentionMetadata.build([4], [3], meta.slot_mapping, meta.block_tables, 4, torch.device("cpu"),
+                                [[-1, 0, 2, 0]])
+    with pytest.raises(ValueError, match="describes 2 sequences, the batch has 1"):
+        AttentionMetadata.build([4], [3], meta.slot_mapping, meta.block_tables, 4, torch.device("cpu"),
+                                [None, None])
+    tree = [-1, *([0] * 16)]  # 17 tokens: too many for row-by-row attention
+    cache, meta, _ = random_batch([3], [17], 4, tree_parents=[tree])
+    with pytest.raises(ValueError, match="a tree of 17 new tokens: at most 16"):
+        SdpaAttention(torch.float32).prepare(meta)

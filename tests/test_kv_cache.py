@@ -79,3 +79,36 @@ def test_admission_counts_blocks_given_back_first_and_changes_nothing():
     assert cache.admit([("b", 8), ("c", 4)]) == [None, 1]  # b takes both free blocks: c is 1 short
     assert cache.admit([("b", 40)]) == [8]
     assert cache.num_free_blocks == free_before and cache.length("a") == 16
+
+
+def test_slots_resolve_positions_through_the_block_table():
+    cache = make_cache()
+    cache.append_slots({"pad": 1})
+    appended = cache.append_slots({"a": 7})["a"]
+    assert cache.slots("a", [6, 0, 3, 4]).tolist() == appended[[6, 0, 3, 4]].tolist()
+    with pytest.raises(ValueError, match="holds 7 tokens: no position 7"):
+        cache.slots("a", [2, 7])
+    with pytest.raises(UnknownSequenceError):
+        cache.slots("b", [0])
+
+
+def test_move_copies_every_layer_and_overlapping_moves_read_before_writing():
+    cache = make_cache()
+    slots = cache.append_slots({"a": 8})["a"]
+    for layer in range(2):
+        values = torch.arange(8, dtype=torch.float32)[:, None, None].expand(8, 1, 2) + 100 * layer  # [8, 1, 2]
+        cache.write(layer, slots, values, -values)
+    before_k, before_v = cache.key.clone(), cache.value.clone()
+    # A path shifted down over its own rows: 5 -> 4 while 4 -> 3 (and 4's old value must be what lands in 3).
+    src, dst = cache.slots("a", [4, 5, 7]), cache.slots("a", [3, 4, 5])
+    cache.move(src, dst)
+    flat_k = cache.key.view(2, -1, 1, 2)
+    flat_v = cache.value.view(2, -1, 1, 2)
+    old_k, old_v = before_k.view(2, -1, 1, 2), before_v.view(2, -1, 1, 2)
+    assert torch.equal(flat_k[:, dst], old_k[:, src]) and torch.equal(flat_v[:, dst], old_v[:, src])
+    untouched = [s for s in range(flat_k.shape[1]) if s not in dst.tolist()]
+    assert torch.equal(flat_k[:, untouched], old_k[:, untouched])
+    assert torch.equal(flat_v[:, untouched], old_v[:, untouched])
+    assert flat_k[1, dst[0], 0, 0].item() == 104.0  # layer 1 moved too
+    with pytest.raises(ValueError, match="two \\[n\\] slot lists"):
+        cache.move(src, dst[:2])

@@ -24,7 +24,7 @@ def make_backend(name: str, dtype: torch.dtype, device: torch.device, block_size
             except ImportError:
                 pass
     if name == "flash":
-        return FlashAttention(block_size)
+        return FlashAttention(block_size, dtype=dtype)
     if name == "reference":
         return ReferenceAttention()
     if name == "sdpa":

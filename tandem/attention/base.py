@@ -7,6 +7,11 @@ tokens are flattened into one ``[num_tokens, ...]`` axis in sequence order;
 ``cu_seqlens_q`` marks where each sequence starts. New K/V are written into
 the cache before attention runs, so a backend only ever reads the cache.
 
+A sequence's new tokens may form a speculation tree instead of a chain
+(``tree_parents``, see ``tandem.tree_rows``): new token ``i`` is still written
+at slot position ``context + i``, but it sees the context, its ancestors and
+itself only. Chains (``None``) are the common case and cost nothing extra.
+
 Metadata is built once per forward (``AttentionMetadata.build``); each backend
 derives whatever it needs from it once too (``prepare``), and every layer
 reuses that.
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from tandem.tree_rows import parents_problem
 
 
 @dataclass(slots=True)
@@ -32,6 +39,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     block_size: int
+    # [num_seqs] per sequence: None for a chain, else each new token's parent row (-1: the context)
+    tree_parents: list[list[int] | None]
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +58,10 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 
+    @property
+    def has_tree(self) -> bool:
+        return any(p is not None for p in self.tree_parents)
+
     @classmethod
     def build(
         cls,
@@ -58,7 +71,16 @@ class AttentionMetadata:
         block_tables: torch.Tensor,
         block_size: int,
         device: torch.device,
+        tree_parents: list[list[int] | None] | None = None,
     ) -> AttentionMetadata:
+        """``tree_parents``: per sequence, None for a chain (all chains when omitted) or its tree's parents."""
+        if tree_parents is None:
+            tree_parents = [None] * len(query_lens)
+        if len(tree_parents) != len(query_lens):
+            raise ValueError(f"tree_parents describes {len(tree_parents)} sequences, the batch has {len(query_lens)}")
+        for b, (parents, qlen) in enumerate(zip(tree_parents, query_lens)):
+            if parents is not None and (problem := parents_problem(parents, qlen)) is not None:
+                raise ValueError(f"sequence {b} of the batch: {problem}")
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         cu_q = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=device)
         cu_k = torch.tensor([0, *_cumsum(seq_lens)], dtype=torch.int32, device=device)
@@ -71,6 +93,7 @@ class AttentionMetadata:
             slot_mapping=slot_mapping.to(device),
             block_tables=block_tables.to(device),
             block_size=block_size,
+            tree_parents=list(tree_parents),
         )
 
 
@@ -99,4 +122,8 @@ class AttentionBackend(Protocol):
         state: Any,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Attend each new token to its own sequence's first ``context + i + 1`` tokens."""
+        """Attend each new token to its own sequence's first ``context + i + 1`` tokens.
+
+        In a tree sequence, new token ``i`` sees the ``context`` cached tokens, then its
+        ancestors in depth order, then itself: the keys a chain of just that path would see.
+        """

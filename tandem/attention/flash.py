@@ -6,6 +6,13 @@ Decode-only batches (one new token per sequence) go through
 bottom-right (a query sees every cached key before it), which is the
 semantics our other backends implement with explicit masks.
 
+flash-attn's kernels take no custom mask, so a batch holding a speculation tree
+(``meta.has_tree``) is computed through ``SdpaAttention``'s math instead, whole
+batch at once (its chains too: one backend state per forward); chains-only
+batches keep the flash kernels. That is correct everywhere but slower on CUDA;
+a serving GPU would rather use FlexAttention or a kernel that takes a custom
+mask (tree rows see the context plus their own path).
+
 The flash-attn module is passed in rather than imported at module level, so
 that the plumbing can be tested on a CPU against the reference backend with
 a stand-in module that has the same functions and argument contract.
@@ -19,6 +26,7 @@ from typing import Any
 import torch
 
 from tandem.attention.base import AttentionMetadata
+from tandem.attention.sdpa import SdpaAttention, SdpaState
 
 # flash-attn's paged kernels require a page (block) size that is a multiple of this.
 FLASH_PAGE_MULTIPLE = 256
@@ -39,15 +47,20 @@ def import_flash_attn() -> ModuleType:
 class FlashAttention:
     name = "flash"
 
-    def __init__(self, block_size: int, flash_module: ModuleType | Any | None = None) -> None:
+    def __init__(
+        self, block_size: int, flash_module: ModuleType | Any | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
+        """``dtype``: the model's, for the masks of the SDPA path that batches with a tree take."""
         if block_size % FLASH_PAGE_MULTIPLE:
             raise ValueError(
                 f"flash-attn paged KV needs block_size to be a multiple of {FLASH_PAGE_MULTIPLE}, got {block_size}"
             )
         self.flash = flash_module if flash_module is not None else import_flash_attn()
+        self.tree_fallback = SdpaAttention(dtype)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        return None
+    def prepare(self, meta: AttentionMetadata) -> SdpaState | None:
+        """None for the flash kernels; the SDPA state when the batch holds a tree."""
+        return self.tree_fallback.prepare(meta) if meta.has_tree else None
 
     def forward(
         self,
@@ -55,9 +68,11 @@ class FlashAttention:
         key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
-        state: None,
+        state: SdpaState | None,
         scale: float,
     ) -> torch.Tensor:
+        if state is not None:
+            return self.tree_fallback.forward(query, key_cache, value_cache, meta, state, scale)
         if meta.is_decode_only:
             out = self.flash.flash_attn_with_kvcache(
                 query.unsqueeze(1),  # [B, 1, H, D]

@@ -1,7 +1,8 @@
 """Slow, obviously-correct attention: the oracle the other backends are tested against.
 
 It walks each sequence's block table by hand, one query token at a time,
-in float32. Never used for serving.
+in float32; a tree row sees the context, its ancestors and itself. Never used
+for serving.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tandem.attention.base import AttentionMetadata
+from tandem.tree_rows import path_to
 
 
 class ReferenceAttention:
@@ -30,7 +32,7 @@ class ReferenceAttention:
         group = num_heads // num_kv_heads
         out = torch.empty_like(query)
         token = 0
-        for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
+        for b, (ctx, qlen, parents) in enumerate(zip(meta.context_lens, meta.query_lens, meta.tree_parents)):
             total = ctx + qlen
             positions = torch.arange(total)
             blocks = meta.block_tables[b].long().cpu()[positions // meta.block_size]
@@ -38,12 +40,19 @@ class ReferenceAttention:
             keys = key_cache[blocks, offsets].float()  # [total, Hkv, D]
             values = value_cache[blocks, offsets].float()  # [total, Hkv, D]
             for i in range(qlen):
-                visible = ctx + i + 1  # causal: a token sees itself and everything before it
+                seen = _visible_positions(ctx, i, parents)
                 for h in range(num_heads):
                     kv_head = h // group
                     q = query[token + i, h].float()  # [D]
-                    scores = keys[:visible, kv_head] @ q * scale  # [visible]
+                    scores = keys[seen, kv_head] @ q * scale  # [visible]
                     probs = torch.softmax(scores, dim=0)
-                    out[token + i, h] = (probs @ values[:visible, kv_head]).to(query.dtype)
+                    out[token + i, h] = (probs @ values[seen, kv_head]).to(query.dtype)
             token += qlen
         return out
+
+
+def _visible_positions(ctx: int, row: int, parents: list[int] | None) -> list[int]:
+    """Causal: a token sees itself and everything before it; in a tree, the context and its own path."""
+    if parents is None:
+        return list(range(ctx + row + 1))
+    return [*range(ctx), *(ctx + r for r in path_to(parents, row))]

@@ -16,8 +16,14 @@ what else shares the forward pass:
   because SDPA's ``is_causal`` aligns top-left when queries are fewer than
   keys, which is wrong with a KV cache.
 
-``prepare`` gathers each sequence's cached K/V slots and builds the masks once
-per forward; every layer reuses them.
+A tree sequence (``meta.tree_parents``, at most ``ROWWISE_MAX_QUERY`` tokens)
+always goes row by row: row ``i`` attends over the context, its ancestors in
+depth order and itself, gathered into a keys tensor of its own. That tensor has
+the shape, layout and values of the keys a chain row at the same depth slices,
+so every path of a tree gets bitwise the logits of a chain forward of that path.
+
+``prepare`` gathers each sequence's cached K/V slots (and a tree row's own
+slots) and builds the masks once per forward; every layer reuses them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.attention.base import AttentionMetadata
+from tandem.tree_rows import path_to
 
 ROWWISE_MAX_QUERY = 16
 
@@ -36,6 +43,8 @@ ROWWISE_MAX_QUERY = 16
 class SdpaState:
     kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (past a sequence's end: slot 0, unread)
     masks: dict[int, torch.Tensor]  # sequence index -> [1, 1, q, kv] additive mask, for chunked prefill only
+    # tree sequence index -> per new token, the [visible] int64 flat slots it attends over, in order
+    tree_gathers: dict[int, list[torch.Tensor]]
 
 
 class SdpaAttention:
@@ -61,7 +70,12 @@ class SdpaAttention:
                 visible = torch.arange(ctx + qlen, device=device)[None, :] <= q_pos  # [q, kv]
                 mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
                 masks[b] = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[None, None]
-        return SdpaState(kv_gather, masks)
+        tree_gathers = {
+            b: tree_row_gathers(kv_gather[b], ctx, parents)
+            for b, (ctx, parents) in enumerate(zip(meta.context_lens, meta.tree_parents))
+            if parents is not None
+        }
+        return SdpaState(kv_gather, masks, tree_gathers)
 
     def forward(
         self,
@@ -77,21 +91,19 @@ class SdpaAttention:
         pieces: list[torch.Tensor] = []  # [rows, H, D] each, in token order
         token = 0
         for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
-            total = ctx + qlen
-            gather = state.kv_gather[b, :total]
+            rows = query[token : token + qlen]  # [q, H, D]
+            tree = state.tree_gathers.get(b)
+            if tree is not None:
+                pieces.extend(_attend_tree(rows, tree, flat_k, flat_v, scale))
+                token += qlen
+                continue
+            gather = state.kv_gather[b, : ctx + qlen]
             keys = flat_k[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
             values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
-            rows = query[token : token + qlen]  # [q, H, D]
             if qlen <= ROWWISE_MAX_QUERY:
-                num_heads, num_kv_heads = rows.shape[1], keys.shape[1]
                 for i in range(qlen):
                     visible = ctx + i + 1
-                    # The query heads sharing a KV head become that head's query rows: one unmasked
-                    # call, no K/V repeated per head (about 6x cheaper than enable_gqa here).
-                    grouped = rows[i].view(1, num_kv_heads, num_heads // num_kv_heads, -1)  # [1, Hkv, G, D]
-                    pieces.append(F.scaled_dot_product_attention(
-                        grouped, keys[:, :, :visible], values[:, :, :visible], scale=scale,
-                    ).reshape(1, num_heads, -1))  # [1, H, D]
+                    pieces.append(_attend_row(rows[i], keys[:, :, :visible], values[:, :, :visible], scale))
             else:
                 q = rows.transpose(0, 1)[None]  # [1, H, q, D]
                 mask = state.masks.get(b)
@@ -100,3 +112,56 @@ class SdpaAttention:
                 )[0].transpose(0, 1))  # [q, H, D]
             token += qlen
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _attend_row(
+    row: torch.Tensor,  # [H, D], one new token's query heads
+    keys: torch.Tensor,  # [1, Hkv, visible, D], exactly the keys it sees
+    values: torch.Tensor,  # [1, Hkv, visible, D]
+    scale: float,
+) -> torch.Tensor:  # [1, H, D]
+    num_heads, num_kv_heads = row.shape[0], keys.shape[1]
+    # The query heads sharing a KV head become that head's query rows: one unmasked
+    # call, no K/V repeated per head (about 6x cheaper than enable_gqa here).
+    grouped = row.view(1, num_kv_heads, num_heads // num_kv_heads, -1)  # [1, Hkv, G, D]
+    return F.scaled_dot_product_attention(grouped, keys, values, scale=scale).reshape(1, num_heads, -1)
+
+
+def _attend_tree(
+    rows: torch.Tensor,  # [q, H, D]
+    row_slots: list[torch.Tensor],  # per row, [visible] flat slots (``tree_row_gathers``)
+    flat_k: torch.Tensor,  # [slots, Hkv, D]
+    flat_v: torch.Tensor,  # [slots, Hkv, D]
+    scale: float,
+) -> list[torch.Tensor]:  # [1, H, D] per row
+    """A tree's rows, each over the keys a chain of its path would see.
+
+    A row's keys are gathered on their own, in that chain's order: ``[visible, Hkv, D]``
+    transposed has the inner strides of the chain's ``keys[:, :, :visible]`` (only the
+    stride of the size-1 batch axis differs, as it does between chains of different
+    lengths), so the SDPA call is the chain row's call, bit for bit.
+    """
+    pieces = []
+    for row, slots in zip(rows, row_slots):
+        keys = flat_k[slots].transpose(0, 1)[None]  # [1, Hkv, visible, D]
+        values = flat_v[slots].transpose(0, 1)[None]  # [1, Hkv, visible, D]
+        pieces.append(_attend_row(row, keys, values, scale))
+    return pieces
+
+
+def tree_row_gathers(seq_slots: torch.Tensor, ctx: int, parents: list[int]) -> list[torch.Tensor]:
+    """Per new token of a tree, its visible flat slots: the context, then its path from the root.
+
+    ``seq_slots`` ``[>= ctx + q]`` are the sequence's flat slots by position; new token ``i``
+    was written at position ``ctx + i``.
+    """
+    if len(parents) > ROWWISE_MAX_QUERY:
+        raise ValueError(
+            f"a tree of {len(parents)} new tokens: at most {ROWWISE_MAX_QUERY} can be attended row by row"
+        )
+    context = seq_slots[:ctx]  # [ctx]
+    gathers = []
+    for i in range(len(parents)):
+        path = torch.tensor(path_to(parents, i), dtype=torch.int64, device=seq_slots.device) + ctx  # [depth + 1]
+        gathers.append(torch.cat([context, seq_slots[path]]))  # [ctx + depth + 1]
+    return gathers

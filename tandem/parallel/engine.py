@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -13,6 +15,8 @@ from tandem.models import load_model
 from tandem.models.tensor_parallel import ParallelModel, check_splittable
 from tandem.parallel import step
 from tandem.parallel.ranks import RANK_TIMEOUT, RankGroup
+
+T = TypeVar("T")
 
 
 class TensorParallelEngine(ModelEngine):
@@ -39,18 +43,36 @@ class TensorParallelEngine(ModelEngine):
         return engine
 
     def compute(self, batch: ForwardBatch) -> torch.Tensor:  # -> [R, vocab] float32
-        if self.ranks.failed:
-            raise WorkerUnavailableError("a tensor-parallel rank of this target worker failed; it is restarting")
-        clock = self.parallel.clock
-        try:
+        context, clock = self.ranks.context, self.parallel.clock
+
+        def announce() -> None:
             started = time.perf_counter()
-            step.send_forward(batch, self.ranks.context.control, self.ranks.context.device, RANK_TIMEOUT)
+            step.send_forward(batch, context.control, context.device, RANK_TIMEOUT)
             if clock.enabled:
                 clock.broadcast_seconds += time.perf_counter() - started
-            return super().compute(batch)
+
+        compute_here = super().compute
+        return self._on_every_rank("a forward pass", announce, lambda: compute_here(batch))
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every rank holds K/V of its own heads: each copies the same slots (``keep_path``)."""
+        context, move_here = self.ranks.context, super().move_kv
+        self._on_every_rank(
+            "a KV move",
+            lambda: step.send_move(step.KVMove(src, dst), context.control, context.device, RANK_TIMEOUT),
+            lambda: move_here(src, dst),
+        )
+
+    def _on_every_rank(self, what: str, announce: Callable[[], None], run: Callable[[], T]) -> T:
+        """Announce a step to the other ranks, then run it here; any failure fails the whole worker."""
+        if self.ranks.failed:
+            raise WorkerUnavailableError("a tensor-parallel rank of this target worker failed; it is restarting")
+        try:
+            announce()
+            return run()
         except Exception as exc:
             # The ranks are out of step now (some may wait in a collective this rank left): the worker cannot go on.
-            self.ranks.fail(f"a forward pass failed on rank 0: {type(exc).__name__}: {exc}")
+            self.ranks.fail(f"{what} failed on rank 0: {type(exc).__name__}: {exc}")
             raise WorkerUnavailableError(
                 "a tensor-parallel rank of this target worker failed; it is restarting"
             ) from exc

@@ -35,7 +35,10 @@ def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threa
     engine = ModelEngine.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
     torch.distributed.barrier(group=context.control)  # loaded: rank 0 waits for every rank here
     log.info("loaded its shard of %s; %d threads", cfg.model_dir, threads)
-    while (batch := step.receive(context.control, context.device)) is not None:
-        engine.compute(batch)  # the logits are rank 0's to use; every rank gets them from the all-gather
+    while (message := step.receive(context.control, context.device)) is not None:
+        if isinstance(message, step.KVMove):
+            engine.move_kv(message.src, message.dst)  # keep_path on rank 0: the same copy of this rank's heads
+        else:
+            engine.compute(message)  # the logits are rank 0's to use; every rank gets them from the all-gather
     torch.distributed.destroy_process_group()
 

@@ -2,7 +2,9 @@
 
 It records what a test compares between one rank and N: the logits of a prefill, a
 batched decode step and a verify; the logits after a rollback next to those of a
-sequence that never saw the rolled-back tokens; and greedy tokens through the
+sequence that never saw the rolled-back tokens; the logits of a speculation tree, and
+after keeping one of its paths (its K/V moved on every rank) next to those of a
+sequence fed just that path; and greedy tokens through the
 target worker's own engine (``TargetEngine``: Prefill, then Verify rounds whose
 drafts are partly wrong, so its KV rollback runs too).
 """
@@ -21,6 +23,9 @@ from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyC
 
 PROMPT_A = [5, 17, 33, 8, 61, 2, 40, 12, 9, 77, 3]
 PROMPT_B = [11, 4, 90, 23, 56]
+TREE = [-1, 0, 1, 0, 3, 4, 1]  # 0-1-2, 0-3-4-5, 1-6
+TREE_TOKENS = [30, 31, 32, 40, 41, 42, 50]
+KEPT_PATH = [0, 3, 4]  # rows 3 and 4 move to depths 1 and 2
 
 
 def run(model_dir: Path, tensor_parallel_size: int, dtype: str, out_path: Path, greedy_tokens: int = 24,
@@ -49,12 +54,26 @@ def _record(engine, greedy_tokens: int, prompts: list[list[int]]) -> dict:
     after = engine.forward([ForwardItem("a", [50, 51], 2)])
     fresh = engine.forward([ForwardItem("c", [*PROMPT_A, 7, 1, 2, 50, 51], 2)])
     out["after_rollback"], out["fresh"] = after[0], fresh[0]
-    for seq in ("a", "b", "c"):
+    _record_tree(engine, out)
+    for seq in ("a", "b", "c", "d"):
         engine.release(seq)
 
     target = TargetEngine(engine)
     out["greedy"] = [_greedy(target, prompt, greedy_tokens) for prompt in prompts]
     return out
+
+
+def _record_tree(engine, out: dict) -> None:
+    """A tree on "b" (PROMPT_B + [8] cached) batched with a decode step, one path kept, a step on;
+    "d" is fed the same tokens as a chain."""
+    base = engine.seq_len("b")
+    tree, _ = engine.forward([ForwardItem("b", TREE_TOKENS, len(TREE), TREE), ForwardItem("c", [60])])
+    out["tree"] = tree
+    engine.keep_path("b", base, KEPT_PATH)
+    out["after_keep_path"] = engine.forward([ForwardItem("b", [61], 1)])[0]
+    engine.forward([ForwardItem("d", [*PROMPT_B, 8], 0)])
+    engine.forward([ForwardItem("d", [TREE_TOKENS[r] for r in KEPT_PATH], 0)])
+    out["chain_of_path"] = engine.forward([ForwardItem("d", [61], 1)])[0]
 
 
 def _greedy(target: TargetEngine, prompt: list[int], num_tokens: int) -> list[int]:

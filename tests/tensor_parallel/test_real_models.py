@@ -50,8 +50,9 @@ def test_fp32_matches_one_rank(name: str, ranks: int, tmp_path) -> None:
                     timeout_s=RUN_TIMEOUT_S)
     many = run_ranks(model_dir, ranks, tmp_path / "many.pt", greedy_tokens=GREEDY_TOKENS, prompts=prompts,
                     timeout_s=RUN_TIMEOUT_S)
-    for phase in ("prefill", "decode", "verify", "after_rollback"):
+    for phase in ("prefill", "decode", "verify", "after_rollback", "tree", "after_keep_path"):
         torch.testing.assert_close(many[phase], one[phase], rtol=0, atol=REAL_ATOL)
+    torch.testing.assert_close(many["after_keep_path"], many["chain_of_path"], rtol=0, atol=REAL_ATOL)
     assert many["greedy"] == one["greedy"]
 
 

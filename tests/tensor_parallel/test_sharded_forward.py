@@ -49,7 +49,7 @@ def one_and_many(request, tmp_path_factory) -> tuple[dict, dict]:
     return torch.load(tmp / "one.pt"), run_ranks(model_dir, ranks, tmp / "many.pt")
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode", "verify", "after_rollback"])
+@pytest.mark.parametrize("phase", ["prefill", "decode", "verify", "after_rollback", "tree", "after_keep_path"])
 def test_logits_equal_one_rank(one_and_many, phase: str) -> None:
     one, many = one_and_many
     assert many[phase].shape == one[phase].shape
@@ -65,3 +65,11 @@ def test_rollback_is_exact_on_every_rank(one_and_many) -> None:
     """After rolling back rejected tokens, the sequence continues as one that never saw them."""
     _, many = one_and_many
     torch.testing.assert_close(many["after_rollback"], many["fresh"], rtol=0, atol=ATOL)
+
+
+def test_keep_path_moves_the_kv_on_every_rank(one_and_many) -> None:
+    """After keeping a tree path whose rows moved, the sequence continues as one fed just that path:
+    a rank that skipped the move would hold another branch's K/V for its heads."""
+    one, many = one_and_many
+    torch.testing.assert_close(one["after_keep_path"], one["chain_of_path"], rtol=0, atol=ATOL)
+    torch.testing.assert_close(many["after_keep_path"], many["chain_of_path"], rtol=0, atol=ATOL)
