@@ -31,7 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.tree_rows import depths, is_chain, parents_problem
 from tandem.v1 import common_pb2
+
+__all__ = ["ROOT", "POINT_MASS", "TokenTree", "check_parents", "children_of", "is_chain"]
 
 ROOT = -1
 # The deterministic-node marker among sampled nodes' distributions: an empty message is a point mass
@@ -99,20 +102,15 @@ class TokenTree:
         return [self.tokens[n] for n in nodes]
 
     def depth(self) -> int:
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(1 if p == ROOT else depths[p] + 1)
-        return max(depths, default=0)
+        """Draft tokens on the longest root-to-leaf path."""
+        return max(depths(self.parents), default=-1) + 1
 
 
 def check_parents(parents: Sequence[int], num_nodes: int) -> None:
     """A valid tree: one parent per node, each ``ROOT`` or an earlier node. Raises ValueError naming the node."""
-    if len(parents) != num_nodes:
-        raise ValueError(f"draft_parents holds {len(parents)} entries for {num_nodes} draft tokens")
-    for i, p in enumerate(parents):
-        if not ROOT <= p < i:
-            raise ValueError(f"draft_parents[{i}] = {p}: a node's parent must be -1 (the last committed "
-                             f"token) or an earlier node (0..{i - 1})")
+    problem = parents_problem(parents, num_nodes)
+    if problem is not None:
+        raise ValueError(f"draft_parents: {problem}")
 
 
 def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
@@ -121,7 +119,3 @@ def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
     for node, p in enumerate(parents):
         children.setdefault(p, []).append(node)
     return children
-
-
-def is_chain(parents: Sequence[int]) -> bool:
-    return all(p == i - 1 for i, p in enumerate(parents))

@@ -57,9 +57,9 @@ def test_greedy_trees_carry_no_distributions():
 
 
 @pytest.mark.parametrize("parents,error", [
-    ([-1, 0], "holds 2 entries for 3"),
-    ([-1, 1, 0], r"draft_parents\[1\] = 1"),
-    ([-2, 0, 0], r"draft_parents\[0\] = -2"),
+    ([-1, 0], "2 parents for 3"),
+    ([-1, 1, 0], r"parents\[1\] = 1"),
+    ([-2, 0, 0], r"parents\[0\] = -2"),
 ])
 def test_bad_parents_are_named(parents, error):
     with pytest.raises(ValueError, match=error):

@@ -362,8 +362,8 @@ def test_bad_trees_fail_alone_and_leave_the_sequence_as_it_was(target):
     ok(target.run_batch([PrefillCall("a", PROMPT, GREEDY)]))
     before = snapshot(target, "a")
     n = len(PROMPT) + 1
-    for parents, words in (([-1], "1 entries for 2"), ([-1, 1], r"draft_parents\[1\] = 1"),
-                           ([-1, -3], r"draft_parents\[1\] = -3")):
+    for parents, words in (([-1], "1 parents for 2"), ([-1, 1], r"draft_parents: parents\[1\] = 1"),
+                           ([-1, -3], r"parents\[1\] = -3")):
         (result,) = target.run_batch([VerifyCall("a", n, [5, 6], [], parents)])
         assert isinstance(result, InvalidRequestError), result
         assert re.search(words, str(result)), str(result)
