@@ -98,16 +98,28 @@ def test_greedy_through_services_equals_target_only(client, reference, method):
             assert reply.stats.accepted == reply.stats.drafted
 
 
+@pytest.mark.parametrize("method", ["hybrid", "ngram"])
+def test_greedy_token_trees_through_services_equal_target_only(client, reference, method):
+    """Trees on the wire: parents to the target, the draft's next-best tokens back from the draft."""
+    tree_rounds = 0
+    for prompt in PROMPTS:
+        reply = generate(client, prompt, method=method, fixed_k=True, tree="on")
+        assert list(reply.token_ids) == reference[prompt], prompt
+        tree_rounds += reply.stats.tree_rounds
+    assert tree_rounds > 0
+
+
 def test_fp32_greedy_through_services_equals_target_only_for_every_method(smollm2_dir, tmp_path):
     reference = target_only_in_process(smollm2_dir, "float32")
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="float32", kv_cache_tokens=4096,
                        log_dir=tmp_path, metrics=False, pipelining=True,
                        draft_args=("--quantization", "none", "--vocab", "0"))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
-        for method in ("draft", "hybrid", "ngram", "none"):
+        for method, tree in (("draft", "off"), ("hybrid", "off"), ("ngram", "off"), ("none", "off"),
+                             ("hybrid", "on"), ("ngram", "on")):
             for prompt in PROMPTS:
-                reply = generate(client, prompt, method=method, fixed_k=True)
-                assert list(reply.token_ids) == reference[prompt], (method, prompt)
+                reply = generate(client, prompt, method=method, fixed_k=True, tree=tree)
+                assert list(reply.token_ids) == reference[prompt], (method, tree, prompt)
 
 
 def test_pipelined_and_unpipelined_runs_agree(client, reference):
@@ -189,6 +201,7 @@ def test_cancelled_stream_returns_its_kv_blocks(client):
     (dict(prompt="hi", sampling=None, method="medusa"), "speculation.method"),
     (dict(prompt="hi", k=-1), "speculation.k"),
     (dict(prompt="hi", k=99), "speculation.k"),
+    (dict(prompt="hi", tree="always"), "speculation.tree"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
     prompt = kwargs.pop("prompt")
