@@ -170,9 +170,11 @@ class SpeculationLoop:
         accepted = [drafts[n] for n in kept]
         s.commit([*accepted, next_token])
         self._learn()
-        self._record(k, len(drafts), len(kept), proposal.source, chain_only=tree is None)
+        # The chain is the tree's first branch (nodes 0..len(chain)-1): how far along it the kept path went.
+        along = next((i for i, node in enumerate(kept) if node != i), len(kept))
+        self._record(k, len(drafts), len(kept), proposal.source, len(chain), along)
         if tree is not None:
-            self._record_tree(tree, len(chain), kept)
+            self._record_tree(tree, len(chain), kept, along)
 
         next_proposal = None
         if ahead is not None:
@@ -413,7 +415,9 @@ class SpeculationLoop:
         return self.state.remaining * (plain_s_per_token - spec_s_per_token) > catch_up_s
 
     # ----- bookkeeping -----------------------------------------------------
-    def _record(self, k: int, drafted: int, accepted: int, source: str, chain_only: bool = True) -> None:
+    def _record(self, k: int, drafted: int, accepted: int, source: str, chain_len: int, along: int) -> None:
+        """A round's statistics; ``along``: the accepted tokens on the chain (a tree's first branch), which
+        the acceptance rate that k plans with counts (a chain: all of them)."""
         stats = self.state.stats
         stats.rounds += 1
         stats.k_counts[k] += 1
@@ -421,24 +425,19 @@ class SpeculationLoop:
             stats.spec_rounds += 1
             stats.drafted += drafted
             stats.accepted += accepted
-            stats.rejected += accepted < drafted
+            stats.rejected += along < chain_len
             stats.ngram_rounds += source in (NGRAM, CACHE)
             stats.cache_rounds += source == CACHE
-            if chain_only:  # (a tree's chain is judged in _record_tree)
-                self.state.tracker.observe(drafted, accepted)
+            self.state.tracker.observe(chain_len, along)
         if self.observer:
             self.observer.on_round(k, drafted, accepted, source)
 
-    def _record_tree(self, tree: TokenTree, chain_len: int, kept: list[int]) -> None:
+    def _record_tree(self, tree: TokenTree, chain_len: int, kept: list[int], along: int) -> None:
         """What a tree round teaches: did a candidate off the chain save the round where the chain failed?"""
         stats = self.state.stats
         stats.tree_rounds += 1
         stats.tree_nodes += len(tree)
-        along = 0  # kept nodes still on the chain (the chain's nodes are 0..chain_len-1)
-        while along < len(kept) and kept[along] == along:
-            along += 1
         stats.branch_tokens += len(kept) - along
-        self.state.tracker.observe(chain_len, along)  # the acceptance rate that k plans with is the chain's
         if along == chain_len:
             return
         parent = along - 1 if along else ROOT

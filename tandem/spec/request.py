@@ -39,7 +39,7 @@ class GenerationStats:
 
     drafted: int = 0  # draft tokens sent to verification
     accepted: int = 0  # of which the target kept
-    rejected: int = 0  # speculative rounds that ended at a rejected draft token (at most one per round)
+    rejected: int = 0  # speculative rounds whose chain (a tree: its first branch) ended at a rejected token
     rounds: int = 0  # target forwards after the prefill
     spec_rounds: int = 0  # rounds that verified at least one draft token
     ngram_rounds: int = 0  # of which proposed by n-gram lookup (own text or cache; the rest: the draft model)
