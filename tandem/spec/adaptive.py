@@ -10,8 +10,10 @@ when the draft is too slow or too often wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from tandem.cost_fit import ForwardCostFit
 
 # A larger k must promise this much more throughput than a smaller one: ties go to the smaller k,
 # which wastes less work under load.
@@ -46,12 +48,18 @@ class CostModel:
     smoothing: float = 0.2
     draft_measured: bool = False
     verify_measured: bool = False
+    # Verification seconds against the rows verified, as this loop waited for them (1 to MAX_K + 1
+    # rows): what one more row really costs. The workers' fit also sees prompt prefills, whose
+    # per-token cost is far below a small batch's per-row cost where compute binds (fp32 on a CPU
+    # without bf16: a prefill token ~30 ms, a verify row ~100 ms), so trees are charged this one.
+    verify_rows: ForwardCostFit = field(default_factory=lambda: ForwardCostFit(min_spread=1.0, max_tokens=2 * MAX_K))
 
     def observe_draft(self, seconds_per_step: float) -> None:
         self.draft_step_s = self._mix(self.draft_step_s, seconds_per_step, self.draft_measured)
         self.draft_measured = True
 
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
+        self.verify_rows.observe(num_tokens, seconds)
         base = seconds / (1 + self.verify_slope * (num_tokens - 1))
         self.verify_base_s = self._mix(self.verify_base_s, base, self.verify_measured)
         self.verify_measured = True
@@ -128,9 +136,13 @@ class LoadAwareCost:
     def round_seconds(self, k: int, extra_nodes: int = 0) -> float:
         n = max(1, self.streams)
         if self.target_base_s > 0:
-            verify = self.target_base_s + self.target_per_token_s * n * (k + 1 + extra_nodes)
+            verify = self.target_base_s + self.target_per_token_s * n * (k + 1)
         else:
-            verify = self.fallback.verify_base_s * (1 + self.fallback.verify_slope * (k + extra_nodes))
+            verify = self.fallback.verify_base_s * (1 + self.fallback.verify_slope * k)
+        if extra_nodes:  # a tree's rows, at the dearer of the two per-row measures (see CostModel.verify_rows)
+            row_s = max(self.target_per_token_s * n, self.fallback.verify_rows.per_token_s,
+                        self.fallback.verify_base_s * self.fallback.verify_slope)
+            verify += row_s * extra_nodes
         draft_step = (self.draft_base_s + self.draft_per_token_s * n if self.draft_base_s > 0
                       else self.fallback.draft_step_s)
         return k * draft_step + verify

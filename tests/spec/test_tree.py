@@ -10,7 +10,14 @@ import torch
 
 from tandem.sampling import SamplingParams
 from tandem.spec import rejection
-from tandem.spec.adaptive import CostModel, TreeShape, choose_tree, expected_tokens, expected_tree_tokens
+from tandem.spec.adaptive import (
+    CostModel,
+    LoadAwareCost,
+    TreeShape,
+    choose_tree,
+    expected_tokens,
+    expected_tree_tokens,
+)
 from tandem.spec.ngram import lookup_continuations, lookup_match
 from tandem.spec.rejection import Verdict, verify_tree
 from tandem.spec.tree import POINT_MASS, ROOT, TokenTree, check_parents, children_of, is_chain
@@ -90,6 +97,22 @@ def test_tree_chosen_when_rows_are_cheap_and_the_chain_often_fails():
     assert choose_tree(0.999, 0.5, cheap_rows, 4, max_width=2, max_nodes=15) is None
     # no room for extra nodes
     assert choose_tree(0.5, 0.5, cheap_rows, 4, max_width=2, max_nodes=4) is None
+
+
+def test_tree_rows_are_charged_what_verifications_measured_not_the_workers_prefill_fit():
+    """A worker's fit through prompt prefills can make rows look cheap where small batches are compute-bound."""
+    def costs(verify_points):
+        model = CostModel(draft_step_s=0.05)
+        for rows, seconds in verify_points:
+            model.observe_verify(rows, seconds)
+        return LoadAwareCost(model, streams=1, target_base_s=0.5, target_per_token_s=0.005,
+                             draft_base_s=0.05, draft_per_token_s=0.0)
+
+    cheap = costs([(1, 0.505), (3, 0.515), (5, 0.525), (2, 0.51)])
+    steep = costs([(1, 0.5), (3, 0.74), (5, 0.98), (2, 0.62)])  # 120 ms a row, as fp32 on a CPU without bf16
+    assert choose_tree(0.6, 0.3, cheap, 3, max_width=2, max_nodes=15) is not None
+    assert choose_tree(0.6, 0.3, steep, 3, max_width=2, max_nodes=15) is None
+    assert steep.round_seconds(3, 2) - steep.round_seconds(3) == pytest.approx(0.24, rel=0.01)
 
 
 def test_expected_tree_tokens_adds_the_branch_hits():
