@@ -57,7 +57,7 @@ from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import CACHE, DRAFT, NGRAM, ContinuationCache, DraftProposer, Proposal, ngram_proposal
 from tandem.spec.request import RequestState
 from tandem.spec.transport import DraftChannel, Drafted, ReplicaSource, Verifier
-from tandem.spec.tree import ROOT, TokenTree, children_of
+from tandem.spec.tree import ROOT, TokenTree, children_of, kept_on_chain
 
 T = TypeVar("T")
 
@@ -170,8 +170,7 @@ class SpeculationLoop:
         accepted = [drafts[n] for n in kept]
         s.commit([*accepted, next_token])
         self._learn()
-        # The chain is the tree's first branch (nodes 0..len(chain)-1): how far along it the kept path went.
-        along = next((i for i, node in enumerate(kept) if node != i), len(kept))
+        along = kept_on_chain(kept, len(chain))
         self._record(k, len(drafts), len(kept), proposal.source, len(chain), along)
         if tree is not None:
             self._record_tree(tree, len(chain), kept, along)

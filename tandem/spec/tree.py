@@ -34,7 +34,7 @@ from typing import Any
 from tandem.tree_rows import depths, is_chain, parents_problem
 from tandem.v1 import common_pb2
 
-__all__ = ["ROOT", "POINT_MASS", "TokenTree", "check_parents", "children_of", "is_chain"]
+__all__ = ["ROOT", "POINT_MASS", "TokenTree", "check_parents", "children_of", "is_chain", "kept_on_chain"]
 
 ROOT = -1
 # The deterministic-node marker among sampled nodes' distributions: an empty message is a point mass
@@ -119,3 +119,13 @@ def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
     for node, p in enumerate(parents):
         children.setdefault(p, []).append(node)
     return children
+
+
+def kept_on_chain(kept: Sequence[int], chain_len: int) -> int:
+    """How many of the kept nodes (root to leaf) are the chain's: the tree's first branch, nodes
+    ``0..chain_len-1``. A chain's kept nodes are all of them; a branch may also go on below the
+    chain's last node, and those nodes are not the chain's."""
+    along = 0
+    while along < min(len(kept), chain_len) and kept[along] == along:
+        along += 1
+    return along

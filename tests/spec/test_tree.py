@@ -20,7 +20,7 @@ from tandem.spec.adaptive import (
 )
 from tandem.spec.ngram import lookup_continuations, lookup_match
 from tandem.spec.rejection import Verdict, verify_tree
-from tandem.spec.tree import POINT_MASS, ROOT, TokenTree, check_parents, children_of, is_chain
+from tandem.spec.tree import POINT_MASS, ROOT, TokenTree, check_parents, children_of, is_chain, kept_on_chain
 from tests.spec.test_rejection import SIGNIFICANCE, chi_square_pvalue, one_hot_logits
 
 # ----- building trees ---------------------------------------------------------
@@ -71,6 +71,13 @@ def test_greedy_trees_carry_no_distributions():
 def test_bad_parents_are_named(parents, error):
     with pytest.raises(ValueError, match=error):
         check_parents(parents, 3)
+
+
+def test_kept_on_chain_stops_where_the_path_leaves_the_chain():
+    assert kept_on_chain([0, 1, 2], 3) == 3
+    assert kept_on_chain([0, 3], 3) == 1  # node 3: a branch beside the chain's second token
+    assert kept_on_chain([0, 1, 2], 2) == 2  # node 2 continues below the chain's end: a branch's
+    assert kept_on_chain([], 3) == 0
 
 
 def test_is_chain():
