@@ -56,7 +56,7 @@ class SpecOptions:
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = 3  # hybrid: an n-gram match this long wins over the draft model
-    tree: str = "off"  # one of TREE_MODES
+    tree: str = "off"  # one of TREE_MODES (the CLI and the public request default to auto)
     tree_width: int = 2  # most other candidates per position in a tree
 
     def __post_init__(self) -> None:

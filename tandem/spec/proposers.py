@@ -32,7 +32,7 @@ class Proposal:
     guess: int | None = None  # the draft's guess of the token after all drafts (pipelining)
     source: str = NGRAM
     alternatives: Sequence[Sequence[int]] = ()  # per token, the draft's next-best tokens (trees), when asked
-    tree: TokenTree | None = None  # this round's token tree, the tokens above its first branch; None: a chain
+    tree: TokenTree | None = None  # this round's token tree, whose first branch is tokens[:k]; None: a chain
 
 
 class ContinuationCache(Protocol):
