@@ -29,7 +29,7 @@ from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
 from tandem.spec.adaptive import MAX_K, CostModel
 from tandem.spec.loop import SpeculationLoop
-from tandem.spec.options import REMOTE_METHODS, TREE_MODES, SpecOptions, resolve_method
+from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, resolve_method
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
 from tandem.text_stream import TextStream
@@ -249,10 +249,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
         stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)
         stop = StopConditions(max_new, stop_ids, tuple(stopping.stop_strings))
-        tree = spec.tree or "auto"
-        if tree not in TREE_MODES:
-            raise InvalidRequestError(f"speculation.tree: unknown mode {tree!r}; choose one of "
-                                      f"{', '.join(TREE_MODES)}")
+        tree = _field("speculation.tree", lambda: check_tree_mode(spec.tree or "auto"))
         options = SpecOptions(method, k, adaptive_k=not spec.fixed_k,
                               pipelined=self.cfg.pipelining and not spec.disable_pipelining,
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree)

@@ -34,6 +34,13 @@ REMOTE_METHODS = ("auto", "none", "draft", "ngram", "hybrid")  # offered over gR
 DRAFT_METHODS = ("draft", "hybrid", "early-exit")  # need a draft model (early-exit: the target's layers)
 
 
+def check_tree_mode(mode: str) -> str:
+    """``mode`` if it is one of TREE_MODES; else InvalidRequestError naming the choices."""
+    if mode not in TREE_MODES:
+        raise InvalidRequestError(f"unknown tree mode {mode!r}; choose one of {', '.join(TREE_MODES)}")
+    return mode
+
+
 def resolve_method(method: str, has_draft: bool, offered: tuple[str, ...] = METHODS) -> str:
     """``auto`` -> a concrete method; refuse unknown methods and methods that need a missing draft."""
     if method not in offered:
@@ -68,8 +75,7 @@ class SpecOptions:
             raise InvalidRequestError(f"n-gram sizes need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
         if not 1 <= self.hybrid_min_match:
             raise InvalidRequestError(f"hybrid min match must be >= 1, got {self.hybrid_min_match}")
-        if self.tree not in TREE_MODES:
-            raise InvalidRequestError(f"unknown tree mode {self.tree!r}; choose one of {', '.join(TREE_MODES)}")
+        check_tree_mode(self.tree)
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise InvalidRequestError(f"tree width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
 

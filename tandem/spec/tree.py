@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.tree_rows import depths, is_chain, parents_problem
+from tandem.tree_rows import is_chain, parents_problem
 from tandem.v1 import common_pb2
 
 __all__ = ["ROOT", "POINT_MASS", "TokenTree", "check_parents", "children_of", "is_chain", "kept_on_chain"]
@@ -98,12 +98,6 @@ class TokenTree:
             return []
         return [POINT_MASS if q is None else q for q in self.probs]
 
-    def path_tokens(self, nodes: Sequence[int]) -> list[int]:
-        return [self.tokens[n] for n in nodes]
-
-    def depth(self) -> int:
-        """Draft tokens on the longest root-to-leaf path."""
-        return max(depths(self.parents), default=-1) + 1
 
 
 def check_parents(parents: Sequence[int], num_nodes: int) -> None:
