@@ -63,6 +63,7 @@ class WorkerClient:
         self.verified = False  # its Info answered with the coordinator's tokenizer: requests may go here
         self.rejected = False  # its Info answered with another tokenizer: never used
         self.leaving = False  # discovery no longer lists it: no new requests, closed once idle
+        self.closed = False  # its channel is closed: a poll still holding it gets no answer, and no error
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         try:
@@ -75,11 +76,23 @@ class WorkerClient:
     async def refresh(self) -> grpc.StatusCode:
         """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
         self.placed_since_poll = 0
+        if self.closed:
+            self.healthy = False
+            return grpc.StatusCode.UNAVAILABLE
         try:
             self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.healthy = False
             return exc.code()
+        except asyncio.CancelledError:
+            # Closing a channel cancels its calls, and grpc.aio raises that in the caller as
+            # CancelledError: a replica that drained while an Info poll was on its way must not
+            # cancel the poll (nor a client's Info, which then never got its reply).
+            task = asyncio.current_task()
+            if not self.closed or (task is not None and task.cancelling()):
+                raise
+            self.healthy = False
+            return grpc.StatusCode.UNAVAILABLE
         self.healthy = True
         return grpc.StatusCode.OK
 
@@ -121,6 +134,7 @@ class WorkerClient:
         return (self.info.free_blocks - self.placed_since_poll * share, -self.info.queue_depth)
 
     async def close(self) -> None:
+        self.closed = True
         await self.channel.close()
 
 

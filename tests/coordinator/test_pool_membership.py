@@ -81,3 +81,36 @@ def test_a_replica_is_judged_on_every_info_a_stranger_never_gets_requests_until_
         return seen
 
     assert asyncio.run(scenario()) == ["rejected", "rejected", "healthy"]
+
+
+def test_a_replica_closed_while_its_info_poll_is_on_the_way_ends_the_poll_quietly():
+    """grpc.aio cancels a closed channel's calls and raises CancelledError in their callers: a replica
+    that drains while an Info poll waits for it must end that poll (and a client's Info that polls
+    every replica) with an answer, not cancel it. Seen in CI as a coordinator Info that never replied."""
+    from tandem.v1 import target_pb2_grpc
+    from tests.serving import managed_server, serving
+
+    class SlowInfo(target_pb2_grpc.TargetWorkerServicer):
+        def __init__(self) -> None:
+            self.asked = asyncio.Event()
+
+        async def Info(self, request, context):
+            self.asked.set()
+            await asyncio.sleep(1.5)
+            return common_pb2.WorkerInfo(role="target", tokenizer_fingerprint="fp")
+
+    async def scenario():
+        servicer = SlowInfo()
+        server = managed_server(role="target")
+        server.add_service(target_pb2_grpc.add_TargetWorkerServicer_to_server, servicer, "tandem.v1.TargetWorker")
+        async with serving(server) as address:
+            pool = WorkerPool("target", [usable(address)], "fp")
+            poll = asyncio.create_task(pool.refresh_all())
+            await servicer.asked.wait()
+            pool.update(set())  # it left, idle: closed at once, its Info still on the way
+            assert pool.clients == []
+            await asyncio.wait_for(poll, timeout=5)  # neither cancelled nor hanging
+            await pool.refresh_all()  # later polls go on without it
+            await pool.close()
+
+    asyncio.run(scenario())
