@@ -34,6 +34,9 @@ DTYPES = ("bfloat16", "float32", "float16")
 DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
 QUANTIZATIONS = ("auto", "none", "int8")
+# fp32 linear weights reordered once for oneDNN (tandem/models/packed.py): row-invariant and cheap per
+# extra row. auto: wherever they can be (fp32 on a CPU with oneDNN); on: refuse to start otherwise.
+PACKED_WEIGHTS = ("auto", "on", "off")
 # A draft's numbers only steer proposals the target checks, so drafts run lean by default:
 # int8 weights and a head over the 32768 most common ids (measured on the Qwen 0.5B draft,
 # bf16, one decode step: 53 ms full, 31 ms int8, 22 ms int8 with the cut head). "auto" is
@@ -160,7 +163,9 @@ class EngineConfig:
     vocab_limit: int | None = None  # score only the first N token ids
     # Processes (ranks) the model is split over, one device each (tandem/parallel): targets only.
     tensor_parallel_size: int = 1
+    packed_weights: str = "auto"  # auto | on | off (see PACKED_WEIGHTS)
     resolved_dtype: torch.dtype = field(init=False)
+    pack_weights: bool = field(init=False)  # packed_weights resolved for this dtype and device
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -190,7 +195,27 @@ class EngineConfig:
         self.resolved_dtype = default_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
         if self.quantization == "auto":  # see DEFAULT_DRAFT_QUANTIZATION
             self.quantization = "none" if self.resolved_dtype == torch.float32 else "int8"
+        self.pack_weights = self._resolve_packing(device)
         self._check_tensor_parallel(device)
+
+    def _resolve_packing(self, device: torch.device) -> bool:
+        if self.packed_weights not in PACKED_WEIGHTS:
+            raise InvalidRequestError(
+                f"packed weights must be one of {', '.join(PACKED_WEIGHTS)}, got {self.packed_weights!r}"
+            )
+        if self.packed_weights == "off":
+            return False
+        import torch
+
+        from tandem.models.packed import packing_supported
+
+        problem = (f"the dtype is {self.resolved_dtype} (packing is for float32)"
+                   if self.resolved_dtype != torch.float32
+                   else f"the device is {device.type} (packing is for CPUs)" if device.type != "cpu"
+                   else "this PyTorch has no oneDNN" if not packing_supported() else None)
+        if problem and self.packed_weights == "on":
+            raise InvalidRequestError(f"packed weights were asked for, but {problem}")
+        return problem is None
 
     def _check_tensor_parallel(self, device: torch.device) -> None:
         n = self.tensor_parallel_size

@@ -137,10 +137,43 @@ def test_row_blocks_group_short_runs_and_isolate_prompt_chunks():
     assert blocks.prefill == (False, True, False, True, False)
 
 
+# fp32: the same promise through weights packed for oneDNN (tandem/models/packed.py). Shapes:
+# SmolLM2's gate/up, Qwen2-0.5B's q/k/v with bias, Qwen2.5-1.5B's down projection.
+@pytest.mark.parametrize("in_features,out_features,bias", [(576, 3072, False), (896, 1152, True), (8960, 1536, False)])
+def test_fp32_packed_linear_row_does_not_depend_on_how_many_rows_share_the_call(in_features, out_features, bias):
+    from tandem.models.layers import RowStableLinear
+    from tandem.models.packed import pack_linear_weights
+
+    torch.manual_seed(5)
+    layer = RowStableLinear(in_features, out_features, bias=bias)
+    dense = layer.weight.detach().clone()
+    assert pack_linear_weights(layer) == 1 and layer.weight is None  # the dense copy is gone
+    x = torch.randn(300, in_features)  # [300, in]: up to a prompt chunk's size
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])  # [8, out], one call per row
+        for rows in (2, 3, 4, 5, 9, 17, 64, 300):
+            n = min(rows, 8)
+            assert torch.equal(layer(x[:rows])[:n], alone[:n]), f"{rows} rows"
+        torch.testing.assert_close(alone, torch.nn.functional.linear(x[:8], dense, layer.bias))
+
+
+def test_packed_weights_resolve_per_dtype_and_refuse_what_cannot_be_packed(tiny_qwen2_dir):
+    from tandem.errors import InvalidRequestError
+
+    assert EngineConfig(tiny_qwen2_dir, dtype="float32").pack_weights
+    assert not EngineConfig(tiny_qwen2_dir, dtype="float32", packed_weights="off").pack_weights
+    assert not EngineConfig(tiny_qwen2_dir, dtype="bfloat16").pack_weights  # auto: fp32 only
+    with pytest.raises(InvalidRequestError, match="packed weights were asked for, but the dtype is torch.bfloat16"):
+        EngineConfig(tiny_qwen2_dir, dtype="bfloat16", packed_weights="on")
+    with pytest.raises(InvalidRequestError, match="packed weights must be one of auto, on, off, got 'yes'"):
+        EngineConfig(tiny_qwen2_dir, dtype="float32", packed_weights="yes")
+
+
 @pytest.mark.slow
-def test_smollm2_bf16_token_is_bitwise_the_same_decoded_verified_or_batched(smollm2_dir):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smollm2_token_is_bitwise_the_same_decoded_verified_or_batched(smollm2_dir, dtype):
     """The promise on a real model: what the tiny model cannot show (see the shapes above)."""
-    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16", kv_cache_tokens=1024))
+    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype=dtype, kv_cache_tokens=1024))
     prompt = list(range(1000, 1040))
     for seq in ("a", "b"):
         engine.forward([ForwardItem(seq, prompt, num_logits=0)])

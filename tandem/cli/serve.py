@@ -19,6 +19,7 @@ from tandem.config import (
     ATTENTION_BACKENDS,
     DISCOVERY_MODES,
     DTYPES,
+    PACKED_WEIGHTS,
     CoordinatorConfig,
     EngineConfig,
     ServerOptions,
@@ -52,6 +53,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="weights/activations dtype")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
+    p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
+                   help="fp32 on a CPU: linear weights reordered once for oneDNN, so that a forward of several tokens "
+                        "(verification, batches) costs little more than one and every token's result is bitwise "
+                        "independent of the batch; auto: wherever it applies, on: refuse to start where it cannot "
+                        "(default: %(default)s)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384,
                    help="size of the paged KV pool in tokens (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
@@ -155,7 +161,8 @@ def run_worker(args: argparse.Namespace) -> int:
     role_options = draft_engine_options(args) if args.role == "draft" else {
         "tensor_parallel_size": args.tensor_parallel_size}
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
-                          args.kv_cache_tokens, args.attention, num_threads=args.threads, **role_options)
+                          args.kv_cache_tokens, args.attention, num_threads=args.threads,
+                          packed_weights=args.packed_weights, **role_options)
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction)
     if args.role == "target":

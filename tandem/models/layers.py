@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.packed import packed_linear
+
 
 @dataclass(frozen=True, slots=True)
 class RowBlocks:
@@ -53,11 +55,20 @@ class RowStableLinear(nn.Linear):
     own (``onednn_linear``): its rows then depend on that chunk only, whatever else
     shares the forward pass, and prefill keeps oneDNN's speed.
 
-    fp32 goes through MKL, whose kernels change with the row count; the differences
-    are about 1e-7 and fp32 makes no bitwise promise, so it is left alone.
+    CPU, fp32: once ``tandem.models.packed.pack_linear_weights`` has reordered the
+    weight for oneDNN (what engines do by default), every call goes through
+    ``packed_linear``, row-invariant at every row count, prompts included. An
+    unpacked fp32 weight goes through MKL, whose kernels change with the row count
+    (differences about 1e-7): no bitwise promise then.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's blocked copy; replaces ``weight`` once set
+
     def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         if x.dtype == torch.float32:
             return super().forward(x)
         if x.device.type != "cpu":

@@ -11,6 +11,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import ModelEngine
 from tandem.models import load_model
+from tandem.models.packed import pack_linear_weights
 from tandem.models.tensor_parallel import ParallelModel
 from tandem.parallel import step
 from tandem.parallel.ranks import join_group
@@ -32,6 +33,8 @@ def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threa
     model_cfg = ModelConfig.from_dir(cfg.model_dir)
     parallel = ParallelModel(context.shard, context.compute)
     model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)
+    if cfg.pack_weights:  # as rank 0 does (TensorParallelEngine.load)
+        pack_linear_weights(model)
     engine = ModelEngine.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
     torch.distributed.barrier(group=context.control)  # loaded: rank 0 waits for every rank here
     log.info("loaded its shard of %s; %d threads", cfg.model_dir, threads)

@@ -1,0 +1,71 @@
+"""fp32 linear layers on a CPU through oneDNN, with each weight reordered once into its blocked layout.
+
+Why: speculative decoding pays when a forward of k+1 tokens costs about what a
+forward of one token costs (the weights are read once either way). PyTorch sends
+an fp32 matmul to MKL, which runs one row as a matrix-vector product but packs the
+whole weight again on every call of 4 or more rows: on an Intel Xeon (2 threads,
+1536x8960) 1 row took 2.8 ms, 5 rows 7.9 ms, 16 rows 8.0 ms. A weight that
+oneDNN reordered once at load needs no packing per call: 5 rows 3.6 ms, 16 rows
+4.1 ms; the whole Qwen2.5-Coder-1.5B forward of 5 new tokens went from 1.97x to
+1.16-1.22x a forward of one (``benchmarks/README.md``).
+
+Row invariance, measured here (2 and 1 threads, every shape of the Qwen and
+SmolLM2 layers, with and without bias, 2..600 rows): oneDNN's kernel over a packed
+fp32 weight computes each output row bitwise the same whatever the other rows,
+from 2 rows up. One row takes another kernel, so a lone row is padded to two.
+That gives fp32 the guarantee bf16 has through ``row_invariant_linear``: a token's
+logits do not depend on how many tokens share the forward pass, so greedy
+speculative output is bitwise the target's alone, and batching changes nothing.
+The padding costs a decode step about 10% against MKL's matrix-vector product.
+
+Memory: the packed copy replaces the dense weight (same bytes). A head tied to the
+embedding keeps the embedding dense for lookups, so a tied head costs one extra
+copy of the embedding matrix (Qwen2.5-Coder-1.5B: 0.93 GB in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def packing_supported() -> bool:
+    """Whether this PyTorch can reorder an fp32 weight for oneDNN and run a linear layer on it."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] fp32 on the CPU, reordered into oneDNN's blocked layout (an opaque tensor)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"only fp32 CPU weights are packed, got {weight.dtype} on {weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [T, in] over a packed weight; every row bitwise independent of the others."""
+    if x.shape[0] == 1:  # one row runs another kernel: padded, it runs the kernel every other call runs
+        return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, 1)), packed, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Pack the weight of every ``RowStableLinear`` in ``model`` in place; the number of layers packed.
+
+    Each layer's dense weight is dropped as its packed copy is made (so peak memory
+    grows by one layer, not one model); a weight shared with another module (a
+    head tied to the embedding) stays alive there.
+    """
+    from tandem.models.layers import RowStableLinear  # layers imports packed_linear from here
+
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, RowStableLinear) and module.packed_weight is None:
+            module.packed_weight = pack_weight(module.weight)
+            module.weight = None  # nn.Linear registered it as a parameter: None unregisters nothing, frees it
+            packed += 1
+    return packed
