@@ -49,8 +49,8 @@ models: setup  ## the benchmark pair (Qwen2.5-Coder 1.5B target, 0.5B draft; ~1.
 demo: models  ## start the whole system locally (workers + coordinator), stream one answer over gRPC, stop
 	$(PYTHON) -m tandem demo "$(PROMPT)"
 
-test: setup-dev models-ci  ## the whole test suite (unit + integration on real models)
-	$(PYTHON) -m pytest -q
+test: setup-dev models-ci  ## the whole test suite (unit + integration on real models); names the 25 slowest
+	$(PYTHON) -m pytest -q --durations=25
 
 test-fast: setup-dev  ## unit tests only, no model downloads
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -53,6 +53,7 @@ from benchmarks.runners import (  # noqa: E402
     run_hf,
     run_ours,
 )
+from tandem.config import PACKED_WEIGHTS  # noqa: E402
 
 NAME = "engine_speed"
 FORWARD_SIZES = (1, 5, 9)
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated models: catalog names, HF directories or .gguf files (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="weights and activations dtype of both implementations (default: %(default)s)")
+    p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
+                   help="fp32: our engine's linear weights packed for oneDNN (auto) or MKL's dense ones (off) "
+                        "(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts x 32 tokens, 3 forward reps")
     p.add_argument("--limit", type=int, default=None, help="prompts to decode (default: 4; --quick: 2)")
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -155,7 +159,7 @@ def measure_model(name: str, prompts: list[Prompt], args: argparse.Namespace) ->
 
     model_dir = resolve_model_dir(name, args.cache_dir)
     tokenizer = load_tokenizer(model_dir)
-    engine = ModelEngine.load(engine_config(model_dir, args.dtype))
+    engine = ModelEngine.load(engine_config(model_dir, args.dtype, args.packed_weights))
     hf_model = load_hf_model(model_dir, args.dtype)
     stop_ids = stop_token_ids(model_dir, tokenizer, engine.config)
     prompt_ids = [encode_prompt(tokenizer, p.text, chat=bool(tokenizer.chat_template)) for p in prompts]

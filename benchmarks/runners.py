@@ -42,12 +42,14 @@ def resolve_model_dir(spec: str, cache_dir: str | None = None) -> Path:
     return Path(model_store.resolve_model(spec, root, progress=True))
 
 
-def engine_config(model_dir: Path, dtype: str, **draft_options: Any) -> EngineConfig:
+def engine_config(model_dir: Path, dtype: str, packed_weights: str = "auto", **draft_options: Any) -> EngineConfig:
     """How the benchmarks run our engine: the default KV pool and attention backend, on CPU.
 
-    ``draft_options`` (from ``tandem.cli.draft_flags.draft_engine_options``) make a draft lean.
+    ``draft_options`` (from ``tandem.cli.draft_flags.draft_engine_options``) make a draft lean, its dtype
+    (``--draft-dtype``) included;
+    ``packed_weights`` is ``EngineConfig``'s (fp32 weights packed for oneDNN unless "off").
     """
-    return EngineConfig(model_dir, dtype=dtype, **draft_options)
+    return EngineConfig(model_dir, packed_weights=packed_weights, **{"dtype": dtype, **draft_options})
 
 
 def load_hf_model(model_dir: Path, dtype: str) -> Any:

@@ -75,6 +75,7 @@ from benchmarks.common import (  # noqa: E402
     write_markdown,
 )
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
+from tandem.config import PACKED_WEIGHTS  # noqa: E402
 from tandem.spec.adaptive import expected_tokens  # noqa: E402
 
 if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf-prompt-lookup: max_matching_ngram_size (default: transformers' own, 2)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of every model (default: %(default)s)")
+    p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
+                   help="fp32: our engine's linear weights packed for oneDNN (auto) or MKL's dense ones (off) "
+                        "(default: %(default)s)")
     p.add_argument("--cost-reps", type=int, default=None,
                    help="timed forwards when measuring the cost ratio c (default: 10; --quick: 3)")
     p.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH,
@@ -199,7 +203,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     tokenizer = load_tokenizer(target_dir)
     if draft_dir is not None:
         check_same_tokenizer(tokenizer, target_dir, draft_dir)
-    target = ModelEngine.load(engine_config(target_dir, args.dtype))
+    target = ModelEngine.load(engine_config(target_dir, args.dtype, args.packed_weights))
     bench = Bench(tokenizer, stop_token_ids(target_dir, tokenizer, target.config))
     bench.runners[BASELINE] = ours_runner(target, None, SpecOptions("none", 0), bench.stop_ids)
     draft_engine = None
@@ -208,7 +212,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
         if OURS_SPEC[method] in ("draft", "hybrid"):
             assert draft_dir is not None
             if draft_engine is None:  # one draft model serves both methods
-                draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
+                draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, args.packed_weights,
+                                                                   **draft_engine_options(args)))
                 draft_engine.warmup()
             drafter = draft_engine
         elif method == "spec-early-exit":

@@ -53,7 +53,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched (default: %(default)s)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                   help="weights and activations dtype (default: bfloat16 where the CPU/GPU supports it)")
+                   help="the target's weights and activations dtype (default auto: bfloat16 where the hardware "
+                        "multiplies it natively, else float16 on a GPU, float32 with packed weights on a CPU)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
@@ -132,7 +133,7 @@ def configs_from_args(
                           attention_backend=args.attention, packed_weights=args.packed_weights)
     draft = None
     if method in ("draft", "hybrid"):
-        draft = EngineConfig(resolve_or_prepare(args.draft, root), args.dtype, args.device,
+        draft = EngineConfig(resolve_or_prepare(args.draft, root), device=args.device,
                              attention_backend=args.attention, packed_weights=args.packed_weights,
                              **draft_engine_options(args))
     return sampling, options, target, draft

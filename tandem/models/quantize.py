@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.config import native_cpu_bf16
 from tandem.models.layers import RowBlocks, onednn_linear
 from tandem.models.transformer import CausalLM
 
@@ -86,15 +87,7 @@ class Int8Linear(nn.Module):
         return self.weight_q * self.scales.to(dtype)[:, None]  # int8 * float promotes: one pass
 
 
-def _native_bf16() -> bool:
-    """The CPU multiplies bf16 in hardware (avx512_bf16 or AMX), so oneDNN's bf16 matmul is fast."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # older torch: assume the common case, emulated bf16
-        return False
-
-
-_NATIVE_BF16 = _native_bf16()
+_NATIVE_BF16 = native_cpu_bf16()
 
 
 def _dense_beats_int8(dtype: torch.dtype) -> bool:
