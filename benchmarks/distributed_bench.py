@@ -79,7 +79,7 @@ def in_process(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """Batch-1 tokens/s of the in-process speculative pipeline (the number the services must keep)."""
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
     pipeline = LocalPipeline.load(engine_config(target_dir, args.dtype), "draft", SpecOptions("draft", args.k),
-                                  engine_config(draft_dir, args.dtype, **draft_engine_options(args)))
+                                  engine_config(draft_dir, args.dtype, draft_options=draft_engine_options(args)))
     generator = pipeline.generator()
     run_ours(generator, prompts[0], 8, pipeline.stop_ids)  # warm-up, untimed
     outputs = [run_ours(generator, ids, args.max_new_tokens, pipeline.stop_ids) for ids in prompts]

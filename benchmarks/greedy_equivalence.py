@@ -46,7 +46,7 @@ def compare(args: argparse.Namespace, dtype: str, prompts: list) -> dict:
     target_dir, draft_dir = resolve_model_dir(args.target), resolve_model_dir(args.draft)
     pipeline = LocalPipeline.load(engine_config(target_dir, dtype), "draft",
                                   SpecOptions("draft", args.k, adaptive_k=False),
-                                  engine_config(draft_dir, dtype, **draft_engine_options(args)))
+                                  engine_config(draft_dir, dtype, draft_options=draft_engine_options(args)))
     spec_gen = pipeline.generator()
     plain_gen = pipeline.generator(options=SpecOptions("none", 0))
     rows = []

@@ -42,14 +42,15 @@ def resolve_model_dir(spec: str, cache_dir: str | None = None) -> Path:
     return Path(model_store.resolve_model(spec, root, progress=True))
 
 
-def engine_config(model_dir: Path, dtype: str, packed_weights: str = "auto", **draft_options: Any) -> EngineConfig:
+def engine_config(model_dir: Path, dtype: str, packed_weights: str = "auto",
+                  draft_options: dict[str, Any] | None = None) -> EngineConfig:
     """How the benchmarks run our engine: the default KV pool and attention backend, on CPU.
 
-    ``draft_options`` (from ``tandem.cli.draft_flags.draft_engine_options``) make a draft lean, its dtype
-    (``--draft-dtype``) included;
-    ``packed_weights`` is ``EngineConfig``'s (fp32 weights packed for oneDNN unless "off").
+    ``draft_options`` (from ``tandem.cli.draft_flags.draft_engine_options``) make a draft lean, and
+    give it its own dtype (``--draft-dtype``) in place of ``dtype``; ``packed_weights`` is
+    ``EngineConfig``'s (fp32 weights packed for oneDNN unless "off").
     """
-    return EngineConfig(model_dir, packed_weights=packed_weights, **{"dtype": dtype, **draft_options})
+    return EngineConfig(model_dir, packed_weights=packed_weights, **{"dtype": dtype, **(draft_options or {})})
 
 
 def load_hf_model(model_dir: Path, dtype: str) -> Any:

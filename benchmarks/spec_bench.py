@@ -213,7 +213,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
             assert draft_dir is not None
             if draft_engine is None:  # one draft model serves both methods
                 draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, args.packed_weights,
-                                                                   **draft_engine_options(args)))
+                                                                   draft_engine_options(args)))
                 draft_engine.warmup()
             drafter = draft_engine
         elif method == "spec-early-exit":

@@ -52,3 +52,37 @@ def test_a_draft_quantized_auto_is_int8_except_in_float32(tmp_path, dtype, chose
     # fp32 has no fast int8 kernel: a lean fp32 draft step cost more than the target's (spec_bench).
     assert EngineConfig(tmp_path, dtype=dtype, quantization="auto").quantization == chosen
     assert EngineConfig(tmp_path, dtype=dtype).quantization == "none"  # targets are never quantized
+
+
+def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it_and_a_draft_left_to_choose_runs_lean(tmp_path,
+                                                                                                    monkeypatch):
+    import torch
+
+    from tandem import config
+
+    for native, runs in ((True, True), (False, True), (False, False)):
+        monkeypatch.setattr(config, "native_cpu_bf16", lambda native=native: native)
+        monkeypatch.setattr(config, "cpu_runs_bf16", lambda runs=runs: runs)
+        target = EngineConfig(tmp_path)
+        assert target.resolved_dtype == (torch.bfloat16 if native else torch.float32)
+        assert target.pack_weights == (not native)  # fp32 weights are packed for oneDNN
+        draft = EngineConfig(tmp_path, quantization="auto")
+        assert (draft.resolved_dtype, draft.quantization) == ((torch.bfloat16, "int8") if runs else
+                                                              (torch.float32, "none"))
+        pinned = EngineConfig(tmp_path, dtype="float32", quantization="auto")  # a dtype asked for is kept
+        assert (pinned.resolved_dtype, pinned.quantization) == (torch.float32, "none")
+
+
+def test_draft_flags_carry_the_drafts_own_dtype_to_engines_and_to_spawned_workers():
+    import argparse
+
+    from tandem.cli.draft_flags import add_draft_flags, draft_engine_options, draft_worker_args
+
+    parser = argparse.ArgumentParser()
+    add_draft_flags(parser)
+    args = parser.parse_args(["--draft-dtype", "float32", "--draft-vocab", "0"])
+    assert draft_engine_options(args) == {"quantization": "auto", "vocab_limit": None, "dtype": "float32"}
+    assert draft_worker_args(args)[-2:] == ["--dtype", "float32"]  # after the workers' common --dtype: it wins
+    serve = argparse.ArgumentParser()
+    add_draft_flags(serve, prefix="--")  # `serve draft`: its own --dtype is the worker's
+    assert "dtype" not in draft_engine_options(serve.parse_args([]))

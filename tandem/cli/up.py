@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051, help="coordinator gRPC port (default: %(default)s)")
     p.add_argument("--target-replicas", type=int, default=1, help="target worker processes (default: 1)")
     p.add_argument("--draft-replicas", type=int, default=1, help="draft worker processes (default: 1)")
-    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="dtype of every worker")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="dtype of the target workers; drafts have --draft-dtype (default: %(default)s)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
