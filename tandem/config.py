@@ -140,7 +140,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     A CPU with avx512_bf16 or AMX runs bf16 about 3x faster than fp32. Without them
     oneDNN still runs bf16, but emulated, bound by arithmetic: on an Intel Xeon with
     AVX-512 only, Qwen2.5-Coder-1.5B decoded at 1.26 tokens/s in bf16 against 1.86 in
-    fp32, and verifying 5 tokens cost 2.95x a step against 1.16-1.22x in fp32 with
+    fp32, and verifying 5 tokens cost 2.95x a step against 0.95-1.2x in fp32 with
     packed weights (``tandem/models/packed.py``, which also makes fp32 row-invariant).
     """
     import torch

@@ -64,7 +64,7 @@ def test_ragged_batch_equals_each_sequence_alone(engine):
 
 
 def test_verify_rows_equal_one_token_decode_steps(engine):
-    """k+1 tokens scored at once give the logits of k+1 decode steps (bitwise, bf16 and packed fp32)."""
+    """k+1 tokens scored at once give the logits of k+1 decode steps (bitwise in bf16)."""
     ids = list(range(20, 60))
     engine.forward([ForwardItem("a", ids[:30])])
     steps = torch.cat([engine.forward([ForwardItem("a", [t])])[0] for t in ids[30:36]])
@@ -74,8 +74,10 @@ def test_verify_rows_equal_one_token_decode_steps(engine):
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """Bitwise in both dtypes: bf16 through ATen's row-invariant kernels, fp32 through packed weights."""
-    assert torch.equal(got, want), f"{dtype}: differs by {(got - want).abs().max().item():.3g}"
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # the tiny model's layers are too small to pack (MIN_PACKED_ELEMENTS): MKL, no bitwise promise
+        assert (got - want).abs().max().item() <= 1e-4
 
 
 def test_exhausted_pool_raises_and_leaves_sequences_untouched(tiny_qwen2_dir):
@@ -146,6 +148,8 @@ def test_fp32_packed_linear_row_does_not_depend_on_how_many_rows_share_the_call(
     layer = RowStableLinear(in_features, out_features, bias=bias)
     dense = layer.weight.detach().clone()
     assert pack_linear_weights(layer) == 1 and layer.weight is None  # the dense copy is gone
+    small = RowStableLinear(64, 128)  # a test model's layer: oneDNN's cost per call would dominate
+    assert pack_linear_weights(small) == 0 and small.packed_weight is None
     x = torch.randn(300, in_features)  # [300, in]: up to a prompt chunk's size
     with torch.inference_mode():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])  # [8, out], one call per row

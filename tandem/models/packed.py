@@ -7,16 +7,18 @@ whole weight again on every call of 4 or more rows: on an Intel Xeon (2 threads,
 1536x8960) 1 row took 2.8 ms, 5 rows 7.9 ms, 16 rows 8.0 ms. A weight that
 oneDNN reordered once at load needs no packing per call: 5 rows 3.6 ms, 16 rows
 4.1 ms; the whole Qwen2.5-Coder-1.5B forward of 5 new tokens went from 1.97x to
-1.16-1.22x a forward of one (``benchmarks/README.md``).
+0.95-1.2x a forward of one (``benchmarks/README.md``).
 
-Row invariance, measured here (2 and 1 threads, every shape of the Qwen and
-SmolLM2 layers, with and without bias, 2..600 rows): oneDNN's kernel over a packed
+Row invariance, measured on that Xeon (AVX-512; 2 and 1 threads, the Qwen and SmolLM2
+layer shapes tried, with and without bias, 2..600 rows): oneDNN's kernel over a packed
 fp32 weight computes each output row bitwise the same whatever the other rows,
 from 2 rows up. One row takes another kernel, so a lone row is padded to two.
 That gives fp32 the guarantee bf16 has through ``row_invariant_linear``: a token's
 logits do not depend on how many tokens share the forward pass, so greedy
 speculative output is bitwise the target's alone, and batching changes nothing.
 The padding costs a decode step about 10% against MKL's matrix-vector product.
+Another instruction set may pick other kernels: ``tests/test_engine_rollback_and_batching.py``
+checks the promise on the machine it runs on.
 
 Memory: the packed copy replaces the dense weight (same bytes). A head tied to the
 embedding keeps the embedding dense for lookups, so a tied head costs one extra
@@ -28,6 +30,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Below this many weight elements a layer keeps MKL: oneDNN's fixed cost per call (tens of
+# microseconds, milliseconds for some row counts on tiny shapes) exceeds anything packing saves.
+# Measured on the Xeon: a 64x128 weight took 3.6 ms a call packed at 37 rows; every layer of
+# SmolLM2 (the smallest, 576x576 = 331,776) and of the Qwen models is above it.
+MIN_PACKED_ELEMENTS = 1 << 18
 
 
 def packing_supported() -> bool:
@@ -58,14 +67,17 @@ def pack_linear_weights(model: nn.Module) -> int:
 
     Each layer's dense weight is dropped as its packed copy is made (so peak memory
     grows by one layer, not one model); a weight shared with another module (a
-    head tied to the embedding) stays alive there.
+    head tied to the embedding) stays alive there. Layers smaller than
+    ``MIN_PACKED_ELEMENTS`` (test-sized models) stay dense, on MKL, without the
+    bitwise promise.
     """
     from tandem.models.layers import RowStableLinear  # layers imports packed_linear from here
 
     packed = 0
     for module in model.modules():
-        if isinstance(module, RowStableLinear) and module.packed_weight is None:
+        if (isinstance(module, RowStableLinear) and module.packed_weight is None
+                and module.weight.numel() >= MIN_PACKED_ELEMENTS):
             module.packed_weight = pack_weight(module.weight)
-            module.weight = None  # nn.Linear registered it as a parameter: None unregisters nothing, frees it
+            module.weight = None  # the name stays registered, empty; the tensor is freed unless shared
             packed += 1
     return packed
