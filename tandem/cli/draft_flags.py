@@ -15,8 +15,9 @@ def add_draft_flags(p: argparse.ArgumentParser, prefix: str = "--draft-") -> Non
     if prefix == "--draft-":
         p.add_argument("--draft-dtype", default="auto", choices=("auto", *DTYPES),
                        help="the draft's dtype, whatever the target's: its numbers only steer proposals. auto: "
-                            "bfloat16 with int8 weights on a CPU whose oneDNN runs bf16 (the int8 kernel is fast "
-                            "even where bf16 is emulated), else as --dtype auto would (default: %(default)s)")
+                            "bfloat16 with int8 weights on a CPU whose oneDNN runs bf16, when --draft-quantization is "
+                            "auto (the int8 kernel is fast even where bf16 is emulated), else as --dtype auto would "
+                            "(default: %(default)s)")
     p.add_argument(f"{prefix}quantization", dest="draft_quantization", default=DEFAULT_DRAFT_QUANTIZATION,
                    choices=QUANTIZATIONS,
                    help="draft weights: int8 halves the bytes a draft step reads; proposals are checked by the "

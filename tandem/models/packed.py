@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # Below this many weight elements a layer keeps MKL: oneDNN's fixed cost per call (tens of
 # microseconds, milliseconds for some row counts on tiny shapes) exceeds anything packing saves.
 # Measured on the Xeon: a 64x128 weight took 3.6 ms a call packed at 37 rows; every layer of
