@@ -33,8 +33,9 @@ from torch import nn
 
 # Below this many weight elements a layer keeps MKL: oneDNN's fixed cost per call (tens of
 # microseconds, milliseconds for some row counts on tiny shapes) exceeds anything packing saves.
-# Measured on the Xeon: a 64x128 weight took 3.6 ms a call packed at 37 rows; every layer of
-# SmolLM2 (the smallest, 576x576 = 331,776) and of the Qwen models is above it.
+# Measured on the Xeon (busy at the time): a 64x128 weight took 3.6 ms a call packed at 37 rows,
+# microseconds on MKL. Every layer of SmolLM2 (the smallest, 576x576 = 331,776) and of the Qwen
+# models is above it.
 MIN_PACKED_ELEMENTS = 1 << 18
 
 
