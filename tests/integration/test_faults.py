@@ -111,14 +111,14 @@ def test_killing_the_only_draft_mid_stream_goes_on_without_it(smollm2_dir, tmp_p
 
 
 def test_a_full_kv_pool_preempts_and_rebuilds_and_every_request_completes(smollm2_dir, tmp_path):
-    # 24 blocks of 16 tokens; each request needs about 10 (a ~40-token prompt and 120 new tokens),
-    # so six at once cannot all hold their KV: some are preempted, wait and are rebuilt.
-    with smollm2_cluster(smollm2_dir, tmp_path, targets=1, drafts=0, kv_cache_tokens=384) as cluster, \
+    # 16 blocks of 16 tokens; each request needs about 8 (a ~40-token prompt and 80 new tokens),
+    # so four at once cannot all hold their KV: some are preempted, wait and are rebuilt.
+    with smollm2_cluster(smollm2_dir, tmp_path, targets=1, drafts=0, kv_cache_tokens=256) as cluster, \
             TandemClient(cluster.coordinator.address, timeout_s=600) as client:
-        prompts = [f"Count from {i} to {i + 60}, one number per line." for i in range(6)]
+        prompts = [f"Count from {i} to {i + 60}, one number per line." for i in range(4)]
 
         def run(prompt):
-            return client.generate(build_request(prompt, chat=True, max_new_tokens=120, ignore_eos=True,
+            return client.generate(build_request(prompt, chat=True, max_new_tokens=80, ignore_eos=True,
                                                  method="ngram"))
 
         alone = {p: list(run(p).token_ids) for p in prompts}
