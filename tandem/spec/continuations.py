@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,6 +64,10 @@ class CacheHit:
     match_len: int  # length of the context that matched
     count: int  # how often this continuation followed that context
     source: str  # "local" or "shared"
+    # Every run that followed that context, most frequent first, each cut to k tokens: the branches
+    # of a token tree (a sampled request parts from the most frequent run where earlier samples did).
+    # Not part of a hit's equality: two hits that propose the same are the same answer.
+    runs: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
 
 
 @dataclass(slots=True)
@@ -148,6 +152,11 @@ def best_continuation(runs: Sequence[tuple[bytes, int]], k: int) -> tuple[bytes,
         run, count = alive[0]
         return run[: b * k], count
     return alive[0][0][: b * depth], sum(c for _, c in alive)
+
+
+def unpack_runs(runs: Sequence[bytes], k: int) -> tuple[tuple[int, ...], ...]:
+    """The first ``k`` tokens of each packed run, in order (a ``CacheHit``'s ``runs``)."""
+    return tuple(tuple(unpack_tokens(run[: TOKEN_BYTES * k])) for run in runs if run)
 
 
 # ----- the local tier ---------------------------------------------------------
@@ -281,11 +290,11 @@ class LocalContinuations:
             self._stats.misses += 1
             return None
         self._stats.hits += 1
-        n, tokens, count = found
-        return CacheHit(unpack_tokens(tokens), n, count, LOCAL)
+        n, tokens, count, runs = found
+        return CacheHit(unpack_tokens(tokens), n, count, LOCAL, unpack_runs(runs, k))
 
-    def match_packed(self, tail: bytes, k: int) -> tuple[int, bytes, int] | None:
-        """(match length, packed continuation, count) of the longest known suffix, or None."""
+    def match_packed(self, tail: bytes, k: int) -> tuple[int, bytes, int, list[bytes]] | None:
+        """(match length, packed continuation, count, the context's runs) of the longest known suffix, or None."""
         if k <= 0:
             return None
         b, entries = TOKEN_BYTES, self._entries
@@ -297,5 +306,5 @@ class LocalContinuations:
                 entries.move_to_end(key)
                 tokens, count = best_continuation(list(zip(entry[::2], entry[1::2])), k)
                 if tokens:
-                    return n, tokens, count
+                    return n, tokens, count, entry[::2]
         return None

@@ -199,7 +199,8 @@ class SpeculationLoop:
         committed = len(s.history)
         if k == 0:
             return Proposal(committed, [])
-        branches: list[list[int]] = []
+        branches: list[list[int]] = []  # the request's own other continuations: cut at the tree's depths
+        runs: list[list[int]] = []  # the continuation cache's runs after the matched context: whole
         if opts.uses_ngram or self.draft is None:  # (a request whose draft is lost goes on with n-grams)
             min_n = opts.ngram_min if opts.method == "ngram" or self.draft is None else opts.hybrid_min_match
             max_n = max(min_n, opts.ngram_max)
@@ -211,11 +212,11 @@ class SpeculationLoop:
                 if hit is not None and hit.tokens and hit.match_len > matched:
                     proposal, matched = Proposal(committed, list(hit.tokens[:k]), source=CACHE), hit.match_len
                 if hit is not None and hit.tokens:
-                    branches.insert(0, list(hit.tokens[:k]))
+                    runs = [list(hit.tokens[:k]), *(list(run) for run in hit.runs)]
             if self.draft is None or (matched >= opts.hybrid_min_match and proposal.tokens):
-                return self._with_tree(proposal, k, shape, branches)
+                return self._with_tree(proposal, k, shape, branches, runs)
         if ready is not None and ready.base_len == committed:
-            return self._with_tree(ready, k, shape, branches)
+            return self._with_tree(ready, k, shape, branches, runs)
         extra = 1 if opts.pipelined else 0  # the guess of the target's extra token
         t0 = time.perf_counter()
         drafted = await self._timed_draft(self._propose(s.history, k + extra))
@@ -225,14 +226,19 @@ class SpeculationLoop:
             proposal = Proposal(committed, tokens[:-1], probs[:-1], tokens[-1], DRAFT, alternatives[:-1])
         else:
             proposal = Proposal(committed, tokens, probs, source=DRAFT, alternatives=alternatives)
-        return self._with_tree(proposal, k, shape, branches)
+        return self._with_tree(proposal, k, shape, branches, runs)
 
     def _with_tree(self, proposal: Proposal, k: int, shape: TreeShape | None,
-                   branches: list[list[int]]) -> Proposal:
+                   branches: list[list[int]], runs: list[list[int]]) -> Proposal:
         """``proposal`` with its token tree: the chain first (sampled nodes before the deterministic ones,
         which the acceptance rule needs), then the draft's next-best tokens at the chain's first
-        ``shape.depths`` positions, then n-gram continuations, within ``k + shape.extra_nodes`` nodes.
-        Unchanged when nothing but the chain would be in it."""
+        ``shape.depths`` positions, then the cache's runs, then the request's other continuations (cut
+        at ``shape.depths``), within ``k + shape.extra_nodes`` nodes. Unchanged when nothing but the
+        chain would be in it.
+
+        The cache's runs go in whole: they all followed the same (long) context, mostly share the
+        chain's first tokens and part from it where earlier samples did, often past ``shape.depths``;
+        the trie insert shares their common prefixes, so a run costs only its nodes after it parts."""
         chain = proposal.tokens[:k]
         if shape is None or not chain:
             return proposal
@@ -242,6 +248,8 @@ class SpeculationLoop:
         for depth, alternatives in enumerate(list(proposal.alternatives)[: min(len(chain), shape.depths)]):
             for token in list(alternatives)[: shape.width]:
                 tree.add_path([token], parent=depth - 1 if depth else ROOT, budget=budget)
+        for run in runs:
+            tree.add_path(run[:k], budget=budget)
         for branch in branches:
             tree.add_path(branch[: shape.depths], budget=budget)
         if len(tree) == len(chain):

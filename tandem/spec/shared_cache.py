@@ -77,6 +77,7 @@ from tandem.spec.continuations import (
     best_continuation,
     continuation_items,
     pack_tokens,
+    unpack_runs,
     unpack_tokens,
 )
 
@@ -508,19 +509,22 @@ class SharedContinuations:
         found = await self._shared_match(tail, k, local.match_len if local is not None else 1)
         if found is None:
             return local
-        n, context_bytes, tokens, count, run = found
+        n, context_bytes, tokens, count, runs = found
         if local is not None and (local.match_len, local.count) >= (n, count):
             return local
-        self.local.absorb(context_bytes, run)
-        return CacheHit(unpack_tokens(tokens), n, count, SHARED)
+        for run in runs:
+            self.local.absorb(context_bytes, run)
+        return CacheHit(unpack_tokens(tokens), n, count, SHARED, unpack_runs(runs, k))
 
-    async def _shared_match(self, tail: bytes, k: int, shortest: int) -> tuple[int, bytes, bytes, int, bytes] | None:
-        """(match length, context, packed continuation, count, whole run) from Redis, or None.
+    async def _shared_match(self, tail: bytes, k: int,
+                            shortest: int) -> tuple[int, bytes, bytes, int, list[bytes]] | None:
+        """(match length, context, packed continuation, count, the context's whole runs) from Redis, or None.
 
         Asks for the suffixes of ``tail`` of ``shortest`` tokens or more (a
-        shorter one could not beat the local answer). The whole run (the most
-        frequent one that starts with the continuation) is what the local tier
-        keeps, so later rounds find the rest of it there.
+        shorter one could not beat the local answer). The runs come most
+        frequent first, but the one the continuation was taken from leads: the
+        local tier keeps them all in that order, so later rounds find the rest
+        of them there (the continuation and a tree's other branches).
         """
         b = TOKEN_BYTES
         length = len(tail) // b
@@ -545,8 +549,8 @@ class SharedContinuations:
         if not runs:
             return None
         tokens, count = best_continuation(runs, k)
-        run = next(r for r, _ in runs if r.startswith(tokens))
-        return n, context, tokens, count, run
+        chosen = next(r for r, _ in runs if r.startswith(tokens))
+        return n, context, tokens, count, [chosen, *(r for r, _ in runs if r is not chosen)]
 
     async def _read(self, keys: list[bytes]) -> tuple[int, Any]:
         """(1-based position of the first key with a well-formed run, 0 if none; its flat reply)."""

@@ -65,6 +65,18 @@ def test_runs_sharing_a_prefix_add_up_token_by_token():
     assert c.lookup([1, 2], 2) == CacheHit([20, 21], 2, 2, "local")  # both runs contain all of it
 
 
+def test_a_hit_carries_every_run_of_its_context_most_frequent_first_cut_to_k():
+    c = cache(max_continuation=4)
+    c.learn([1, 2, 10, 11, 12, 13], final=True)
+    for _ in range(2):
+        c.learn([1, 2, 20, 21, 22, 23], final=True)
+    c.learn([9, 2, 30, 31, 32, 33], final=True)  # another context ("9 2", and "2" alone is below min_n)
+    hit = c.lookup([1, 2], 3)
+    assert hit.tokens == [20, 21, 22]
+    assert hit.runs == ((20, 21, 22), (10, 11, 12))  # the tree's branches: both runs after "1 2"
+    assert c.lookup([1, 2], 8).runs == ((20, 21, 22, 23), (10, 11, 12, 13))
+
+
 def test_best_continuation_of_raw_runs():
     runs = [(pack_tokens([5, 6, 7]), 4), (pack_tokens([8, 9]), 3), (pack_tokens([8, 1]), 3)]
     assert best_continuation(runs, 5) == (pack_tokens([8, 9]), 3)  # 8 leads 6 to 4; then 9 and 1 tie: first

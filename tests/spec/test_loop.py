@@ -251,6 +251,34 @@ def test_tree_branches_add_tokens_where_the_chain_fails():
     assert tree.stats.rounds < chain.stats.rounds
 
 
+def test_the_caches_other_runs_become_whole_branches_where_they_part_from_the_chain():
+    """The cache's most frequent run after the prompt parts from the target at its 5th token (past the
+    tree's 3 depths); the run the target follows was seen once. Its nodes after the parting save the round."""
+    from tandem.spec.shared_cache import SharedContinuations
+
+    prompt = [3, 1, 4, 1, 5]
+    truth = target_only(prompt, 40)
+    wrong = [*truth[:4], (truth[4] + 1) % VOCAB, 0, 0, 0, 0, 0]
+
+    async def request(tree: str) -> RequestState:
+        cache = SharedContinuations("fake-tokenizer", None)
+        await cache.start()
+        for _ in range(2):
+            cache.learn([*prompt, *wrong], final=True)
+        cache.learn([*prompt, *truth[:16]], final=True)
+        state = RequestState(prompt, SamplingParams(), StopConditions(10))
+        loop = SpeculationLoop(state, "s", SpecOptions("ngram", 8, adaptive_k=False, tree=tree, tree_width=2),
+                               FakeTarget(), None, CostModel(), 10_000, cache=cache)
+        await loop.run_to_end()
+        await cache.close()
+        return state
+
+    chain, tree = asyncio.run(request("off")), asyncio.run(request("on"))
+    assert chain.generated == tree.generated == truth[:10]
+    assert tree.stats.branch_tokens >= 4  # truth[4:8], below the chain's 4th node
+    assert (tree.stats.rounds, chain.stats.rounds) == (1, 2)  # 1 + 9 tokens at once; 1 + 5, then the rest
+
+
 def test_auto_tree_follows_the_cost_model():
     """Verifying more rows is nearly free here (FittedCost per token 1% of the base): auto builds trees."""
     state, target, _ = run(SpecOptions("draft", 4, tree="auto", tree_width=1), n=80)

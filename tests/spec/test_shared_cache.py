@@ -104,6 +104,28 @@ def test_counts_from_every_coordinator_add_up_and_the_most_frequent_run_wins(red
     asyncio.run(scenario())
 
 
+def test_a_shared_hit_carries_the_contexts_runs_and_the_local_tier_keeps_them_all(redis_server):
+    async def scenario() -> None:
+        writer, reader = make(redis_server.url), make(redis_server.url)
+        await writer.start()
+        await reader.start()
+        try:
+            for _ in range(2):
+                writer.learn([1, 2, 3, 40, 41, 42], final=True)
+            writer.learn([1, 2, 3, 50, 51, 52], final=True)
+            await writer.flush()
+            hit = await reader.lookup([1, 2, 3], 3)
+            assert hit.source == "shared" and hit.runs == ((40, 41, 42), (50, 51, 52))
+            local = reader.local.lookup([1, 2, 3], 3)  # the next rounds: the local tier knows both
+            assert local.tokens == [40, 41, 42] and local.runs == hit.runs
+            assert reader.local.lookup([1, 2, 3, 50], 2).tokens == [51, 52]  # and what follows inside each run
+        finally:
+            await writer.close()
+            await reader.close()
+
+    asyncio.run(scenario())
+
+
 def test_namespaces_never_mix_on_one_redis(redis_server):
     async def scenario() -> None:
         a, b = make(redis_server.url, "tokenizer-a"), make(redis_server.url, "tokenizer-b")
