@@ -17,6 +17,8 @@ configuration in turn, in a rotating order, so machine noise hits them alike.
                            (n-gram matches in the request's own text only)
      local-cache           method ngram, each coordinator its own in-process cache
      shared-cache          method ngram, both coordinators --redis-url to one redis-server
+     shared-cache-chains   the same with --tree off: chains only, where shared-cache may
+                           verify a token tree of the cache's other runs (auto)
      hybrid                method hybrid (n-gram on a 3+ token match, else the draft
                            model), --no-continuation-cache
      hybrid+shared-cache   method hybrid, --redis-url
@@ -99,11 +101,13 @@ P = "tandem_coordinator_"
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """One configuration of a coordinator pair: the request method and the cache the coordinators keep."""
+    """One configuration of a coordinator pair: the request method and tree mode, and the cache the
+    coordinators keep."""
 
     name: str
     method: str  # the request's speculation method
     cache: str  # "none" (--no-continuation-cache), "local" (in-process) or "shared" (--redis-url)
+    tree: str = "auto"  # the request's tree mode (tandem.spec.options.TREE_MODES)
 
     def coordinator_args(self, redis_url: str | None) -> tuple[str, ...]:
         if self.cache == "none":
@@ -123,6 +127,7 @@ CONFIGS = {c.name: c for c in (
     Config("prompt-lookup", "ngram", "none"),
     Config("local-cache", "ngram", "local"),
     Config("shared-cache", "ngram", "shared"),
+    Config("shared-cache-chains", "ngram", "shared", tree="off"),
     Config("hybrid", "hybrid", "none"),
     Config("hybrid+shared-cache", "hybrid", "shared"),
 )}
@@ -330,21 +335,21 @@ def stop_pairs(pairs: list[Pair]) -> None:
                 service.process.wait()
 
 
-def request(prompt: str, method: str, args: argparse.Namespace, max_new_tokens: int, seed: int | None) -> Any:
+def request(prompt: str, config: Config, args: argparse.Namespace, max_new_tokens: int, seed: int | None) -> Any:
     """A chat request at batch 1, unpipelined (the local default); ``seed`` None: greedy."""
     from tandem.client import build_request
     from tandem.sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, seed=seed) if seed is not None else SamplingParams(0.0)
     return build_request(prompt, chat=True, max_new_tokens=max_new_tokens, sampling=sampling,
-                         method=method, k=args.k, pipelining=False)
+                         method=config.method, k=args.k, pipelining=False, tree=config.tree)
 
 
 def warm_up(pairs: list[Pair], args: argparse.Namespace) -> None:
     """One short untimed request per coordinator (connections, cost models), then the metrics baseline."""
     for pair in pairs:
         for client in pair.clients:
-            client.generate(request(WARMUP_PROMPT, pair.config.method, args, 8, None))
+            client.generate(request(WARMUP_PROMPT, pair.config, args, 8, None))
     for pair in pairs:
         pair.before = pair.snapshot()
 
@@ -352,7 +357,7 @@ def warm_up(pairs: list[Pair], args: argparse.Namespace) -> None:
 def generate(pair: Pair, coordinator: int, prompt: Prompt, args: argparse.Namespace, max_new_tokens: int,
              seed: int | None) -> dict[str, Any]:
     """One timed request; the row keeps what the reply says."""
-    req = request(prompt.text, pair.config.method, args, max_new_tokens, seed)
+    req = request(prompt.text, pair.config, args, max_new_tokens, seed)
     started = time.perf_counter()
     reply = pair.clients[coordinator].generate(req)
     seconds = time.perf_counter() - started
@@ -420,7 +425,7 @@ def summarize(runs: list[dict[str, Any]], pairs: list[Pair], deltas: dict[str, d
         lookups = {t: counter(d, "cache_lookup_results_total", tier=t) for t in ("local", "shared", "miss")}
         proposed_cache = counter(d, "proposed_tokens_total", source="cache")
         row = {"method": name, "request_method": pair.config.method, "cache": pair.config.cache,
-               "requests": len(mine), "tokens": tokens, "seconds": round(seconds, 3),
+               "tree": pair.config.tree, "requests": len(mine), "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": tokens / seconds if seconds else None, "speedup": None,
                "acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
                "rounds": rounds,
@@ -626,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.client import TandemClient
 
         first = Pair(CONFIGS[BASELINE], [cluster.coordinator], [TandemClient(cluster.coordinator.address, 1800)])
-        for method in ("none", "hybrid") if needs_draft else ("none",):
-            first.clients[0].generate(request(WARMUP_PROMPT, method, args, 8, None))
+        for name in (BASELINE, "hybrid") if needs_draft else (BASELINE,):
+            first.clients[0].generate(request(WARMUP_PROMPT, CONFIGS[name], args, 8, None))
         stop_pairs([first])
 
         print(f"starting {2 * len(configs)} coordinators", file=sys.stderr)
