@@ -612,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     needs_draft = any(c.uses_draft for c in configs) or bool(mix)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
+    # SIGTERM (a job stopped by kill, a CI timeout) must reach the ``finally`` below like Ctrl-C: the
+    # workers and coordinators would drain anyway (they watch this process), but redis-server does not.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     workdir = Path(tempfile.mkdtemp(prefix="tandem-shared-cache-bench-"))
     redis = Redis(workdir)
     redis.server.start()
