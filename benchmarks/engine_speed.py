@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="weights and activations dtype of both implementations (default: %(default)s)")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
-                   help="fp32: our engine's linear weights packed for oneDNN (auto) or MKL's dense ones (off) "
+                   help="our engine's linear weights packed for oneDNN (auto: fp32, and bf16 on a native-bf16 CPU) "
+                        "or the dense ones (off: MKL in fp32, ATen's row-invariant kernels in bf16) "
                         "(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts x 32 tokens, 3 forward reps")
     p.add_argument("--limit", type=int, default=None, help="prompts to decode (default: 4; --quick: 2)")

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of every model (default: %(default)s)")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
-                   help="fp32: our engine's linear weights packed for oneDNN (auto) or MKL's dense ones (off) "
+                   help="our engine's linear weights packed for oneDNN (auto: fp32, and bf16 on a native-bf16 CPU) "
+                        "or the dense ones (off: MKL in fp32, ATen's row-invariant kernels in bf16) "
                         "(default: %(default)s)")
     p.add_argument("--cost-reps", type=int, default=None,
                    help="timed forwards when measuring the cost ratio c (default: 10; --quick: 3)")

@@ -34,9 +34,14 @@ DTYPES = ("bfloat16", "float32", "float16")
 DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
 QUANTIZATIONS = ("auto", "none", "int8")
-# fp32 linear weights reordered once for oneDNN (tandem/models/packed.py): row-invariant and cheap per
-# extra row. auto: wherever they can be (fp32 on a CPU with oneDNN); on: refuse to start otherwise.
+# Linear weights reordered once for oneDNN (tandem/models/packed.py): row-invariant and cheap per extra
+# row. auto: wherever they can be (fp32 on a CPU with oneDNN, bf16 where the CPU multiplies bf16
+# natively); on: refuse to start otherwise.
 PACKED_WEIGHTS = ("auto", "on", "off")
+PACKED_WEIGHTS_HELP = ("linear weights reordered once for oneDNN (fp32 on a CPU, and bf16 on a CPU that multiplies "
+                       "it natively), so that a forward of several tokens (verification, batches) costs little more "
+                       "than one and every token's result is bitwise independent of the batch; auto: wherever it "
+                       "applies, on: refuse to start where it cannot (default: %(default)s)")
 # A draft's numbers only steer proposals the target checks, so drafts run lean by default:
 # int8 weights and a head over the 32768 most common ids (measured on the Qwen 0.5B draft,
 # bf16, one decode step: 53 ms full, 31 ms int8, 22 ms int8 with the cut head). "auto" is
@@ -246,10 +251,13 @@ class EngineConfig:
 
         from tandem.models.packed import packing_supported
 
-        problem = (f"the dtype is {self.resolved_dtype} (packing is for float32)"
-                   if self.resolved_dtype != torch.float32
+        dtype = self.resolved_dtype
+        problem = (f"the dtype is {dtype} (packing is for float32, and bfloat16 on a CPU that multiplies it)"
+                   if dtype not in (torch.float32, torch.bfloat16)
                    else f"the device is {device.type} (packing is for CPUs)" if device.type != "cpu"
-                   else "this PyTorch has no oneDNN" if not packing_supported() else None)
+                   else "this PyTorch has no oneDNN" if not packing_supported()
+                   else "the dtype is torch.bfloat16 and this CPU has no native bf16 (avx512_bf16 or AMX), so "
+                        "oneDNN would emulate it" if dtype == torch.bfloat16 and not native_cpu_bf16() else None)
         if problem and self.packed_weights == "on":
             raise InvalidRequestError(f"packed weights were asked for, but {problem}")
         return problem is None

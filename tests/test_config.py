@@ -65,7 +65,7 @@ def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it_and_a_draft_left_to
         monkeypatch.setattr(config, "cpu_runs_bf16", lambda runs=runs: runs)
         target = EngineConfig(tmp_path)
         assert target.resolved_dtype == (torch.bfloat16 if native else torch.float32)
-        assert target.pack_weights == (not native)  # fp32 weights are packed for oneDNN
+        assert target.pack_weights  # fp32, or bf16 multiplied natively: packed for oneDNN
         draft = EngineConfig(tmp_path, quantization="auto")
         assert (draft.resolved_dtype, draft.quantization) == ((torch.bfloat16, "int8") if runs else
                                                               (torch.float32, "none"))

@@ -137,45 +137,60 @@ def test_row_blocks_group_short_runs_and_isolate_prompt_chunks():
     assert blocks.prefill == (False, True, False, True, False)
 
 
-# fp32: the same promise through weights packed for oneDNN (tandem/models/packed.py). Shapes:
-# SmolLM2's gate/up, Qwen2-0.5B's q/k/v with bias, Qwen2.5-1.5B's down projection.
+# The same promise through weights packed for oneDNN (tandem/models/packed.py): fp32 everywhere, bf16
+# where the CPU multiplies it natively. Shapes: SmolLM2's gate/up, Qwen2-0.5B's q/k/v with bias,
+# Qwen2.5-1.5B's down projection.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features,out_features,bias", [(576, 3072, False), (896, 1152, True), (8960, 1536, False)])
-def test_fp32_packed_linear_row_does_not_depend_on_how_many_rows_share_the_call(in_features, out_features, bias):
+def test_packed_linear_row_does_not_depend_on_how_many_rows_share_the_call(in_features, out_features, bias, dtype):
+    from tandem.config import native_cpu_bf16
     from tandem.models.layers import RowStableLinear
     from tandem.models.packed import pack_linear_weights
 
+    if dtype == torch.bfloat16 and not native_cpu_bf16():
+        pytest.skip("bf16 is packed only on a CPU with native bf16 (avx512_bf16 or AMX)")
     torch.manual_seed(5)
-    layer = RowStableLinear(in_features, out_features, bias=bias)
+    layer = RowStableLinear(in_features, out_features, bias=bias).to(dtype)
     dense = layer.weight.detach().clone()
     assert pack_linear_weights(layer) == 1 and layer.weight is None  # the dense copy is gone
-    small = RowStableLinear(64, 128)  # a test model's layer: oneDNN's cost per call would dominate
+    small = RowStableLinear(64, 128).to(dtype)  # a test model's layer: oneDNN's cost per call would dominate
     assert pack_linear_weights(small) == 0 and small.packed_weight is None
-    x = torch.randn(300, in_features)  # [300, in]: up to a prompt chunk's size
+    x = torch.randn(300, in_features).to(dtype)  # [300, in]: up to a prompt chunk's size
     with torch.inference_mode():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])  # [8, out], one call per row
         for rows in (2, 3, 4, 5, 9, 17, 64, 300):
             n = min(rows, 8)
             assert torch.equal(layer(x[:rows])[:n], alone[:n]), f"{rows} rows"
-        torch.testing.assert_close(alone, torch.nn.functional.linear(x[:8], dense, layer.bias))
+        reference = torch.nn.functional.linear(x[:8].float(), dense.float(),
+                                               None if layer.bias is None else layer.bias.float())
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2 * reference.abs().max().item()
+        assert (alone.float() - reference).abs().max().item() <= tolerance
 
 
-def test_packed_weights_resolve_per_dtype_and_refuse_what_cannot_be_packed(tiny_qwen2_dir):
+def test_packed_weights_resolve_per_dtype_and_refuse_what_cannot_be_packed(tiny_qwen2_dir, monkeypatch):
+    from tandem import config
     from tandem.errors import InvalidRequestError
 
     assert EngineConfig(tiny_qwen2_dir, dtype="float32").pack_weights
     assert not EngineConfig(tiny_qwen2_dir, dtype="float32", packed_weights="off").pack_weights
-    assert not EngineConfig(tiny_qwen2_dir, dtype="bfloat16").pack_weights  # auto: fp32 only
-    with pytest.raises(InvalidRequestError, match="packed weights were asked for, but the dtype is torch.bfloat16"):
+    monkeypatch.setattr(config, "native_cpu_bf16", lambda: True)
+    assert EngineConfig(tiny_qwen2_dir, dtype="bfloat16").pack_weights  # multiplied natively: packed
+    assert not EngineConfig(tiny_qwen2_dir, dtype="bfloat16", packed_weights="off").pack_weights
+    monkeypatch.setattr(config, "native_cpu_bf16", lambda: False)
+    assert not EngineConfig(tiny_qwen2_dir, dtype="bfloat16").pack_weights  # emulated: the dense kernels
+    with pytest.raises(InvalidRequestError, match="packed weights were asked for, but the dtype is torch.bfloat16 "
+                                                  "and this CPU has no native bf16"):
         EngineConfig(tiny_qwen2_dir, dtype="bfloat16", packed_weights="on")
     with pytest.raises(InvalidRequestError, match="packed weights must be one of auto, on, off, got 'yes'"):
         EngineConfig(tiny_qwen2_dir, dtype="float32", packed_weights="yes")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_smollm2_token_is_bitwise_the_same_decoded_verified_or_batched(smollm2_dir, dtype):
-    """The promise on a real model: what the tiny model cannot show (see the shapes above)."""
-    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype=dtype, kv_cache_tokens=1024))
+@pytest.mark.parametrize("dtype,packed", [("bfloat16", "auto"), ("bfloat16", "off"), ("float32", "auto")])
+def test_smollm2_token_is_bitwise_the_same_decoded_verified_or_batched(smollm2_dir, dtype, packed):
+    """The promise on a real model: what the tiny model cannot show (see the shapes above). bf16 runs
+    packed where the CPU multiplies it natively (auto) and on the dense kernels (off) elsewhere."""
+    engine = ModelEngine.load(EngineConfig(smollm2_dir, dtype=dtype, kv_cache_tokens=1024, packed_weights=packed))
     prompt = list(range(1000, 1040))
     for seq in ("a", "b"):
         engine.forward([ForwardItem(seq, prompt, num_logits=0)])

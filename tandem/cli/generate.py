@@ -20,7 +20,7 @@ import time
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.cli.security_flags import add_client_flags, client_options
-from tandem.config import ATTENTION_BACKENDS, DTYPES, PACKED_WEIGHTS, EngineConfig
+from tandem.config import ATTENTION_BACKENDS, DTYPES, PACKED_WEIGHTS, PACKED_WEIGHTS_HELP, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
 from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, resolve_method
@@ -58,10 +58,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
-                   help="fp32 on a CPU: linear weights reordered once for oneDNN, so that a forward of several tokens "
-                        "(verification, batches) costs little more than one and every token's result is bitwise "
-                        "independent of the batch; auto: wherever it applies, on: refuse to start where it cannot "
-                        "(default: %(default)s)")
+                   help=PACKED_WEIGHTS_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
 

@@ -20,6 +20,7 @@ from tandem.config import (
     DISCOVERY_MODES,
     DTYPES,
     PACKED_WEIGHTS,
+    PACKED_WEIGHTS_HELP,
     CoordinatorConfig,
     EngineConfig,
     ServerOptions,
@@ -54,10 +55,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
-                   help="fp32 on a CPU: linear weights reordered once for oneDNN, so that a forward of several tokens "
-                        "(verification, batches) costs little more than one and every token's result is bitwise "
-                        "independent of the batch; auto: wherever it applies, on: refuse to start where it cannot "
-                        "(default: %(default)s)")
+                   help=PACKED_WEIGHTS_HELP)
     p.add_argument("--kv-cache-tokens", type=int, default=16384,
                    help="size of the paged KV pool in tokens (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")

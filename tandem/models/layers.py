@@ -48,18 +48,19 @@ class RowBlocks:
 class RowStableLinear(nn.Linear):
     """A linear layer whose every output row is the same whether computed alone or in a batch.
 
-    CPU, bf16: rows of short runs (decode, verify) go through ``row_invariant_linear``,
+    CPU, packed (fp32, and bf16 on a CPU that multiplies bf16 natively: what engines do
+    by default, ``tandem.models.packed``): every call goes through ``packed_linear``,
+    row-invariant at every row count, prompts included, and an extra row costs little.
+
+    CPU, bf16 unpacked: rows of short runs (decode, verify) go through ``row_invariant_linear``,
     whose reduction order is fixed by the number of input features alone, so a token's
     output does not depend on how many rows share the call. A prefill run (a block
     flagged in ``RowBlocks``: one sequence's prompt chunk) gets a oneDNN call of its
     own (``onednn_linear``): its rows then depend on that chunk only, whatever else
     shares the forward pass, and prefill keeps oneDNN's speed.
 
-    CPU, fp32: once ``tandem.models.packed.pack_linear_weights`` has reordered the
-    weight for oneDNN (what engines do by default), every call goes through
-    ``packed_linear``, row-invariant at every row count, prompts included. An
-    unpacked fp32 weight goes through MKL, whose kernels change with the row count
-    (differences about 1e-7): no bitwise promise then.
+    CPU, fp32 unpacked: MKL, whose kernels change with the row count (differences about
+    1e-7): no bitwise promise then.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,24 +1,33 @@
-"""fp32 linear layers on a CPU through oneDNN, with each weight reordered once into its blocked layout.
+"""Linear layers on a CPU through oneDNN, with each weight reordered once into its blocked layout.
 
 Why: speculative decoding pays when a forward of k+1 tokens costs about what a
-forward of one token costs (the weights are read once either way). PyTorch sends
-an fp32 matmul to MKL, which runs one row as a matrix-vector product but packs the
-whole weight again on every call of 4 or more rows: on an Intel Xeon (2 threads,
-1536x8960) 1 row took 2.8 ms, 5 rows 7.9 ms, 16 rows 8.0 ms. A weight that
-oneDNN reordered once at load needs no packing per call: 5 rows 3.6 ms, 16 rows
-4.1 ms; the whole Qwen2.5-Coder-1.5B forward of 5 new tokens went from 1.97x to
-0.95-1.2x a forward of one (``benchmarks/README.md``).
+forward of one token costs (the weights are read once either way). PyTorch's own
+routes make extra rows dear on a CPU:
 
-Row invariance, measured on that Xeon (AVX-512; 2 and 1 threads, the Qwen and SmolLM2
-layer shapes tried, with and without bias, 2..600 rows): oneDNN's kernel over a packed
-fp32 weight computes each output row bitwise the same whatever the other rows,
+- fp32 goes to MKL, which runs one row as a matrix-vector product but packs the
+  whole weight again on every call of 4 or more rows: on an Intel Xeon (2 threads,
+  1536x8960) 1 row took 2.8 ms, 5 rows 7.9 ms, 16 rows 8.0 ms. Packed once: 5 rows
+  3.6 ms, 16 rows 4.1 ms; the Qwen2.5-Coder-1.5B forward of 5 new tokens went from
+  1.97x to 0.95-1.2x a forward of one (``benchmarks/README.md``).
+- bf16 rows of short runs went through ATen's per-element dot products
+  (``tandem.models.layers.row_invariant_linear``), row-invariant but paying each
+  row in full. On an AMD EPYC (Zen 5, avx512_bf16, 2 threads), 17920x1536: 1 row
+  1.14 ms, 5 rows 5.76, 16 rows 17.2; the whole 1.5B forward of 5 new tokens cost
+  4.05x a forward of one, and speculation ran at 0.85x target-only. The same weight
+  packed for oneDNN: 1 row (padded) 1.14 ms, 5 rows 0.86, 16 rows 1.42; the
+  151936x1536 head 6.9 / 7.8 / 12.9 ms against ATen's 9.1 / 41.8 / 150 at 1 / 5 / 16.
+
+bf16 is packed only on a CPU that multiplies it natively (avx512_bf16 or AMX): elsewhere
+oneDNN emulates bf16 and the dtype that ``auto`` picks there is fp32 anyway.
+
+Row invariance, measured (fp32 on the Xeon, 2..600 rows; bf16 on the EPYC, 2..300 rows; 1
+and 2 threads, the Qwen and SmolLM2 layer shapes, with and without bias): oneDNN's kernel
+over a packed weight computes each output row bitwise the same whatever the other rows,
 from 2 rows up. One row takes another kernel, so a lone row is padded to two.
-That gives fp32 the guarantee bf16 has through ``row_invariant_linear``: a token's
-logits do not depend on how many tokens share the forward pass, so greedy
-speculative output is bitwise the target's alone, and batching changes nothing.
-The padding costs a decode step about 10% against MKL's matrix-vector product.
-Another instruction set may pick other kernels: ``tests/test_engine_rollback_and_batching.py``
-checks the promise on the machine it runs on.
+That gives a packed model the promise that a token's logits do not depend on how many
+tokens share the forward pass, so greedy speculative output is bitwise the target's
+alone, and batching changes nothing. Another instruction set may pick other kernels:
+``tests/test_engine_rollback_and_batching.py`` checks the promise on the machine it runs on.
 
 Memory: the packed copy replaces the dense weight (same bytes). A head tied to the
 embedding keeps the embedding dense for lookups, so a tied head costs one extra
@@ -31,16 +40,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Below this many weight elements a layer keeps MKL: oneDNN's fixed cost per call (tens of
-# microseconds, milliseconds for some row counts on tiny shapes) exceeds anything packing saves.
+# Below this many weight elements a layer keeps its dense weight (MKL in fp32, ATen in bf16): oneDNN's
+# fixed cost per call (tens of microseconds, milliseconds for some row counts on tiny shapes) exceeds
+# anything packing saves.
 # Measured on the Xeon (busy at the time): a 64x128 weight took 3.6 ms a call packed at 37 rows,
 # microseconds on MKL. Every layer of SmolLM2 (the smallest, 576x576 = 331,776) and of the Qwen
 # models is above it.
 MIN_PACKED_ELEMENTS = 1 << 18
+# bf16 only where the CPU multiplies it natively: EngineConfig decides (tandem.config.native_cpu_bf16).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_supported() -> bool:
-    """Whether this PyTorch can reorder an fp32 weight for oneDNN and run a linear layer on it."""
+    """Whether this PyTorch can reorder a weight for oneDNN and run a linear layer on it."""
     try:
         return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -49,9 +61,9 @@ def packing_supported() -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] fp32 on the CPU, reordered into oneDNN's blocked layout (an opaque tensor)."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"only fp32 CPU weights are packed, got {weight.dtype} on {weight.device}")
+    """``weight`` [out, in] fp32 or bf16 on the CPU, reordered into oneDNN's blocked layout (an opaque tensor)."""
+    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+        raise ValueError(f"only fp32 and bf16 CPU weights are packed, got {weight.dtype} on {weight.device}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
@@ -68,8 +80,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     Each layer's dense weight is dropped as its packed copy is made (so peak memory
     grows by one layer, not one model); a weight shared with another module (a
     head tied to the embedding) stays alive there. Layers smaller than
-    ``MIN_PACKED_ELEMENTS`` (test-sized models) stay dense, on MKL, without the
-    bitwise promise.
+    ``MIN_PACKED_ELEMENTS`` (test-sized models) stay dense: on MKL in fp32, without the
+    bitwise promise; on ATen's row-invariant dot products in bf16.
     """
     from tandem.models.layers import RowStableLinear  # layers imports packed_linear from here
 
