@@ -192,10 +192,10 @@ class RequestChannel:
         return accepted, reply.next_token
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams, alternatives: int = 0) -> Drafted:
+                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
         reply = await self._call("Propose", draft_pb2.ProposeRequest(
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
-            sampling=sampling_to_proto(sampling), alternatives=alternatives))
+            sampling=sampling_to_proto(sampling), alternatives=alternatives, prompt_len=prompt_len))
         return Drafted(list(reply.tokens), list(reply.probs), [list(a.token_ids) for a in reply.alternatives])
 
     async def release(self, seq_id: str) -> None:

@@ -8,9 +8,16 @@ of them right after drafting; a Propose with k = 0 only records).
 A Propose keeps the first ``committed_len`` tokens, appends ``new_tokens``
 and drafts ``k`` more: the cache is rolled back to the longest prefix it
 shares with the new tokens (rejected guesses vanish exactly), what is new is
-fed (the whole prompt the first time: the draft's prefill), then k decode
-steps run. All sequences of a batch share each step's forward pass; a
-sequence whose k is reached leaves the batch.
+fed, then k decode steps run. All sequences of a batch share each step's
+forward pass; a sequence whose k is reached leaves the batch.
+
+What is new is fed as the target read it (``history_runs``, given the
+call's ``prompt_len``): the prompt as one run (the draft's prefill), the
+generated tokens in short runs. A first Propose after the target's Prefill
+holds the prompt and the target's first token: fed as one run, that token
+would go through a prompt chunk's kernels on the draft and a verification
+row's on the target, and a draft of the target's own model would sometimes
+disagree with it by a rounding.
 
 Sampled drafts: each step's q rows are encoded for the wire once
 (``distributions.encode_for_sampling``), each token is drawn from exactly
@@ -38,7 +45,7 @@ from tandem.errors import (
 )
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
-from tandem.rpc.sequence_engine import SequenceEngine
+from tandem.rpc.sequence_engine import SequenceEngine, history_runs
 from tandem.sampling import SamplingParams, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len
@@ -62,6 +69,7 @@ class ProposeCall:
     k: int
     sampling: SamplingParams
     alternatives: int = 0  # next-best tokens to report per drafted position (speculation trees)
+    prompt_len: int = 0  # the sequence's first prompt_len tokens are its prompt (0: not said, all fed as one run)
 
 
 @dataclass(slots=True)
@@ -149,6 +157,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             raise InvalidRequestError(f"alternatives must be in 0..{MAX_ALTERNATIVES}, got {call.alternatives}")
         if call.committed_len < 0:
             raise InvalidRequestError(f"committed_len must be >= 0, got {call.committed_len}")
+        if call.prompt_len < 0:
+            raise InvalidRequestError(f"prompt_len must be >= 0, got {call.prompt_len}")
         check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
         seq = self.sequences.get(call.seq_id)
         if seq is None and call.committed_len:
@@ -165,6 +175,9 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             raise InvalidRequestError(
                 f"sequence {call.seq_id!r}: {len(tokens)} tokens exceed the context of {self.max_context}"
             )
+        if call.prompt_len > len(tokens):
+            raise InvalidRequestError(
+                f"sequence {call.seq_id!r}: prompt_len {call.prompt_len} exceeds its {len(tokens)} tokens")
         cached = held[: self.engine.seq_len(call.seq_id)]
         keep = common_prefix_len(cached, tokens)
         if call.k == 0:
@@ -189,8 +202,16 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
 
     def _draft(self, plans: list[_Plan]) -> None:
-        """k decode steps, every sequence still drafting in each step's one forward pass."""
-        feed = {p.index: p.tokens[p.keep :] for p in plans}
+        """k decode steps, every sequence still drafting in each step's one forward pass.
+
+        What a sequence has not read goes first, as the target read it (``history_runs``): the
+        runs before its last are fed without logits, one forward pass per run for the sequences
+        that have one; the last run is the first step's input."""
+        runs = {p.index: history_runs(p.tokens, p.keep, p.call.prompt_len) for p in plans}
+        for step in range(max((len(r) - 1 for r in runs.values()), default=0)):
+            self.engine.forward([ForwardItem(p.call.seq_id, runs[p.index][step], num_logits=0)
+                                 for p in plans if step < len(runs[p.index]) - 1])
+        feed = {p.index: runs[p.index][-1] for p in plans}
         active = list(plans)
         while active:
             logits = self.engine.forward([ForwardItem(p.call.seq_id, feed[p.index], num_logits=1) for p in active])

@@ -99,8 +99,9 @@ class LocalDraft:
         return _fitted(self.engine.engine)
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams, alternatives: int = 0) -> Drafted:
-        reply = await self.batcher.submit(ProposeCall(seq_id, committed_len, new_tokens, k, sampling, alternatives))
+                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
+        reply = await self.batcher.submit(
+            ProposeCall(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len))
         return Drafted(reply.tokens, reply.probs, reply.alternatives)
 
     async def release(self, seq_id: str) -> None:

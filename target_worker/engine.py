@@ -40,7 +40,7 @@ from tandem.errors import (
 )
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
-from tandem.rpc.sequence_engine import SequenceEngine
+from tandem.rpc.sequence_engine import SequenceEngine, history_runs
 from tandem.sampling import SamplingParams, pick_tokens
 from tandem.spec.rejection import Verdict, verify, verify_tree
 from tandem.spec.tree import check_parents, children_of, is_chain
@@ -89,16 +89,6 @@ class _Plan:
     before: list[list[int]] = field(default_factory=list)
     q: torch.Tensor | None = None  # decoded draft_probs [k, vocab] (CPU), sampled Verify only
     children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
-
-
-def rebuild_runs(token_ids: list[int], prompt_len: int) -> list[list[int]]:
-    """How a Prefill feeds its tokens: the prompt as one run, then (a rebuild) the generated tokens
-    in runs of at most ``ROWWISE_MAX_QUERY``. Rows of such short runs go through the row-invariant
-    kernels that verification used, so the rebuilt KV is bitwise the KV the request had."""
-    prompt_len = prompt_len or len(token_ids)
-    generated = token_ids[prompt_len:]
-    return [list(token_ids[:prompt_len]),
-            *(generated[i:i + ROWWISE_MAX_QUERY] for i in range(0, len(generated), ROWWISE_MAX_QUERY))]
 
 
 class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
@@ -159,7 +149,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 raise InvalidRequestError(
                     f"prompt_len {call.prompt_len}: a rebuild needs 1..{len(call.token_ids) - 1} (the history "
                     f"holds at least one generated token)")
-            *before, last = rebuild_runs(call.token_ids[:-1], call.prompt_len)
+            *before, last = history_runs(call.token_ids[:-1], 0, call.prompt_len)
             item = ForwardItem(call.seq_id, last, num_logits=0)
             return _Plan(index, call, item, kv_len=len(call.token_ids) - 1, before=before)
         seq = self.sequences.get(call.seq_id)

@@ -17,8 +17,26 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol, TypeVar
 
+from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.errors import InvalidRequestError, KVCacheExhaustedError
 from tandem.rpc.calls import ReleaseCall
+
+
+def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[list[int]]:
+    """How to feed ``tokens[start:]`` so that each token's KV is bitwise what the target computed.
+
+    The target reads a request as its Prefill did (the prompt, one run: a prompt chunk's
+    kernels) and then in Verify runs of at most ``ROWWISE_MAX_QUERY`` tokens (row-invariant
+    kernels, whatever the run's length). So: what is left of the prompt (``tokens[start:prompt_len]``)
+    as one run, then the generated tokens in runs of at most ``ROWWISE_MAX_QUERY``. Used by a
+    target rebuild and by a draft reading what it has not seen (a draft of the target's own model
+    then computes exactly what the target does). ``prompt_len`` 0: all of ``tokens`` is prompt.
+    """
+    prompt_len = prompt_len or len(tokens)
+    runs = [list(tokens[start:prompt_len])] if start < prompt_len else []
+    first = max(start, prompt_len)
+    runs.extend(list(tokens[i:i + ROWWISE_MAX_QUERY]) for i in range(first, len(tokens), ROWWISE_MAX_QUERY))
+    return runs
 
 
 class _Checked(Protocol):

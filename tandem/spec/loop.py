@@ -97,7 +97,8 @@ class SpeculationLoop:
         self.seq_id = seq_id
         self.options = options
         self.verifier = verifier
-        self.draft = DraftProposer(draft, seq_id, state.sampling) if options.uses_draft and draft else None
+        self.draft = (DraftProposer(draft, seq_id, state.sampling, len(state.prompt_ids))
+                      if options.uses_draft and draft else None)
         self.costs = costs
         self.max_context = max_context
         self.observer = observer
@@ -348,7 +349,7 @@ class SpeculationLoop:
         assert self.replicas is not None
         channel = await self.replicas.replace_draft()
         if channel is not None and self.draft is None:
-            self.draft = DraftProposer(channel, self.seq_id, self.state.sampling)
+            self.draft = DraftProposer(channel, self.seq_id, self.state.sampling, len(self.state.prompt_ids))
 
     # ----- adaptive k ------------------------------------------------------
     def _choose_k(self, after_tokens: int) -> int:

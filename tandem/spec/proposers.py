@@ -61,10 +61,11 @@ def ngram_proposal(history: list[int], k: int, min_n: int, max_n: int) -> tuple[
 class DraftProposer:
     """One request's view of its draft replica."""
 
-    def __init__(self, channel: DraftChannel, seq_id: str, sampling: SamplingParams) -> None:
+    def __init__(self, channel: DraftChannel, seq_id: str, sampling: SamplingParams, prompt_len: int) -> None:
         self.channel = channel
         self.seq_id = seq_id
         self.sampling = sampling
+        self.prompt_len = prompt_len  # the draft reads the prompt as the target's Prefill did
         self.sent: list[int] = []  # what the draft holds as this sequence's history
         self.opened = False  # whether the draft may hold this sequence (then it must be released)
 
@@ -80,7 +81,8 @@ class DraftProposer:
         self.sent = list(tokens)
         self.opened = True
         try:
-            return await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling, alternatives)
+            return await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling, alternatives,
+                                              self.prompt_len)
         except BaseException:
             self.sent = []  # unknown state on the draft side: the next call resends everything
             raise

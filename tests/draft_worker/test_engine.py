@@ -114,6 +114,27 @@ def test_kv_after_a_rollback_equals_kv_of_a_sequence_that_never_saw_the_rejected
     assert len(draft.engine.kv_cache.sequence("a").block_ids) == len(draft.engine.kv_cache.sequence("b").block_ids)
 
 
+def test_what_the_draft_has_not_read_is_fed_as_the_target_read_it(draft):
+    """A prompt longer than a short run, then generated tokens: with ``prompt_len`` the draft's KV is
+    bitwise the KV of the target's reading (Prefill of the prompt, then short verification runs),
+    however the tokens reach it: with the first Propose, or in a long catch-up later."""
+    prompt = [(7 * i + 3) % draft.vocab_size for i in range(24)]  # [24]: read as a prompt chunk
+    generated = [(11 * i + 5) % draft.vocab_size for i in range(21)]
+    target_like = draft.engine
+    target_like.forward([ForwardItem("target", prompt, num_logits=0)])
+    for run in ([generated[0]], generated[1:6], generated[6:21]):  # what Verify calls would feed
+        target_like.forward([ForwardItem("target", run, num_logits=0)])
+    first = ProposeCall("first", 0, [*prompt, *generated], 1, GREEDY, prompt_len=len(prompt))
+    ok(draft.run_batch([first]))
+    late = [ProposeCall("late", 0, prompt, 0, GREEDY, prompt_len=len(prompt)),  # records only
+            ProposeCall("late", len(prompt), generated, 1, GREEDY, prompt_len=len(prompt))]
+    for call in late:
+        ok(draft.run_batch([call]))
+    expected = kv_of(target_like, "target")
+    assert torch.equal(kv_of(draft.engine, "first"), expected)
+    assert torch.equal(kv_of(draft.engine, "late"), expected)
+
+
 def test_k_zero_only_records_the_history(draft):
     (reply,) = ok(draft.run_batch([ProposeCall("a", 0, PROMPT, 0, GREEDY)]))
     assert reply == DraftReply([], [])
@@ -138,11 +159,14 @@ def test_each_bad_call_fails_alone_and_leaves_its_sequence_as_it_was(draft):
         ProposeCall("b", 0, [1] * 600, 1, sampled),  # past the context
         ProposeCall("nobody", 4, [5], 2, sampled),  # unknown sequence with a committed prefix
         ProposeCall("", 0, [5], 2, sampled),
+        ProposeCall("b", 3, [5], 2, sampled, prompt_len=5),  # a prompt longer than the sequence
+        ProposeCall("b", 3, [5], 2, sampled, prompt_len=-1),
     ])
     assert isinstance(results[0], DraftReply) and len(results[0].tokens) == 2
     expected = [InvalidRequestError, StaleSequenceError, InvalidRequestError, InvalidRequestError,
                 InvalidRequestError, InvalidRequestError, InvalidRequestError, UnknownSequenceError,
-                InvalidRequestError]
+                InvalidRequestError, InvalidRequestError, InvalidRequestError]
+    assert len(results) == len(expected) + 1
     for result, kind in zip(results[1:], expected):
         assert type(result) is kind, result
     assert_unchanged(draft, "b", before)

@@ -99,13 +99,15 @@ class FakeDraft:
         self.histories: dict[str, list[int]] = {}
         self.calls = 0
         self.released: list[str] = []
+        self.prompt_lens: set[int] = set()
 
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.01, 0.001)
 
-    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0):
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0):
         await asyncio.sleep(0)
         self.calls += 1
+        self.prompt_lens.add(prompt_len)
         held = self.histories.setdefault(seq_id, [])
         assert committed_len <= len(held), "committed_len beyond what the draft holds"
         history = held[:committed_len] + list(new_tokens)
@@ -140,6 +142,7 @@ def test_greedy_output_equals_target_alone(method, pipelined):
     if method in ("draft", "hybrid"):
         assert state.stats.drafted > 0 and 0 < state.stats.accepted < state.stats.drafted  # rejections happened
         assert draft.released == ["s"]
+        assert draft.prompt_lens == {5}  # every Propose says where the prompt ends
     if method == "none":
         assert state.stats.drafted == 0 and state.stats.rounds == 39 and draft.calls == 0
     if method == "ngram":

@@ -292,14 +292,6 @@ def test_a_rebuild_from_the_history_restores_the_kv_bit_for_bit(target):
     assert a == b
 
 
-def test_rebuild_runs_keep_the_prompt_whole_and_cut_the_rest_short():
-    tokens = list(range(40))
-    runs = engine_module.rebuild_runs(tokens, prompt_len=5)
-    assert runs[0] == tokens[:5] and sum(runs, []) == tokens
-    assert all(len(r) <= engine_module.ROWWISE_MAX_QUERY for r in runs[1:])
-    assert engine_module.rebuild_runs(tokens, prompt_len=0) == [tokens]
-
-
 def test_a_seeded_sequence_draws_the_same_after_a_rebuild(target):
     """Seeded requests draw each position's randomness from (seed, position): moved, they go on alike."""
     sampled = SamplingParams(temperature=1.0, seed=11)
