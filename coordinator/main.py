@@ -13,6 +13,7 @@ from tandem.config import CoordinatorConfig
 from tandem.errors import WorkerUnavailableError
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
+from tandem.spec.adaptive import MatchRates
 from tandem.spec.shared_cache import SharedContinuations
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tandem.v1 import generation_pb2_grpc
@@ -50,9 +51,11 @@ async def serve(cfg: CoordinatorConfig) -> None:
     server = ManagedServer("coordinator", cfg.server, interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
     # One cache per tokenizer: the fingerprint namespaces it, so that different models never mix.
     cache = SharedContinuations(fingerprint, cfg.redis_url) if cfg.continuation_cache else None
+    match_rates = MatchRates()  # acceptance per kind of n-gram match, learned over this coordinator's requests
     metrics = CoordinatorMetrics(server.registry, cache.snapshot if cache else None,
-                                 replica_counts=lambda: {"target": targets.counts(), "draft": drafts.counts()})
-    service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache)
+                                 replica_counts=lambda: {"target": targets.counts(), "draft": drafts.counts()},
+                                 match_rates=match_rates.snapshot)
+    service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache, match_rates)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     background: list[asyncio.Task] = []
 

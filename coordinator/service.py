@@ -27,7 +27,7 @@ from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
-from tandem.spec.adaptive import MAX_K, CostModel
+from tandem.spec.adaptive import MAX_K, CostModel, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, resolve_method
 from tandem.spec.proposers import ContinuationCache
@@ -107,7 +107,8 @@ class ReplicaNames:
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: CoordinatorConfig, tokenizer: Any, targets: WorkerPool, drafts: WorkerPool,
-                 server: ManagedServer, metrics: CoordinatorMetrics, cache: ContinuationCache | None = None) -> None:
+                 server: ManagedServer, metrics: CoordinatorMetrics, cache: ContinuationCache | None = None,
+                 match_rates: MatchRates | None = None) -> None:
         self.cfg = cfg
         self.cache = cache  # the continuation cache every request learns from and proposes with
         self.tokenizer = tokenizer
@@ -120,6 +121,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_context = 0
         self.model_stop_ids: frozenset[int] = frozenset()
         self.costs: dict[tuple[str, str, str], CostModel] = {}  # per (method, draft, target) pair
+        self.match_rates = match_rates or MatchRates()  # acceptance per kind of n-gram match, over every request here
         self.public_name = ReplicaNames(cfg.expose_worker_addresses)
 
     # ----- RPCs ------------------------------------------------------------
@@ -173,7 +175,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex[:16]
         seq_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # request ids are the client's: not unique
         loop = SpeculationLoop(state, seq_id, options, placement.verifier(), placement.draft_channel(), costs,
-                               self.max_context, self.observer, self.cache, replicas=placement)
+                               self.max_context, self.observer, self.cache, replicas=placement,
+                               match_rates=self.match_rates)
         return _Request(request_id, state, options, placement, loop)
 
     async def _drive(self, run: _Request) -> AsyncIterator[None]:

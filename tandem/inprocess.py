@@ -28,7 +28,7 @@ from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling_params import SamplingParams
-from tandem.spec.adaptive import CostModel
+from tandem.spec.adaptive import CostModel, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import GenerationStats, RequestState, StopConditions
@@ -123,6 +123,7 @@ class SpeculativeGenerator:
         self.target = TargetEngine(target)
         self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
         self.costs = costs or CostModel()
+        self.match_rates = MatchRates()  # acceptance per kind of n-gram match, over this generator's requests
         self.max_len = target.config.max_position_embeddings
         self._ids = itertools.count()
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -155,7 +156,7 @@ class SpeculativeGenerator:
         try:
             loops = [
                 SpeculationLoop(state, f"seq-{next(self._ids)}", self._options_for(r), target, draft, self.costs,
-                                self.max_len)
+                                self.max_len, match_rates=self.match_rates)
                 for r, state in zip(requests, states)
             ]
             await asyncio.gather(*(loop.run_to_end() for loop in loops))

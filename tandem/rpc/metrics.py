@@ -54,6 +54,28 @@ class ContinuationCacheCollector(Collector):
                                 value=float(snap.get("breaker_state") == "open"))
 
 
+class MatchRatesCollector(Collector):
+    """Acceptance per kind of n-gram match, as the coordinator's loop plans with it, read at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], list[dict[str, Any]]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["source", "match_band", "sampled"]
+        rate = GaugeMetricFamily("tandem_coordinator_match_acceptance",
+                                 "per-token acceptance of n-gram proposals, by source and matched-context band "
+                                 "(band n: matches of up to n tokens; the last band: longer)", labels=labels)
+        dropped = CounterMetricFamily("tandem_coordinator_match_dropped",
+                                      "n-gram proposals not verified (k = 0) because their kind does not pay",
+                                      labels=labels)
+        for kind in self.snapshot():
+            values = [kind["source"], str(kind["band"]), str(kind["sampled"]).lower()]
+            rate.add_metric(values, kind["rate"])
+            dropped.add_metric(values, kind["dropped"])
+        yield rate
+        yield dropped
+
+
 class ReplicaCollector(Collector):
     """Worker replicas the coordinator knows, per role and routing state, read at scrape time."""
 
@@ -74,7 +96,8 @@ class CoordinatorMetrics:
     """What the coordinator exports: the speculation loop's behaviour per request and per round."""
 
     def __init__(self, registry: CollectorRegistry, cache_snapshot: Callable[[], dict[str, Any]] | None = None,
-                 replica_counts: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+                 replica_counts: Callable[[], dict[str, dict[str, int]]] | None = None,
+                 match_rates: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         p = "tandem_coordinator"
         self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=registry)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens streamed to clients", registry=registry)
@@ -119,3 +142,5 @@ class CoordinatorMetrics:
             registry.register(ContinuationCacheCollector(cache_snapshot))
         if replica_counts is not None:
             registry.register(ReplicaCollector(replica_counts))
+        if match_rates is not None:
+            registry.register(MatchRatesCollector(match_rates))

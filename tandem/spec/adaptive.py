@@ -11,7 +11,7 @@ when the draft is too slow or too often wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.cost_fit import ForwardCostFit
 
@@ -163,6 +163,74 @@ def choose_k(acceptance: float, costs: RoundCost, k_max: int) -> int:
         if rate > best_rate * (costs.speculation_margin if best_k == 0 else TIE_MARGIN):
             best_k, best_rate = k, rate
     return best_k
+
+
+# Evidence kinds of an n-gram proposal: where it came from and how long a context matched, in bands
+# whose acceptance differs (measured on Qwen 1.5B rollouts at T = 0.8, benchmarks/cache_replay.py:
+# a one-token match of the request's text kept 0.44 of 4 proposed tokens, a 2-token one 1.05, a
+# cache match of 8 tokens 2.7-3.8).
+MATCH_BANDS = (1, 2, 4, 7)  # upper bounds of the bands; longer matches share the last band
+MATCH_MEMORY = 200.0  # observations a kind's rate remembers (older ones fade): workloads change
+# A kind that earns k = 0 is still verified at k = 1 every this many times it proposes, so that its
+# rate can recover when the workload changes (the price: one row in that many plain steps).
+EXPLORE_EVERY = 16
+
+
+def match_band(match_len: int) -> int:
+    """The band of a match length: the first of MATCH_BANDS that holds it, else one past the last."""
+    for bound in MATCH_BANDS:
+        if match_len <= bound:
+            return bound
+    return MATCH_BANDS[-1] + 1
+
+
+@dataclass(slots=True)
+class MatchRates:
+    """Acceptance per kind of n-gram evidence, learned from every request of one coordinator.
+
+    A request's own tracker mixes its long cache matches with its one-token guesses, so one rate
+    either wastes verification rows on the guesses or gives up the matches. Keyed by (source,
+    match band, sampled): a kind's rate decides how many of its tokens a round verifies (``choose_k``
+    after the lookup). Shared across requests because a request meets each kind only a few times;
+    one event loop uses it (no lock). Each kind forgets beyond ``MATCH_MEMORY`` observations.
+    """
+
+    trackers: dict[tuple[str, int, bool], AcceptanceTracker] = field(default_factory=dict)
+    dropped: dict[tuple[str, int, bool], int] = field(default_factory=dict)  # proposals cut to k = 0, per kind
+
+    def rate(self, source: str, match_len: int, sampled: bool) -> float:
+        tracker = self.trackers.get((source, match_band(match_len), sampled))
+        return tracker.rate if tracker is not None else AcceptanceTracker().rate
+
+    def choose_k(self, source: str, match_len: int, sampled: bool, costs: RoundCost, k_max: int) -> int:
+        """How many of a proposal's ``k_max`` tokens to verify (``choose_k`` at the kind's rate; see EXPLORE_EVERY)."""
+        k = choose_k(self.rate(source, match_len, sampled), costs, k_max)
+        if k == 0 and k_max > 0:
+            key = (source, match_band(match_len), sampled)
+            self.dropped[key] = self.dropped.get(key, 0) + 1
+            if self.dropped[key] % EXPLORE_EVERY == 0:
+                return 1
+        return k
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each kind seen so far: its rate, the observations it remembers and the proposals it dropped."""
+        rows = []
+        for kind in sorted(set(self.trackers) | set(self.dropped)):
+            source, band, sampled = kind
+            tracker = self.trackers.get(kind)
+            rows.append({"source": source, "band": band, "sampled": sampled, "rate": self.rate(source, band, sampled),
+                         "observations": tracker.accepted + tracker.rejected if tracker else 0.0,
+                         "dropped": self.dropped.get(kind, 0)})
+        return rows
+
+    def observe(self, source: str, match_len: int, sampled: bool, num_drafted: int, num_accepted: int) -> None:
+        tracker = self.trackers.setdefault((source, match_band(match_len), sampled), AcceptanceTracker())
+        tracker.observe(num_drafted, num_accepted)
+        seen = tracker.accepted + tracker.rejected
+        if seen > MATCH_MEMORY:
+            fade = MATCH_MEMORY / seen
+            tracker.accepted *= fade
+            tracker.rejected *= fade
 
 
 # Speculation trees: candidates beyond the chain go at its first positions, where a round is most

@@ -31,6 +31,12 @@ the call is repeated there; a full KV pool frees the request's KV (it is
 preempted), waits and rebuilds; a draft replica that fails is replaced, or
 the request goes on with n-gram proposals. The history lives here, so no
 token is lost or repeated, and greedy output is the same.
+
+n-gram rounds without a draft model (``match_rates``): k is chosen after the
+lookup, from the acceptance of the kind of match that proposes (its source and
+how long a context matched, learned across the coordinator's requests), not
+from the request's one rate: a long cache match is verified whole while a
+one-token guess is cut or dropped where verification rows are dear.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from tandem.spec.adaptive import (
     MAX_TREE_DEPTHS,
     CostModel,
     LoadAwareCost,
+    MatchRates,
     TreeShape,
     choose_k,
     choose_tree,
@@ -90,7 +97,7 @@ class SpeculationLoop:
     def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
                  draft: DraftChannel | None, costs: CostModel, max_context: int,
                  observer: RoundObserver | None = None, cache: ContinuationCache | None = None,
-                 replicas: ReplicaSource | None = None) -> None:
+                 replicas: ReplicaSource | None = None, match_rates: MatchRates | None = None) -> None:
         if options.uses_draft and draft is None:
             raise ValueError(f"method {options.method!r} needs a draft channel")
         self.state = state
@@ -104,6 +111,7 @@ class SpeculationLoop:
         self.observer = observer
         self.cache = cache if options.uses_ngram else None
         self.replicas = replicas
+        self.match_rates = match_rates  # acceptance per kind of n-gram match (see the module docstring)
         self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
         self._in_flight: set[asyncio.Task] = set()
 
@@ -149,6 +157,8 @@ class SpeculationLoop:
         k = self._choose_k(after_tokens=0)
         committed = len(s.history)
         proposal = await self._proposal(k, ready, self._choose_tree(k))
+        if self._by_evidence():
+            k = min(k, len(proposal.tokens))  # the k the match's kind chose
         chain = proposal.tokens[:k]
         tree = proposal.tree
         if tree is not None:  # the chain is its first branch: nodes 0..len(chain)-1
@@ -172,7 +182,7 @@ class SpeculationLoop:
         s.commit([*accepted, next_token])
         self._learn()
         along = kept_on_chain(kept, len(chain))
-        self._record(k, len(drafts), len(kept), proposal.source, len(chain), along)
+        self._record(k, len(drafts), len(kept), proposal, len(chain), along)
         if tree is not None:
             self._record_tree(tree, len(chain), kept, along)
 
@@ -211,9 +221,13 @@ class SpeculationLoop:
             if self.cache is not None:
                 hit = await self._cache_lookup(k)
                 if hit is not None and hit.tokens and hit.match_len > matched:
-                    proposal, matched = Proposal(committed, list(hit.tokens[:k]), source=CACHE), hit.match_len
+                    proposal = Proposal(committed, list(hit.tokens[:k]), source=CACHE, match_len=hit.match_len)
+                    matched = hit.match_len
                 if hit is not None and hit.tokens:
                     runs = [list(hit.tokens[:k]), *(list(run) for run in hit.runs)]
+            if self._by_evidence() and proposal.tokens:
+                k = self._evidence_k(proposal, k)
+                proposal.tokens = proposal.tokens[:k]
             if self.draft is None or (matched >= opts.hybrid_min_match and proposal.tokens):
                 return self._with_tree(proposal, k, shape, branches, runs)
         if ready is not None and ready.base_len == committed:
@@ -352,12 +366,22 @@ class SpeculationLoop:
             self.draft = DraftProposer(channel, self.seq_id, self.state.sampling, len(self.state.prompt_ids))
 
     # ----- adaptive k ------------------------------------------------------
+    def _by_evidence(self) -> bool:
+        """Whether this round's k is chosen after the lookup, by the kind of match (n-gram rounds alone)."""
+        return self.match_rates is not None and self.draft is None and self.options.adaptive_k
+
+    def _evidence_k(self, proposal: Proposal, k: int) -> int:
+        """How many of an n-gram proposal's tokens to verify, at its kind's acceptance and the round costs."""
+        assert self.match_rates is not None
+        return self.match_rates.choose_k(proposal.source, proposal.match_len, not self.state.sampling.is_greedy,
+                                         self._round_costs(), min(k, len(proposal.tokens)))
+
     def _choose_k(self, after_tokens: int) -> int:
         s, opts = self.state, self.options
         room = min(s.remaining - after_tokens, self.max_context - len(s.history) - after_tokens) - 1
         if not (opts.uses_draft or opts.uses_ngram) or room <= 0:
             return 0
-        if not opts.adaptive_k:
+        if not opts.adaptive_k or self._by_evidence():  # (by evidence: the lookup's kind cuts it)
             return min(opts.k_max, room)
         costs = self._round_costs()
         k = choose_k(s.tracker.rate, costs, opts.k_max)
@@ -423,10 +447,10 @@ class SpeculationLoop:
         return self.state.remaining * (plain_s_per_token - spec_s_per_token) > catch_up_s
 
     # ----- bookkeeping -----------------------------------------------------
-    def _record(self, k: int, drafted: int, accepted: int, source: str, chain_len: int, along: int) -> None:
+    def _record(self, k: int, drafted: int, accepted: int, proposal: Proposal, chain_len: int, along: int) -> None:
         """A round's statistics; ``along``: the accepted tokens on the chain (a tree's first branch), which
         the acceptance rate that k plans with counts (a chain: all of them)."""
-        stats = self.state.stats
+        stats, source = self.state.stats, proposal.source
         stats.rounds += 1
         stats.k_counts[k] += 1
         if drafted:
@@ -437,6 +461,10 @@ class SpeculationLoop:
             stats.ngram_rounds += source in (NGRAM, CACHE)
             stats.cache_rounds += source == CACHE
             self.state.tracker.observe(chain_len, along)
+            if self._by_evidence() and source in (NGRAM, CACHE):
+                assert self.match_rates is not None
+                self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,
+                                         chain_len, along)
         if self.observer:
             self.observer.on_round(k, drafted, accepted, source)
 

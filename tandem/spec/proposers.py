@@ -33,6 +33,7 @@ class Proposal:
     source: str = NGRAM
     alternatives: Sequence[Sequence[int]] = ()  # per token, the draft's next-best tokens (trees), when asked
     tree: TokenTree | None = None  # this round's token tree, whose first branch is tokens[:k]; None: a chain
+    match_len: int = 0  # n-gram sources: the length of the context that matched (the evidence's strength)
 
 
 class ContinuationCache(Protocol):
@@ -55,7 +56,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 def ngram_proposal(history: list[int], k: int, min_n: int, max_n: int) -> tuple[Proposal, int]:
     """The continuation of the longest earlier match of the history's suffix, and the match length."""
     tokens, matched = lookup_match(history, k, min_n, max_n)
-    return Proposal(len(history), tokens, source=NGRAM), matched
+    return Proposal(len(history), tokens, source=NGRAM, match_len=matched), matched
 
 
 class DraftProposer:

@@ -104,3 +104,18 @@ def test_killing_redis_mid_stream_loses_no_token_and_a_restart_shares_again(syst
         return cache_metric(second, 'cache_lookup_results_total{tier="shared"') > before
 
     wait_for(shared_again, timeout_s=60)
+
+
+def test_the_acceptance_of_each_kind_of_match_is_exported(system):
+    cluster, _, one, _ = system
+    reply = one.generate(build_request("Count from one to twenty in words, separated by commas.", chat=True,
+                                       max_new_tokens=TOKENS, method="ngram", ignore_eos=True))  # adaptive k
+    assert reply.stats.generated_tokens == TOKENS
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.coordinator.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    kinds = {(m["source"], m["band"]): float(m["rate"]) for m in re.finditer(
+        r'^tandem_coordinator_match_acceptance\{source="(?P<source>\w+)",match_band="(?P<band>\d+)",'
+        r'sampled="false"\} (?P<rate>\S+)$', text, re.M)}
+    assert kinds, "no kind of match was learned from a greedy n-gram request"
+    assert {source for source, _ in kinds} <= {"ngram", "cache"}
+    assert all(0.0 < rate < 1.0 for rate in kinds.values())

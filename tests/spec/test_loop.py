@@ -16,9 +16,10 @@ import sys
 import pytest
 
 from tandem.sampling_params import SamplingParams
-from tandem.spec.adaptive import CostModel
+from tandem.spec.adaptive import EXPLORE_EVERY, AcceptanceTracker, CostModel, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
+from tandem.spec.proposers import NGRAM
 from tandem.spec.request import RequestState, StopConditions
 from tandem.spec.transport import Drafted, FittedCost
 from tandem.spec.tree import children_of
@@ -292,3 +293,50 @@ def test_auto_tree_follows_the_cost_model():
 def test_tree_off_sends_chains_only():
     _, target, _ = run(SpecOptions("draft", 4, adaptive_k=False, tree="off"), n=40)
     assert target.trees == 0
+
+
+class DearRowsTarget(FakeTarget):
+    """A target whose verification rows are dear (each one half a step), as fp32 on a CPU without AVX-512."""
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.1, 0.05)
+
+
+def run_by_evidence(rates: MatchRates, n: int = 60) -> tuple[RequestState, FakeTarget]:
+    target = DearRowsTarget()
+    state = RequestState([3, 1, 4, 1, 5], SamplingParams(), StopConditions(n))
+    loop = SpeculationLoop(state, "s", SpecOptions("ngram", 4), target, None, CostModel(), 10_000,
+                           match_rates=rates)
+    asyncio.run(loop.run_to_end())
+    return state, target
+
+
+def taught(accepted: int) -> MatchRates:
+    """Rates that saw every kind of request-text match accept ``accepted`` of 4 tokens, 200 times."""
+    rates = MatchRates()
+    for n in (1, 2, 3, 5, 8):
+        for _ in range(200):
+            rates.observe(NGRAM, n, False, 4, accepted)
+    return rates
+
+
+def test_ngram_rounds_verify_what_their_kind_of_match_earns():
+    expected = target_only([3, 1, 4, 1, 5], 60)
+    wrong, _ = run_by_evidence(taught(accepted=0))
+    right, _ = run_by_evidence(taught(accepted=4))
+    assert wrong.generated == right.generated == expected
+    matched = right.stats.ngram_rounds  # rounds whose text had a match (all proposed when matches are right)
+    assert matched > 10 and right.stats.k_counts[4] > 0
+    # Kinds that never pay propose nothing but their rare exploration rounds (one token each).
+    assert wrong.stats.drafted <= matched // EXPLORE_EVERY + 1
+    assert all(k <= 1 for k, count in wrong.stats.k_counts.items() if count)
+
+
+def test_match_rates_learn_from_the_rounds_and_stay_apart_from_the_request_rate():
+    rates = MatchRates()
+    state, target = run_by_evidence(rates)
+    assert state.generated == target_only([3, 1, 4, 1, 5], 60)
+    observed = sum(t.accepted + t.rejected for t in rates.trackers.values())
+    assert rates.trackers and all(source == NGRAM and not sampled for source, _, sampled in rates.trackers)
+    assert observed > len(rates.trackers) * (AcceptanceTracker().accepted + AcceptanceTracker().rejected)
+    assert target.verified_tokens == state.stats.drafted  # every drafted token was verified, none other

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from tandem.errors import InvalidRequestError
-from tandem.spec.adaptive import AcceptanceTracker, CostModel, choose_k, expected_tokens
+from tandem.spec.adaptive import (
+    MATCH_MEMORY,
+    AcceptanceTracker,
+    CostModel,
+    MatchRates,
+    choose_k,
+    expected_tokens,
+    match_band,
+)
 from tandem.spec.ngram import lookup_continuation, lookup_match
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import ngram_proposal
@@ -62,6 +70,32 @@ def test_tracker_learns_acceptance_rate():
     for _ in range(50):
         tracker.observe(4, 4)
     assert tracker.rate > 0.95
+
+
+def test_match_rates_learn_each_kind_of_evidence_apart():
+    rates = MatchRates()
+    fresh = AcceptanceTracker().rate
+    for _ in range(40):
+        rates.observe("ngram", 1, True, 4, 0)  # one-token matches of the request's text: always wrong
+        rates.observe("cache", 9, True, 4, 4)  # long cache matches: always right
+    assert rates.rate("ngram", 1, True) < 0.1
+    assert rates.rate("cache", 8, True) > 0.95  # 8 and 9 share the last band
+    assert rates.rate("ngram", 1, False) == fresh  # greedy requests learn apart from sampled ones
+    assert rates.rate("cache", 1, True) == fresh  # a short cache match is another kind
+    assert rates.rate("ngram", 2, True) == fresh
+
+
+def test_match_bands_and_memory():
+    assert [match_band(n) for n in (1, 2, 3, 4, 5, 7, 8, 30)] == [1, 2, 4, 4, 7, 7, 8, 8]
+    rates = MatchRates()
+    for _ in range(1000):
+        rates.observe("cache", 3, False, 4, 4)
+    assert rates.rate("cache", 3, False) > 0.99
+    for _ in range(60):  # the workload changes: a bounded memory follows it within a few hundred rounds
+        rates.observe("cache", 3, False, 4, 0)
+    tracker = rates.trackers[("cache", 4, False)]
+    assert tracker.accepted + tracker.rejected <= MATCH_MEMORY + 4
+    assert rates.rate("cache", 3, False) < 0.9
 
 
 def test_cost_model_follows_measurements():
