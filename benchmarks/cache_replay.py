@@ -8,8 +8,8 @@ token y ~ p and going on iff y is a candidate. So walking a proposal tree
 along a recorded target-only sample (drawn from p at every position) accepts
 exactly as many tokens, in distribution, as verification would. The caches
 learn the recorded samples, which are themselves draws of the target. What
-replay cannot show is time: convert tokens per round to speed with the
-measured cost of a verification of that many nodes (engine_speed.py).
+replay cannot show is time: tokens per round become speed with the
+measured cost of a verification of that many nodes (the ``cost`` step).
 
 Three steps:
 
@@ -55,6 +55,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from tandem.spec.adaptive import TIE_MARGIN, AcceptanceTracker, MatchRates, choose_k  # noqa: E402
 from tandem.spec.continuations import LocalContinuations  # noqa: E402
+from tandem.spec.loop import PROMPT_TOKENS_LEARNED  # noqa: E402
 from tandem.spec.ngram import lookup_match  # noqa: E402
 from tandem.spec.proposers import CACHE, NGRAM  # noqa: E402
 from tandem.spec.tree import ROOT, TokenTree, children_of  # noqa: E402
@@ -64,7 +65,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_RECORDING = RESULTS / "rollout_recording.json"
 DEFAULT_COSTS = RESULTS / "verify_costs.json"
 COST_ROWS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
-PROMPT_TOKENS_LEARNED = 256  # as the loop: the cache learns a prompt's last tokens only
 
 
 # ----- record -------------------------------------------------------------------------------------
@@ -77,7 +77,8 @@ def record(args: argparse.Namespace) -> int:
 
     target_dir = resolve_model_dir(args.target)
     tokenizer = load_tokenizer(target_dir)
-    engine = ModelEngine.load(engine_config(target_dir, args.dtype))
+    config = engine_config(target_dir, args.dtype)
+    engine = ModelEngine.load(config)
     stops = stop_token_ids(target_dir, tokenizer, engine.config)
     generator = SpeculativeGenerator(engine)
     prompts = load_prompts([HUMANEVAL], args.prompts, args.seed, None)
@@ -91,7 +92,8 @@ def record(args: argparse.Namespace) -> int:
             rows.append({"prompt_id": prompt.prompt_id, "sample": i, "seed": seed, "prompt_ids": ids,
                          "token_ids": result.token_ids})
         print(f"{prompt.prompt_id}: {args.samples} samples", flush=True)
-    payload = {"target": args.target, "dtype": args.dtype, "temperature": args.temperature,
+    payload = {"target": args.target, "dtype": str(config.resolved_dtype).removeprefix("torch."),
+               "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "rows": rows}
     args.recording.write_text(json.dumps(payload))
     print(f"wrote {args.recording}")
@@ -103,9 +105,11 @@ def cost(args: argparse.Namespace) -> int:
     from benchmarks.runners import engine_config, engine_probe, forward_seconds, resolve_model_dir
     from tandem.engine import ModelEngine
 
-    engine = ModelEngine.load(engine_config(resolve_model_dir(args.target), args.dtype))
+    config = engine_config(resolve_model_dir(args.target), args.dtype)
+    engine = ModelEngine.load(config)
     seconds = forward_seconds([engine_probe(engine, args.prefix_len, n) for n in COST_ROWS], args.reps)
-    payload = {"target": args.target, "dtype": args.dtype, "prefix_len": args.prefix_len,
+    payload = {"target": args.target, "dtype": str(config.resolved_dtype).removeprefix("torch."),
+               "packed_weights": config.pack_weights, "prefix_len": args.prefix_len,
                "rows": list(COST_ROWS), "seconds": seconds}
     for n, sec in zip(COST_ROWS, seconds):
         print(f"{n:3d} rows: {1000 * sec:7.1f} ms ({sec / seconds[0]:.2f}x one)")
