@@ -113,9 +113,11 @@ def test_the_acceptance_of_each_kind_of_match_is_exported(system):
     assert reply.stats.generated_tokens == TOKENS
     text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.coordinator.metrics_port}/metrics",
                                   timeout=5).read().decode()
-    kinds = {(m["source"], m["band"]): float(m["rate"]) for m in re.finditer(
-        r'^tandem_coordinator_match_acceptance\{source="(?P<source>\w+)",match_band="(?P<band>\d+)",'
-        r'sampled="false"\} (?P<rate>\S+)$', text, re.M)}
+    kinds = []
+    for m in re.finditer(r"^tandem_coordinator_match_acceptance\{(?P<labels>[^}]*)\} (?P<rate>\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+        kinds.append((labels["source"], int(labels["match_band"]), labels["sampled"], float(m["rate"])))
     assert kinds, "no kind of match was learned from a greedy n-gram request"
-    assert {source for source, _ in kinds} <= {"ngram", "cache"}
-    assert all(0.0 < rate < 1.0 for rate in kinds.values())
+    assert {source for source, *_ in kinds} <= {"ngram", "cache"}
+    assert {sampled for *_, sampled, _ in kinds} == {"false"}
+    assert all(0.0 < rate < 1.0 for *_, rate in kinds)
