@@ -213,15 +213,10 @@ class MatchRates:
         return k
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Each kind seen so far: its rate, the observations it remembers and the proposals it dropped."""
-        rows = []
-        for kind in sorted(set(self.trackers) | set(self.dropped)):
-            source, band, sampled = kind
-            tracker = self.trackers.get(kind)
-            rows.append({"source": source, "band": band, "sampled": sampled, "rate": self.rate(source, band, sampled),
-                         "observations": tracker.accepted + tracker.rejected if tracker else 0.0,
-                         "dropped": self.dropped.get(kind, 0)})
-        return rows
+        """Each kind seen so far: its rate and the proposals it dropped (the coordinator's metrics)."""
+        return [{"source": source, "band": band, "sampled": sampled, "rate": self.rate(source, band, sampled),
+                 "dropped": self.dropped.get((source, band, sampled), 0)}
+                for source, band, sampled in sorted(set(self.trackers) | set(self.dropped))]
 
     def observe(self, source: str, match_len: int, sampled: bool, num_drafted: int, num_accepted: int) -> None:
         tracker = self.trackers.setdefault((source, match_band(match_len), sampled), AcceptanceTracker())
