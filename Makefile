@@ -18,7 +18,7 @@ STUBS := $(foreach name,common draft target generation,tandem/v1/$(name)_pb2.py 
 SETUP_STAMP := $(VENV)/.tandem-setup
 SETUP_DEV_STAMP := $(VENV)/.tandem-setup-dev
 
-.PHONY: setup setup-dev models-ci models demo test test-fast soak install-check deploy-check bench bench-quick lint clean
+.PHONY: setup setup-dev models-ci models demo test test-unit test-long soak install-check deploy-check bench bench-quick lint clean
 
 setup: $(SETUP_STAMP)  ## .venv with Tandem installed editable (CPU torch first; stubs generated)
 
@@ -49,16 +49,22 @@ models: setup  ## the benchmark pair (Qwen2.5-Coder 1.5B target, 0.5B draft; ~1.
 demo: models  ## start the whole system locally (workers + coordinator), stream one answer over gRPC, stop
 	$(PYTHON) -m tandem demo "$(PROMPT)"
 
-test: setup-dev models-ci  ## the whole test suite (unit + integration on real models); names the 25 slowest
+# The tiers (README, Testing): `test` proves every property once and is what CI runs; `test-unit` is its
+# part that needs no real model and starts no processes; `test-long` is the long tier (not in CI).
+# pyproject.toml deselects the `long` marker by default and gives every test a timeout.
+test: setup-dev models-ci  ## the suite CI runs: unit tests, then integration on one shared SmolLM2 cluster; names the 25 slowest
 	$(PYTHON) -m pytest -q --durations=25
 
-test-fast: setup-dev  ## unit tests only, no model downloads
-	$(PYTHON) -m pytest -q -m "not slow"
+test-unit: setup-dev  ## unit tests only (tiny random models, in process): no model download, about 3 minutes
+	$(PYTHON) -m pytest -q -m "not slow and not long"
+
+test-long: setup-dev models-ci  ## the long tier: SmolLM2 soak, the full fuzz budget, full chi-square samples
+	$(PYTHON) -m pytest -q --durations=25 -m long
 
 SOAK_SECONDS ?= 300
-soak: setup-dev models-ci  ## 64 concurrent streams for SOAK_SECONDS; figures to benchmarks/results/soak.json
+soak: setup-dev models-ci  ## 64 concurrent streams on SmolLM2 for SOAK_SECONDS; figures to benchmarks/results/soak.json
 	TANDEM_SOAK_SECONDS=$(SOAK_SECONDS) TANDEM_SOAK_REPORT=benchmarks/results/soak.json \
-		$(PYTHON) -m pytest -q -s tests/integration/test_soak.py
+		$(PYTHON) -m pytest -q -s -m long tests/integration/test_soak.py
 
 install-check: models-ci  ## `pip install .` (not editable) into a fresh venv, then run it from outside the checkout
 	VENV_PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash .ci/install_check.sh

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_model, save_tiny_served_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -25,6 +25,12 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 def tiny_qwen2_other_dir(tmp_path_factory) -> Path:
     """Same shapes and vocabulary as tiny_qwen2, unrelated weights: a draft that rarely agrees."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-other"), "qwen2", seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with a tokenizer and chat template, for tests about the system rather than the text."""
+    return save_tiny_served_model(tmp_path_factory.mktemp("tiny-served"))
 
 
 def prepared_model_dir(name: str) -> Path | None:

@@ -44,14 +44,20 @@ def save_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides) -> P
     return out_dir
 
 
+# A chat template as small as the tokenizer: ``<s>`` and each turn's text, then ``#`` to ask for an answer.
+TINY_CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['content'] }}{% endfor %}"
+                      "{% if add_generation_prompt %}#{% endif %}")
+
+
 def save_tiny_tokenizer(out_dir: Path, vocab_size: int, eos_token_id: int = TINY_COMMON["eos_token_id"],
-                        bos_token_id: int | None = TINY_COMMON["bos_token_id"]) -> Path:
+                        bos_token_id: int | None = TINY_COMMON["bos_token_id"], chat: bool = False) -> Path:
     """Write a real ``tokenizers`` WordLevel tokenizer (tokenizer.json + tokenizer_config.json); returns ``out_dir``.
 
     Ids ``eos_token_id`` and ``bos_token_id`` are the special tokens ``</s>`` and ``<s>``, the
     highest other id is ``<unk>``, and every other id is one printable ASCII character (``!``,
     ``"``, ``#``...; ids past those 94 are ``w{id}``). Text is read character by character, so
-    ``"!#"`` is two tokens. ``tandem.tokenizer.load_tokenizer`` loads it with the same ids
+    ``"!#"`` is two tokens. With ``chat`` it carries ``TINY_CHAT_TEMPLATE``, so that requests with
+    ``chat=True`` work as on a real model. ``tandem.tokenizer.load_tokenizer`` loads it with the same ids
     whatever the model's family: for Qwen2 directories transformers insists on its own
     byte-level BPE class, which rebuilds the model from this vocabulary with no merges, and
     for single ASCII characters that reads text the same way.
@@ -80,5 +86,15 @@ def save_tiny_tokenizer(out_dir: Path, vocab_size: int, eos_token_id: int = TINY
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>",
               "pad_token": "</s>", "bos_token": "<s>" if bos_token_id is not None else None,
               "model_max_length": TINY_COMMON["max_position_embeddings"]}
+    if chat:
+        config["chat_template"] = TINY_CHAT_TEMPLATE
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def save_tiny_served_model(out_dir: Path, seed: int = 11, max_positions: int = 2048) -> Path:
+    """A tiny Llama with a real tokenizer and chat template: what the plumbing tests serve through real
+    processes (faults, fuzz, TLS, discovery, soak). Loads and answers in milliseconds, so the tests
+    measure the system, not the model; ``max_positions`` leaves room for long streams."""
+    save_tiny_model(out_dir, "llama", seed=seed, max_position_embeddings=max_positions)
+    return save_tiny_tokenizer(out_dir, TINY_COMMON["vocab_size"], chat=True)

@@ -135,25 +135,35 @@ def test_smollm2_early_exit_greedy_identical(smollm2_dir):
     assert sum(r.stats.accepted for r in results) > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method,tree", [("early-exit", "off"), ("ngram", "off"), ("draft", "off"),
-                                         ("hybrid", "off"), ("early-exit", "on"), ("ngram", "on")])
-def test_smollm2_bf16_speculative_greedy_identical(smollm2_dir, method, tree):
-    """In bf16 too: verification rows are computed exactly like decode steps (batch-invariant kernels)."""
+BF16_PROMPTS = ("Write a story about a cat.", "Repeat after me: alpha beta gamma alpha beta gamma.")
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_dir):
+    """SmolLM2's bf16 target, a bf16 copy of it as its own draft, the prompts and the target-only output:
+    loaded and computed once for every method below (each run releases its sequences)."""
     from tandem.tokenizer import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
-    prompts = [encode_prompt(tok, p, chat=True) for p in
-               ("Write a story about a cat.", "Repeat after me: alpha beta gamma alpha beta gamma.")]
+    prompts = [encode_prompt(tok, p, chat=True) for p in BF16_PROMPTS]
     target = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16", kv_cache_tokens=8192))
+    draft = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16"))
+    plain = [r.token_ids for r in run(target, prompts=prompts, n=60)]
+    return target, draft, prompts, plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,tree", [("early-exit", "off"), ("ngram", "off"), ("draft", "off"),
+                                         ("hybrid", "off"), ("early-exit", "on"), ("ngram", "on")])
+def test_smollm2_bf16_speculative_greedy_identical(smollm2_bf16, method, tree):
+    """In bf16 too: verification rows are computed exactly like decode steps (batch-invariant kernels)."""
+    target, same_model, prompts, plain = smollm2_bf16
     draft = {
         "early-exit": lambda: early_exit_engine(target, 20),
         "ngram": lambda: None,
-        # the same model drafting for itself
-        "draft": lambda: ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16")),
-        "hybrid": lambda: ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16")),
+        "draft": lambda: same_model,  # the same model drafting for itself
+        "hybrid": lambda: same_model,
     }[method]()
-    plain = [r.token_ids for r in run(target, prompts=prompts, n=60)]
     results = run(target, draft, method, prompts, n=60, k_max=4, ngram_max=3, tree=tree)
     assert [r.token_ids for r in results] == plain
     assert sum(r.stats.drafted for r in results) > 0
@@ -161,3 +171,5 @@ def test_smollm2_bf16_speculative_greedy_identical(smollm2_dir, method, tree):
         assert sum(r.stats.tree_rounds for r in results) > 0
     if method == "draft":  # the same model drafting: every draft token is accepted, in bf16 too
         assert all(r.stats.accepted == r.stats.drafted for r in results)
+    for engine in (target, same_model):  # every sequence released: the next method starts clean
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -15,7 +15,8 @@ import torch
 
 from tandem.tokenizer import encode_prompt, load_tokenizer
 from tests.conftest import prepared_model_dir
-from tests.integration.test_services import PROMPTS, target_only_in_process
+from tests.integration.conftest import PROMPTS
+from tests.references import target_only
 from tests.tensor_parallel.test_sharded_forward import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -86,7 +87,7 @@ def test_speculative_greedy_through_local_cluster_equals_target_only(tmp_path) -
     from tandem.cluster import ClusterSpec, LocalCluster
 
     model_dir = model_or_skip("qwen-coder-0.5b")
-    reference = target_only_in_process(model_dir, "float32")  # the same four prompts, 40 tokens
+    reference = target_only(model_dir, PROMPTS, dtype="float32", max_new_tokens=40)
     spec = ClusterSpec(target=str(model_dir), draft=None, dtype="float32", tensor_parallel_size=2,
                        kv_cache_tokens=4096, log_dir=tmp_path / "logs")
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=300) as client:

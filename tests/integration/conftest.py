@@ -1,0 +1,76 @@
+"""The one real-model cluster that every test needing only a running system shares.
+
+Starting a SmolLM2 process costs seconds of both shared cores (importing torch, loading, warming
+up), so the suite starts one system per run and the tests that only send requests use it: two
+target replicas and two draft replicas of SmolLM2 in bf16 (the draft at full precision and full
+vocabulary, so it is the target's own model and every draft token is accepted, which tests assert),
+pipelined drafting on, one coordinator, metrics on, everything bound to 127.0.0.1. A test that
+needs other coordinator settings adds a coordinator of its own over the same workers
+(``extra_coordinator``); only a test that kills, hangs or reconfigures workers starts a cluster
+of its own (on the tiny model where the property is not about real text).
+
+The references (target-only greedy output of SmolLM2, computed in process) are session-scoped
+too, so each is computed once per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+from tandem.client import TandemClient
+from tandem.cluster import ClusterSpec, LocalCluster, Service
+from tests.references import target_only
+
+# What the shared-cluster tests ask for, and the references are computed for (chat template, 40 tokens).
+PROMPTS = (
+    "Write a story about a cat.",
+    "def fibonacci(n):",
+    "List the planets of the solar system.",
+    "Explain what a hash table is.",
+)
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(smollm2_dir, tmp_path_factory) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=8192,
+                       target_replicas=2, draft_replicas=2, worker_threads=1,
+                       log_dir=tmp_path_factory.mktemp("shared-cluster-logs"), pipelining=True,
+                       worker_args=("--host", "127.0.0.1"), coordinator_args=("--host", "127.0.0.1"),
+                       # A full-precision draft equal to the target: every draft is accepted, which tests assert.
+                       draft_args=("--quantization", "none", "--vocab", "0"))
+    with LocalCluster(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def shared_client(shared_cluster) -> Iterator[TandemClient]:
+    with TandemClient(shared_cluster.coordinator.address, timeout_s=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir) -> dict[str, list[int]]:
+    """SmolLM2's target-only greedy output in bf16 for each of PROMPTS."""
+    return target_only(smollm2_dir, PROMPTS, dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference_fp32(smollm2_dir) -> dict[str, list[int]]:
+    """The same in fp32."""
+    return target_only(smollm2_dir, PROMPTS, dtype="float32", max_new_tokens=MAX_NEW_TOKENS)
+
+
+@contextlib.contextmanager
+def extra_coordinator(cluster: LocalCluster, extra_args: tuple[str, ...] = ()) -> Iterator[Service]:
+    """One more coordinator over ``cluster``'s workers, with settings of its own; stopped (and taken out
+    of the cluster's services) afterwards, so the next test finds the cluster as it was."""
+    coordinator = cluster.add_coordinator(extra_args=extra_args)
+    try:
+        yield coordinator
+    finally:
+        cluster.services.remove(coordinator)
+        LocalCluster._terminate([coordinator], grace_s=15.0)
