@@ -10,6 +10,9 @@ passes their addresses as flags; ``file`` writes a workers file
 (``tandem.workers_file``) that coordinators follow, so that ``add_worker`` /
 ``remove_worker`` grow and shrink a fleet while it serves; ``given``: the
 caller's ``coordinator_args`` say how (a test's Kubernetes stand-in).
+
+A process that exits is not restarted here: ``replace`` starts another in its
+place, and ``tandem.supervisor`` decides when (backoff, a bound on restarts).
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ class Service:
     port: int = 0
     metrics_port: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
+    argv: list[str] = field(default_factory=list)  # its command line: what a replacement runs again
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """``target-0``, ``coordinator``, ...: unique in its cluster (its log file is ``<name>.log``)."""
+        return self.log_path.stem
 
 
 @dataclass(slots=True)
@@ -82,6 +91,9 @@ class ClusterSpec:
     # A local cluster's operator is its user: replies and Info name the workers by address (tandem scale,
     # the tests and the benchmarks match them against the processes). False: opaque names, as by default.
     expose_worker_addresses: bool = True
+    # The bearer token this launcher presents to its coordinators (Info, while workers join or leave), for
+    # a coordinator started with --auth-token-file; None: it has no auth.
+    coordinator_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.target_replicas < 1 or self.draft_replicas < 0:
@@ -102,6 +114,7 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers_file = self.log_dir / "workers.json"  # what coordinators follow with discovery "file"
         self._spawned = {"target": 0, "draft": 0, "coordinator": 0}  # names stay unique as fleets change
+        self._starting: list[Service] = []  # started, not yet serving (not in ``services``): stop() ends them too
 
     # ----- lifecycle --------------------------------------------------------
     def start(self, timeout_s: float = 900.0) -> str:
@@ -149,12 +162,7 @@ class LocalCluster:
         """Start ``count`` more workers of ``role``; once they serve, coordinators are told (the workers file);
         returns once the coordinators use them."""
         self._check_elastic(role)
-        new = [self._spawn_worker(role) for _ in range(count)]
-        try:
-            self._wait(new, timeout_s)
-        except BaseException:
-            self._terminate(new, grace_s=5.0)
-            raise
+        new = self._start_serving([self._spawn_worker(role) for _ in range(count)], timeout_s)
         self.services.extend(new)  # only now: a watcher of ``services`` never sees a half-started worker
         self._publish_workers()
         self._wait_coordinators({s.address for s in new}, joined=True, timeout_s=JOIN_TIMEOUT_S)
@@ -175,6 +183,43 @@ class LocalCluster:
         self._wait_coordinators({s.address for s in leaving}, joined=False, timeout_s=drain_timeout_s)
         self._terminate(leaving, grace_s=15.0)
         return leaving
+
+    def replace(self, dead: Service, timeout_s: float = 900.0) -> Service:
+        """Start a new process in place of ``dead`` (one of ``services`` that exited) and return it once it
+        serves and has taken ``dead``'s place: a worker gets a new port, and coordinators are told through
+        the workers file (returns once they use it); a coordinator comes back on the port it had. Raises
+        RuntimeError or TimeoutError if the new process exits or does not come up (``dead`` stays)."""
+        if dead not in self.services:
+            raise ValueError(f"{dead.name} is not a service of this cluster")
+        if dead.process.poll() is None:
+            raise ValueError(f"{dead.name} (pid {dead.process.pid}) is still running")
+        if dead.role != "coordinator":
+            self._check_elastic(dead.role)
+        argv = list(dead.argv)
+        if dead.role == "coordinator":  # its clients know its port: the same again (it was 0 if picked)
+            argv[argv.index("--port") + 1] = str(dead.port)
+        name = f"{dead.role}-{self._spawned[dead.role]}"
+        [new] = self._start_serving([self._launch(dead.role, name, argv)], timeout_s)
+        self.services[self.services.index(dead)] = new
+        if new.role == "coordinator":
+            wait_serving(new.address, timeout_s=30, tls=self.spec.client_tls)
+        else:
+            self._publish_workers()
+            self._wait_coordinators({new.address}, joined=True, timeout_s=JOIN_TIMEOUT_S)
+        return new
+
+    def _start_serving(self, new: list[Service], timeout_s: float) -> list[Service]:
+        """Wait until ``new`` (just started) serve; if one does not, stop them all and raise."""
+        self._starting.extend(new)
+        try:
+            self._wait(new, timeout_s)
+        except BaseException:
+            self._terminate(new, grace_s=5.0)
+            raise
+        finally:
+            for service in new:
+                self._starting.remove(service)
+        return new
 
     def _check_elastic(self, role: str) -> None:
         if self.spec.discovery != "file":
@@ -197,7 +242,8 @@ class LocalCluster:
 
         deadline = time.monotonic() + timeout_s
         for coordinator in self.workers("coordinator"):
-            with TandemClient(coordinator.address, timeout_s=10) as client:
+            with TandemClient(coordinator.address, timeout_s=10, tls=self.spec.client_tls,
+                              token=self.spec.coordinator_token) as client:
                 while time.monotonic() < deadline:
                     try:
                         info = client.info()
@@ -211,9 +257,11 @@ class LocalCluster:
                     time.sleep(0.2)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the coordinator and let it drain, then the workers its requests still needed."""
-        self._terminate([s for s in self.services if s.role == "coordinator"], grace_s)
-        self._terminate([s for s in self.services if s.role != "coordinator"], grace_s)
+        """SIGTERM the coordinator and let it drain, then the workers its requests still needed (and any
+        process still starting)."""
+        every = [*self.services, *self._starting]
+        self._terminate([s for s in every if s.role == "coordinator"], grace_s)
+        self._terminate([s for s in every if s.role != "coordinator"], grace_s)
 
     @staticmethod
     def _terminate(group: list[Service], grace_s: float) -> None:
@@ -266,15 +314,17 @@ class LocalCluster:
             args = [*args, "--cache-dir", self.spec.cache_dir]
         if self.spec.server_tls:
             args = [*args, *self.spec.server_tls.flags()]
+        return self._launch(role, name, [sys.executable, *(command or ("-m", "tandem", "serve", role)), *args])
+
+    def _launch(self, role: str, name: str, cmd: list[str]) -> Service:
         log_path = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, *(command or ("-m", "tandem", "serve", role)), *args]
         # A session of its own (a terminal's Ctrl-C reaches only us, and we stop services in order),
         # and our pid, so that a service stops itself if we are killed before we can stop it.
         env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                    start_new_session=True, env=env)
         self._spawned[role] += 1
-        service = Service(role, process, log_path)
+        service = Service(role, process, log_path, argv=cmd)
         threading.Thread(target=self._read_stdout, args=(service,), daemon=True).start()
         return service
 

@@ -1,12 +1,18 @@
-"""`tandem scale`'s requests to a running `tandem up`: what is refused, and how `tandem scale` finds it."""
+"""`tandem scale`'s requests to a running `tandem up`: what is refused, who may send them, and how `tandem scale`
+finds it; and the TLS and token flags `tandem up` passes to what it starts."""
 
 from __future__ import annotations
+
+import http.client
+import json
+import stat
+from types import SimpleNamespace
 
 import pytest
 
 from tandem.cli import main
 from tandem.errors import InvalidRequestError
-from tandem.up_admin import parse_scale
+from tandem.up_admin import AdminServer, parse_scale, state_file
 
 
 def test_a_scale_request_keeps_what_it_leaves_out_and_defaults_the_drain_timeout():
@@ -32,3 +38,152 @@ def test_tandem_scale_without_a_running_tandem_up_says_how_to_point_it_at_one(tm
     assert "no running `tandem up` with its coordinator on port 50999" in capsys.readouterr().err
     assert main(["scale", "--admin", "127.0.0.1:1"]) == 2
     assert "cannot reach `tandem up` at 127.0.0.1:1" in capsys.readouterr().err
+
+
+# ----- who may drive the control endpoint ----------------------------------------------------------------
+
+
+class FakeCluster:
+    """What the control endpoint uses of a LocalCluster, with no processes: it records the changes asked."""
+
+    def __init__(self) -> None:
+        self.coordinator = SimpleNamespace(address="127.0.0.1:50051")
+        self.fleets = {"target": ["127.0.0.1:1"], "draft": []}
+        self.changes: list[tuple[str, str, int]] = []
+
+    def workers(self, role: str) -> list[SimpleNamespace]:
+        return [SimpleNamespace(address=a) for a in self.fleets[role]]
+
+    def add_workers(self, role: str, count: int) -> None:
+        self.changes.append(("add", role, count))
+        self.fleets[role] += [f"127.0.0.1:{100 + i}" for i in range(count)]
+
+    def remove_workers(self, role: str, count: int, drain_timeout_s: float) -> None:
+        self.changes.append(("remove", role, count))
+        del self.fleets[role][-count:]
+
+
+@pytest.fixture
+def admin(tmp_path):
+    server = AdminServer(FakeCluster(), max_replicas=4)  # type: ignore[arg-type]
+    server.start(state_file(tmp_path, 50051))
+    yield server
+    server.stop()
+
+
+def post(admin: AdminServer, body: dict, **headers: str) -> tuple[int, dict]:
+    """POST /scale with exactly these headers (Host too, unless given: the endpoint's own)."""
+    headers = {"Host": admin.address, "Content-Type": "application/json", **headers}
+    connection = http.client.HTTPConnection(admin.address, timeout=10)
+    try:
+        connection.request("POST", "/scale", json.dumps(body), headers)
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def test_scaling_needs_the_secret_in_the_owner_only_state_file(admin, tmp_path):
+    path = state_file(tmp_path, 50051)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    secret = json.loads(path.read_text())["secret"]
+    assert len(secret) >= 32
+    for headers in ({}, bearer("a-guess-that-is-long-enough-0123456789"), {"Authorization": secret}):
+        code, reply = post(admin, {"target_replicas": 2}, **headers)
+        assert code == 401 and "secret" in reply["error"] and str(path) in reply["error"]
+    assert admin.cluster.changes == []
+    code, reply = post(admin, {"target_replicas": 2}, **bearer(secret))
+    assert code == 200 and len(reply["target"]) == 2
+    assert admin.cluster.changes == [("add", "target", 1)]
+
+
+@pytest.mark.parametrize("headers,complaint", [
+    ({"Host": "evil.example"}, "Host 'evil.example' is not this endpoint"),  # DNS rebinding: the page's own name
+    ({"Host": "evil.example:{port}"}, "is not this endpoint"),
+    ({"Host": "127.0.0.1:1"}, "is not this endpoint"),
+    ({"Origin": "http://evil.example"}, "requests from web pages are refused"),
+    ({"Origin": "null"}, "requests from web pages are refused"),
+])
+def test_a_request_for_another_host_or_from_a_web_page_is_refused_even_with_the_secret(admin, headers, complaint):
+    headers = {k: v.format(port=admin.port) for k, v in headers.items()}
+    code, reply = post(admin, {"target_replicas": 2}, **bearer(admin.secret), **headers)
+    assert code == 403 and complaint in reply["error"]
+    assert admin.cluster.changes == []
+
+
+def test_localhost_and_its_own_origin_are_let_through(admin):
+    code, _ = post(admin, {"target_replicas": 2}, **bearer(admin.secret), Host=f"localhost:{admin.port}",
+                   Origin=f"http://127.0.0.1:{admin.port}")
+    assert code == 200 and admin.cluster.changes == [("add", "target", 1)]
+
+
+def test_replica_counts_above_the_cap_are_refused(admin):
+    with pytest.raises(InvalidRequestError, match="target_replicas must be at most 16"):
+        parse_scale({"target_replicas": 17})
+    code, reply = post(admin, {"draft_replicas": 5}, **bearer(admin.secret))
+    assert code == 400 and "draft_replicas must be at most 4" in reply["error"] and "--max-replicas" in reply["error"]
+    code, reply = post(admin, {"target_replicas": 4}, **bearer(admin.secret))
+    assert code == 200 and admin.cluster.changes == [("add", "target", 3)]
+
+
+def test_tandem_scale_sends_the_secret_from_the_state_file(admin, tmp_path, capsys):
+    assert main(["scale", "--port", "50051", "--cache-dir", str(tmp_path), "--target-replicas", "3"]) == 0
+    assert admin.cluster.changes == [("add", "target", 2)]
+    assert main(["scale", "--admin", admin.address, "--cache-dir", str(tmp_path)]) == 0  # found by its address
+    assert "target  3:" in capsys.readouterr().out
+    assert main(["scale", "--admin", admin.address, "--cache-dir", str(tmp_path / "elsewhere")]) == 2
+    assert "`tandem up` refused: no secret" in capsys.readouterr().err
+
+
+# ----- `tandem up`'s TLS, token and limit flags --------------------------------------------------------------
+
+
+def up_spec(*flags: str):
+    from tandem.cli import build_parser
+    from tandem.cli.up import cluster_spec
+
+    return cluster_spec(build_parser().parse_args(["up", "--target", "t", "--draft", "d", *flags]))
+
+
+def test_tandem_up_passes_tls_tokens_and_limits_to_the_processes_it_starts(tmp_path, monkeypatch):
+    from tandem.rpc.auth import TOKEN_ENV
+    from tests.tls_certs import make_pki
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    pki = make_pki(tmp_path / "pki")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("client-one-0123456789abcdef\n")
+    spec = up_spec("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca",
+                   str(pki.ca), "--worker-tls-ca", str(pki.ca), "--worker-tls-cert", str(pki.client_cert),
+                   "--worker-tls-key", str(pki.client_key), "--auth-token-file", str(tokens),
+                   "--max-concurrent-per-client", "2", "--max-prompt-tokens", "100")
+    assert spec.server_tls is not None and spec.server_tls.mutual  # every process serves mutual TLS
+    assert spec.client_tls is not None and spec.client_tls.cert == pki.client_cert  # the coordinator's links
+    args = list(spec.coordinator_args)
+    assert args[args.index("--auth-token-file") + 1] == str(tokens)
+    assert args[args.index("--max-concurrent-per-client") + 1] == "2"
+    assert args[args.index("--max-prompt-tokens") + 1] == "100"
+    assert spec.coordinator_token == "client-one-0123456789abcdef"  # what `tandem up` itself presents
+    assert up_spec().server_tls is None and up_spec().client_tls is None  # off unless asked for
+
+
+@pytest.mark.parametrize("flags,complaint", [
+    (("--tls-cert", "{cert}", "--tls-key", "{key}"), "--tls-cert needs --worker-tls-ca"),
+    (("--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{ca}", "--worker-tls-ca", "{ca}"),
+     "--tls-client-ca needs --worker-tls-cert"),
+    (("--worker-tls-ca", "{tmp}/missing.pem"), "--worker-tls-ca .*missing.pem: cannot read it"),
+    (("--auth-token-file", "{tmp}/missing"), "--auth-token-file .*missing"),
+    (("--target-replicas", "17"), "--target-replicas 17 is more than --max-replicas 16"),
+    (("--draft-replicas", "3", "--max-replicas", "2"), "--draft-replicas 3 is more than --max-replicas 2"),
+])
+def test_tandem_up_refuses_security_flags_that_cannot_work_before_starting_anything(tmp_path, flags, complaint):
+    from tests.tls_certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    names = dict(cert=pki.server_cert, key=pki.server_key, ca=pki.ca, tmp=tmp_path)
+    with pytest.raises(InvalidRequestError, match=complaint):
+        up_spec(*(f.format(**names) for f in flags))

@@ -4,7 +4,9 @@ New workers are started and join once they serve; removed workers (the
 newest first) get no new requests, finish the ones they have (up to
 --drain-timeout), then stop. Without --target-replicas or --draft-replicas it
 prints the fleet as it is. The running `tandem up` is found by its coordinator
-port (--port, through <cache root>/run/up-<port>.json) or by --admin.
+port (--port, through <cache root>/run/up-<port>.json) or by --admin; the
+secret its control endpoint requires is read from that file, which only the
+user who started `tandem up` can read.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from tandem import model_store
 from tandem.cluster import DRAIN_TIMEOUT_S
@@ -42,22 +45,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def admin_address(args: argparse.Namespace) -> str:
+def _read_state(path: Path) -> dict:
+    state = json.loads(path.read_text())
+    if not isinstance(state, dict) or not isinstance(state.get("admin"), str):
+        raise ValueError(f"{path} does not say where the control endpoint is")
+    return state
+
+
+def admin_endpoint(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(address, secret) of the control endpoint to call: from the state file of the `tandem up` on --port,
+    or --admin with the secret of the state file that names it (None if none does: the endpoint says so)."""
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
     if args.admin:
-        return args.admin
-    path = state_file(model_store.cache_root_from(args.cache_dir, os.environ), args.port)
+        for path in sorted((root / "run").glob("up-*.json")):
+            try:
+                state = _read_state(path)
+            except (OSError, ValueError):
+                continue  # another user's, or half-written: not the one asked for
+            if state["admin"] == args.admin:
+                return args.admin, state.get("secret")
+        return args.admin, None
+    path = state_file(root, args.port)
     try:
-        return json.loads(path.read_text())["admin"]
-    except (OSError, ValueError, KeyError):
+        state = _read_state(path)
+    except (OSError, ValueError):
         raise InvalidRequestError(f"no running `tandem up` with its coordinator on port {args.port} ({path} is "
                                   "missing or unreadable); pass --port or --admin HOST:PORT") from None
+    return state["admin"], state.get("secret")
 
 
-def call(address: str, path: str, body: dict | None = None, timeout_s: float = 30.0) -> dict:
+def call(address: str, path: str, body: dict | None = None, timeout_s: float = 30.0,
+         secret: str | None = None) -> dict:
     """One request to the control endpoint; its error message, as an error, when it refuses."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://{address}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if secret:
+        headers["Authorization"] = f"Bearer {secret}"
+    request = urllib.request.Request(f"http://{address}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return json.loads(reply.read())
@@ -69,16 +93,16 @@ def call(address: str, path: str, body: dict | None = None, timeout_s: float = 3
 
 
 def run(args: argparse.Namespace) -> int:
-    address = admin_address(args)
+    address, secret = admin_endpoint(args)
     if args.target_replicas is None and args.draft_replicas is None:
-        fleet = call(address, "/fleet")
+        fleet = call(address, "/fleet", secret=secret)
     else:
         body = {"drain_timeout_s": args.drain_timeout}
         if args.target_replicas is not None:
             body["target_replicas"] = args.target_replicas
         if args.draft_replicas is not None:
             body["draft_replicas"] = args.draft_replicas
-        fleet = call(address, "/scale", body, timeout_s=SCALE_TIMEOUT_S + args.drain_timeout)
+        fleet = call(address, "/scale", body, timeout_s=SCALE_TIMEOUT_S + args.drain_timeout, secret=secret)
     print(f"coordinator {fleet['coordinator']}")
     for role in ("target", "draft"):
         print(f"{role:<7} {len(fleet[role])}: {' '.join(fleet[role]) or '-'}")

@@ -4,12 +4,28 @@ Workers load in parallel; the coordinator starts once they are all serving
 and is health-checked before this prints "ready". Ctrl-C (or SIGTERM) stops
 every process, coordinator first. Logs go to --log-dir.
 
+A process that exits on its own is restarted (a worker on a new port, the
+coordinator on its own), after a backoff that doubles from 1 s to at most
+60 s with each restart of its role; meanwhile the others keep serving and the
+coordinator moves requests off a dead worker. After --max-restarts restarts
+of one role within --restart-window seconds, the next exit stops everything
+(exit code 1): restarting is not helping then.
+
 While it runs, `tandem scale --target-replicas N --draft-replicas M` grows or
 shrinks each fleet: the coordinator follows a workers file that `tandem up`
 rewrites (new workers once they serve; leaving ones after their requests
 finish), so it never restarts. `tandem up` listens for that on a local HTTP
 control endpoint (127.0.0.1, --admin-port) and writes where it is to
-<cache root>/run/up-<port>.json, which `tandem scale --port` reads.
+<cache root>/run/up-<port>.json, which `tandem scale --port` reads. The
+endpoint answers only requests for 127.0.0.1/localhost at its port, with no
+foreign Origin, carrying the secret in that file (readable by its owner
+only); replica counts above --max-replicas are refused.
+
+TLS and tokens: the `tandem serve` flags. --tls-cert/--tls-key (and
+--tls-client-ca) are given to every process (the certificate must name
+127.0.0.1, where the workers are reached); the coordinator reaches its workers
+with --worker-tls-*, and --auth-token-file (or $TANDEM_AUTH_TOKEN) and the
+request limits go to the coordinator.
 """
 
 from __future__ import annotations
@@ -24,9 +40,13 @@ from pathlib import Path
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
 from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
+from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.config import DTYPES
-from tandem.up_admin import AdminServer, state_file
+from tandem.errors import InvalidRequestError
+from tandem.rpc.auth import token_from
+from tandem.supervisor import RestartPolicy, Supervisor
+from tandem.up_admin import MAX_REPLICAS, AdminServer, state_file
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
 
@@ -56,46 +76,103 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-port", type=int, default=0,
                    help="port of the local control endpoint `tandem scale` calls, on 127.0.0.1 only "
                         "(default: a free one, recorded in <cache root>/run/up-<port>.json)")
+    p.add_argument("--max-replicas", type=int, default=MAX_REPLICAS, metavar="N",
+                   help="most replicas of each fleet, at start and through `tandem scale` (default: %(default)s)")
+    policy = RestartPolicy()
+    p.add_argument("--max-restarts", type=int, default=policy.max_restarts, metavar="N",
+                   help="restarts of one role (target, draft, coordinator) within --restart-window; the next "
+                        "exit stops everything (default: %(default)s)")
+    p.add_argument("--restart-window", type=float, default=policy.window_s, metavar="S",
+                   help="seconds over which --max-restarts counts (default: %(default)s)")
+    add_server_tls_flags(p)
+    add_coordinator_flags(p)
+    for action in p._actions:  # tandem scale and the console name workers by address: always on here
+        if action.dest == "expose_worker_addresses":
+            action.help = "always on under `tandem up` (replies and Info name workers by address)"
     p.add_argument("--log-dir", type=Path, default=None, help="where each process writes its log")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    root = model_store.cache_root_from(args.cache_dir, os.environ)
+# The coordinator's limits, passed on as given (CoordinatorConfig checks them).
+LIMIT_FLAGS = ("max_request_bytes", "max_prompt_tokens", "max_new_tokens_limit", "max_concurrent_per_client")
+
+
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster `tandem up` starts for these flags; refused, naming the flag, before anything starts."""
     draft = None if args.draft == "none" else args.draft
-    for model in filter(None, (args.target, draft)):  # prepare once here, not in every replica at the same time
-        resolve_or_prepare(model, root)
-    spec = ClusterSpec(
+    for name, count in (("--target-replicas", args.target_replicas), ("--draft-replicas", args.draft_replicas)):
+        if count > args.max_replicas:
+            raise InvalidRequestError(f"{name} {count} is more than --max-replicas {args.max_replicas}")
+    tls = server_tls(args)
+    worker_tls = coordinator_options(args)["worker_tls"]  # every TLS file and token checked here
+    if tls and not worker_tls:
+        raise InvalidRequestError("--tls-cert needs --worker-tls-ca: the coordinator must verify the workers' "
+                                  "certificate (the same one)")
+    if tls and tls.mutual and not (worker_tls and worker_tls.cert):
+        raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
+                                  "require the coordinator's client certificate")
+    coordinator_args = ["--redis-url", args.redis_url] if args.redis_url else []
+    if args.auth_token_file:
+        coordinator_args += ["--auth-token-file", str(args.auth_token_file)]
+    for name in LIMIT_FLAGS:
+        if getattr(args, name) is not None:
+            coordinator_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return ClusterSpec(
         target=args.target, draft=draft, port=args.port, target_replicas=args.target_replicas,
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
-        log_dir=args.log_dir, cache_dir=args.cache_dir,
-        coordinator_args=("--redis-url", args.redis_url) if args.redis_url else (), discovery="file",
+        # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
+        worker_args=("--host", "127.0.0.1"), log_dir=args.log_dir, cache_dir=args.cache_dir,
+        coordinator_args=tuple(coordinator_args), discovery="file", server_tls=tls, client_tls=worker_tls,
+        coordinator_token=token_from(args.auth_token_file, "--auth-token-file"),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    try:
+        spec = cluster_spec(args)
+        policy = RestartPolicy(args.max_restarts, args.restart_window)
+    except ValueError as exc:  # the spec's own checks too
+        raise InvalidRequestError(str(exc)) from None
+    for model in filter(None, (spec.target, spec.draft)):  # prepare once here, not in every replica at once
+        resolve_or_prepare(model, root)
     cluster = LocalCluster(spec)
     print(f"starting Tandem (logs in {cluster.log_dir})...", file=sys.stderr)
     address = cluster.start()
-    admin = AdminServer(cluster, args.admin_port)
+    lock, stop = threading.Lock(), threading.Event()  # one change of the fleet at a time: scaling or a restart
+    admin = AdminServer(cluster, args.admin_port, max_replicas=args.max_replicas, lock=lock)
     admin.start(state_file(root, cluster.coordinator.port))
+    supervisor = Supervisor(cluster, policy, lock, stop)
     for service in cluster.services:
         print(f"  {service.role:<12} {service.address}  metrics :{service.metrics_port}  pid {service.process.pid}")
     print(f"  {'admin':<12} {admin.address}  (tandem scale --port {cluster.coordinator.port} --target-replicas N)")
-    print(f"ready: tandem generate \"...\" --addr {address}", flush=True)
-    stop = threading.Event()
+    print(f"ready: tandem generate \"...\" --addr {address}{_client_flags(args)}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    supervisor.start()
     try:
         while not stop.wait(1.0):
-            # A copy: `tandem scale` changes the fleet from the control endpoint's thread. Workers it removes
-            # leave the list before they are stopped, so only an unexpected exit shows up here.
-            dead = [s for s in list(cluster.services) if s.process.poll() is not None]
-            if dead:
-                print(f"{dead[0].role} exited (code {dead[0].process.returncode}); stopping", file=sys.stderr)
-                break
+            pass
     finally:
         print("stopping...", file=sys.stderr)
+        supervisor.stop()
         admin.stop()
         cluster.stop()
-    return 0
+        supervisor.join(timeout_s=30)
+    return 1 if supervisor.gave_up else 0
+
+
+def _client_flags(args: argparse.Namespace) -> str:
+    """What `tandem generate --addr` needs beside the address to reach this coordinator."""
+    flags = ""
+    if args.tls_cert:
+        flags += f" --tls-ca {args.worker_tls_ca}"
+        if args.tls_client_ca:
+            flags += f" --tls-cert {args.worker_tls_cert} --tls-key {args.worker_tls_key}"
+    if args.auth_token_file:
+        flags += f" --token-file {args.auth_token_file}"
+    return flags
+
