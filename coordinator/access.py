@@ -7,8 +7,10 @@ UNAUTHENTICATED before its message is even parsed; the refusal says what was
 missing and never echoes what was sent.
 
 With ``max_concurrent_per_client`` > 0, a client holds at most that many
-Generate / GenerateStream calls at once; one more is refused
-RESOURCE_EXHAUSTED. The client is the bearer token's identity when auth is on
+calls of the service at once (Generate, GenerateStream and Info alike: Info
+answers from the last periodic poll of the workers, yet a client must not be
+able to call without a bound where the others are limited); one more is
+refused RESOURCE_EXHAUSTED. The client is the bearer token's identity when auth is on
 (every holder of one token counts as one client), else the peer's host as
 gRPC reports it (``context.peer()``: every connection from one address counts
 as one client, so clients behind one NAT or proxy share a budget).
@@ -25,9 +27,9 @@ import grpc
 from tandem.errors import ClientLimitError, UnauthenticatedError
 from tandem.rpc.auth import METADATA_KEY, BearerAuth
 from tandem.rpc.handlers import Behavior, rewrap
+from tandem.rpc.refusal import refusing
 
 SERVICE = "tandem.v1.Generation"
-LIMITED_METHODS = ("Generate", "GenerateStream")  # Info is cheap and answers operators
 
 
 def peer_host(peer: str) -> str:
@@ -60,7 +62,7 @@ class AccessControl(grpc.aio.ServerInterceptor):
             identity = self.auth.identify(metadata)
             if identity is None:
                 return _refusing(handler, _refusal(metadata))
-        if self.max_concurrent <= 0 or details.method.rpartition("/")[2] not in LIMITED_METHODS:
+        if self.max_concurrent <= 0:
             return handler
         return rewrap(handler, lambda behavior: self._guard_unary(behavior, identity),
                       lambda behavior: self._guard_stream(behavior, identity))
@@ -106,12 +108,8 @@ def _refusal(metadata: dict[str, str]) -> str:
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that refuses UNAUTHENTICATED without parsing the request (no deserializer)."""
-    async def refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    """A handler of the same kind that refuses UNAUTHENTICATED without parsing the request."""
+    async def refuse(context: grpc.aio.ServicerContext) -> None:
         raise UnauthenticatedError(message)
 
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        raise UnauthenticatedError(message)
-        yield  # an async generator, like the handler it stands in for
-
-    return rewrap(handler, lambda _: refuse_unary, lambda _: refuse_stream, request_deserializer=None)
+    return refusing(handler, refuse)

@@ -21,13 +21,14 @@ from typing import Any
 import grpc
 
 from coordinator.placement import Placement
-from coordinator.workers import WorkerClient, WorkerPool
+from coordinator.replica_state import PairCosts, ReplicaNames
+from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
-from tandem.spec.adaptive import MAX_K, CostModel, MatchRates
+from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, resolve_method
 from tandem.spec.proposers import ContinuationCache
@@ -79,32 +80,6 @@ class _MetricsObserver:
         self.metrics.cache_lookups.labels(tier or "miss").inc()
 
 
-class ReplicaNames:
-    """What replies call a worker replica: its address if the operator says so, else ``role-N``.
-
-    N counts the distinct addresses of that role this coordinator has seen, in
-    order, so a replica keeps its name for the coordinator's life even when
-    others join or leave.
-    """
-
-    def __init__(self, expose_addresses: bool) -> None:
-        self.expose_addresses = expose_addresses
-        self.names: dict[tuple[str, str], str] = {}
-        self.counts: dict[str, int] = {}
-
-    def __call__(self, client: WorkerClient | None) -> str:
-        if client is None:
-            return ""
-        if self.expose_addresses:
-            return client.address
-        key = (client.role, client.address)
-        if key not in self.names:
-            index = self.counts.get(client.role, 0)
-            self.counts[client.role] = index + 1
-            self.names[key] = f"{client.role}-{index}"
-        return self.names[key]
-
-
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: CoordinatorConfig, tokenizer: Any, targets: WorkerPool, drafts: WorkerPool,
                  server: ManagedServer, metrics: CoordinatorMetrics, cache: ContinuationCache | None = None,
@@ -120,9 +95,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.vocab_size = 0  # from the target workers' Info, set by the warm-up
         self.max_context = 0
         self.model_stop_ids: frozenset[int] = frozenset()
-        self.costs: dict[tuple[str, str, str], CostModel] = {}  # per (method, draft, target) pair
+        self.costs = PairCosts(self._present)  # per (method, draft, target) pair of replicas the pools hold
         self.match_rates = match_rates or MatchRates()  # acceptance per kind of n-gram match, over every request here
-        self.public_name = ReplicaNames(cfg.expose_worker_addresses)
+        self.public_name = ReplicaNames(cfg.expose_worker_addresses, self._present)
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -150,11 +125,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield msg
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
+        """The fleet as the last periodic poll of the workers saw it (``--info-poll``): a client's Info
+        calls no worker, and leaves the placement counts that spread a burst alone."""
         def status(pool: WorkerPool) -> list[generation_pb2.WorkerStatus]:
             return [generation_pb2.WorkerStatus(address=self.public_name(c), healthy=c.healthy, info=c.info,
                                                 state=c.state, active_requests=c.active) for c in pool.clients]
-        await self.targets.refresh_all()
-        await self.drafts.refresh_all()
         target_info = next((c.info for c in self.targets.clients if c.verified), None)
         draft_info = next((c.info for c in self.drafts.clients if c.verified), None)
         return generation_pb2.InfoResponse(
@@ -170,9 +145,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc())
-        key = (options.method, placement.draft.address if placement.draft else "", placement.target.address)
-        costs = self.costs.setdefault(key, CostModel())
+        costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
+        # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
+        # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
         seq_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # request ids are the client's: not unique
         loop = SpeculationLoop(state, seq_id, options, placement.verifier(), placement.draft_channel(), costs,
                                self.max_context, self.observer, self.cache, replicas=placement,
@@ -271,7 +247,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             field = "text"
             if not request.text:
                 raise InvalidRequestError("text: prompt is empty")
-            ids = _field("chat", lambda: encode_prompt(self.tokenizer, request.text, request.chat))
+            ids = _field("chat", lambda: _chat_template_refusals(lambda: encode_prompt(
+                self.tokenizer, request.text, request.chat)))
             if not ids:  # text a tokenizer drops entirely would reach the target as an empty prompt
                 raise InvalidRequestError("text: the prompt has no tokens")
         limit = self.cfg.max_prompt_tokens
@@ -281,6 +258,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(
                 f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
         return ids
+
+    def _present(self) -> set[tuple[str, str]]:
+        """(role, address) of every replica the pools hold now, leaving ones included."""
+        return {(c.role, c.address) for pool in (self.targets, self.drafts) for c in pool.clients}
 
     def _stats(self, run: _Request) -> generation_pb2.GenerationStats:
         st = run.state.stats
@@ -300,3 +281,26 @@ def _field(name: str, make: Any) -> Any:
         return make()
     except ValueError as exc:
         raise InvalidRequestError(f"{name}: {exc}") from None
+
+
+def _chat_template_refusals(encode: Any) -> Any:
+    """Run ``encode``; the chat template refusing the client's messages is a ``ValueError`` naming why.
+
+    A template stops on messages it does not take (``raise_exception("Conversation roles must
+    alternate...")``, a field it needs): that is the request's fault and the template's message
+    says what to change. A template that does not parse is the model's, not the client's: INTERNAL.
+    """
+    try:
+        return encode()
+    except Exception as exc:
+        if _is_template_refusal(exc):
+            raise ValueError(f"the model's chat template refused this prompt: {exc}") from None
+        raise
+
+
+def _is_template_refusal(exc: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError, TemplateSyntaxError  # what transformers renders chat templates with
+    except ImportError:
+        return False
+    return isinstance(exc, TemplateError) and not isinstance(exc, TemplateSyntaxError)

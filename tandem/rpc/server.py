@@ -1,8 +1,12 @@
 """Lifecycle of every Tandem gRPC server: start, health, reflection, metrics, graceful drain.
 
 Health says NOT_SERVING until the role's warm-up (weights loaded, one real
-forward pass run) has finished, so orchestrators route nothing to a worker
-that would answer slowly or not at all. On SIGTERM (or SIGINT) the server
+forward pass run; for a coordinator, a target worker found and asked for the
+model's limits) has finished, so orchestrators route nothing to a worker that
+would answer slowly or not at all; and until then the role's own services
+answer every call UNAVAILABLE ("... is starting"), which clients retry,
+rather than run before what they need is there (a coordinator would judge
+requests against a context of 0). On SIGTERM (or SIGINT) the server
 turns NOT_SERVING, refuses new work with UNAVAILABLE, lets calls in flight
 finish for ``drain_grace_s``, then stops. With ``options.tls`` the port is
 TLS (mutual TLS with a client CA); extra interceptors (the coordinator's access
@@ -25,6 +29,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from tandem.config import ServerOptions
 from tandem.errors import ShuttingDownError
+from tandem.rpc.refusal import refusing
 from tandem.rpc.status import ErrorMappingInterceptor
 
 log = logging.getLogger(__name__)
@@ -51,9 +56,12 @@ class ManagedServer:
         # gRPC itself refuses a larger message with RESOURCE_EXHAUSTED before any handler runs.
         grpc_options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_receive_message_length", max_receive_bytes)]
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors], options=grpc_options)
+        # The start-up gate innermost: a caller without a valid token hears that first.
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors, _StartingGate(self)],
+                                      options=grpc_options)
         self.health = health.aio.HealthServicer()
         self.service_names: list[str] = []
+        self.serving = False  # warmed up: set_serving has run
         self.draining = False
         self.port = 0
         self.metrics_port: int | None = None
@@ -88,6 +96,7 @@ class ManagedServer:
         return self.port
 
     async def set_serving(self) -> None:
+        self.serving = True
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         # One machine-readable line: `tandem up` and the tests wait for it.
@@ -108,6 +117,31 @@ class ManagedServer:
         log.info("%s: draining for up to %.1fs", self.role, self.options.drain_grace_s)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.options.drain_grace_s)
+
+
+class _StartingGate(grpc.aio.ServerInterceptor):
+    """Until the server is warmed up, its role's services answer UNAVAILABLE, saying it is starting.
+
+    Health and reflection answer from the start (probes read NOT_SERVING there).
+    """
+
+    def __init__(self, server: ManagedServer) -> None:
+        self.server = server
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or self.server.serving:
+            return handler
+        if details.method.lstrip("/").partition("/")[0] not in self.server.service_names:
+            return handler
+        return refusing(handler, self._refuse)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"the {self.server.role} is starting (not warmed up yet); retry shortly")
 
 
 async def serve_until_signalled(server: ManagedServer, warmup: Callable[[], Awaitable[None]],

@@ -7,11 +7,18 @@ the worker refused was the coordinator's own call, never the client's, so it
 becomes INTERNAL (or UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED for
 capacity and liveness), with a message that names no internal address. The
 address and the worker's own message go to the coordinator's log.
+
+An exception nobody mapped is INTERNAL with a fixed message and an error id;
+the id is in the server's log line with the exception and its traceback. Its
+text (a path, a template's source, a worker's address) never reaches the
+caller. An ``InternalError`` raised on purpose keeps its own message (written
+for clients), with the id added.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -96,11 +103,18 @@ def _parsed(parse: Callable[[bytes], Any] | None, request: Any) -> Any:
         raise errors.InvalidRequestError(f"malformed request: {exc}") from None
 
 
+def internal_message(exc: BaseException, method: str) -> str:
+    """What the caller is told of an INTERNAL failure; the details go to the log under the same error id."""
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s in %s: %s: %s", error_id, method, type(exc).__name__, exc, exc_info=exc)
+    said = str(exc) if isinstance(exc, errors.InternalError) and str(exc) else "internal error"
+    return f"{said} (error id {error_id}; the server's log has the details)"
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("unexpected error in %s", method, exc_info=exc)
-    await context.abort(code, str(exc) or type(exc).__name__)
+    message = internal_message(exc, method) if code == grpc.StatusCode.INTERNAL else str(exc) or type(exc).__name__
+    await context.abort(code, message)
 
 
 def _wrap_unary(behavior: Callable[..., Any], method: str, parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:

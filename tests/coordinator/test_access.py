@@ -155,8 +155,6 @@ def test_concurrent_requests_per_client_are_limited_and_freed_when_they_finish()
             error = await status_of(stub(channel).Generate(request, timeout=5))
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "at most 2" in error.details()
-            # Info is not counted
-            assert (await stub(channel).Info(generation_pb2.InfoRequest(), timeout=5)).vocab_size == 7
             servicer.release.set()
             assert [r.text for r in await asyncio.gather(*held)] == ["hi", "hi"]
             # slots come back, also from a cancelled call
@@ -170,6 +168,23 @@ def test_concurrent_requests_per_client_are_limited_and_freed_when_they_finish()
             servicer.release.set()
             replies = await asyncio.gather(*(stub(channel).Generate(request, timeout=5) for _ in range(2)))
             assert len(replies) == 2
+    asyncio.run(scenario())
+
+
+def test_info_counts_against_the_per_client_limit_like_every_call():
+    async def scenario():
+        async with coordinator_like(max_concurrent=1) as (servicer, channel, _address):
+            assert (await stub(channel).Info(generation_pb2.InfoRequest(), timeout=5)).vocab_size == 7
+            servicer.release.clear()
+            held = asyncio.ensure_future(stub(channel).Generate(generation_pb2.GenerateRequest(text="hi"), timeout=10))
+            while servicer.running < 1:
+                await asyncio.sleep(0.01)
+            error = await status_of(stub(channel).Info(generation_pb2.InfoRequest(), timeout=5))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 1" in error.details()
+            servicer.release.set()
+            assert (await held).text == "hi"
+            assert (await stub(channel).Info(generation_pb2.InfoRequest(), timeout=5)).vocab_size == 7
     asyncio.run(scenario())
 
 
