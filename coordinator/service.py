@@ -149,7 +149,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex[:16]
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
         # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
-        seq_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # request ids are the client's: not unique
+        # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
+        # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
+        seq_id = f"{request_id}-{uuid.uuid4().hex}"
         loop = SpeculationLoop(state, seq_id, options, placement.verifier(), placement.draft_channel(), costs,
                                self.max_context, self.observer, self.cache, replicas=placement,
                                match_rates=self.match_rates)

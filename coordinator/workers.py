@@ -19,12 +19,23 @@ role or tokenizer: ``rejected``, for as long as its Info says so); a
 replica that left is ``leaving``: no new request goes to it, its requests in
 flight finish, and it is closed once none is left. One that comes back before
 that is simply routable again.
+
+Leases: a pool names itself to its workers with an instance id of its own
+(``owner``, made when it starts) in every call; each call renews the pool's
+lease on that worker, and so does every Info poll, which runs at least every
+third of the lease a worker reports (``WorkerInfo.lease_s``). A coordinator
+that dies or is cut off stops renewing, and each worker frees the sequences
+it owned once the lease runs out (``tandem.rpc.leases``); with many
+coordinators, only that one's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -44,14 +55,23 @@ log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 2.0
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the client's deadline
 REPLACEMENT_POLL_S = 0.5  # while a request waits for a healthy replica to move to
+HEARTBEAT_FRACTION = 1 / 3  # an Info poll at least this often per worker lease: two may be lost in a row
+
+
+def new_owner_id() -> str:
+    """An id no other coordinator has: host (the pod's name in Kubernetes), pid, and 64 random bits.
+    Workers log it when they free what it left behind."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:16]}"
 
 
 class WorkerClient:
     """One worker replica: a channel, its stub, and its last known capacity."""
 
-    def __init__(self, address: str, role: str, call_timeout_s: float, tls: ClientTLS | None = None) -> None:
+    def __init__(self, address: str, role: str, call_timeout_s: float, tls: ClientTLS | None = None,
+                 owner: str = "") -> None:
         self.address = address
         self.role = role
+        self.owner = owner  # the pool's instance id, named in every call ("": none, no lease)
         self.call_timeout_s = call_timeout_s
         self.channel = open_channel(address, tls, GRPC_OPTIONS, aio=True)  # tls None: plaintext
         stub_class = draft_pb2_grpc.DraftWorkerStub if role == "draft" else target_pb2_grpc.TargetWorkerStub
@@ -80,7 +100,8 @@ class WorkerClient:
             self.healthy = False
             return grpc.StatusCode.UNAVAILABLE
         try:
-            self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
+            # Naming the owner makes the poll the heartbeat that renews this coordinator's lease there.
+            self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(owner=self.owner), timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.healthy = False
             return exc.code()
@@ -119,7 +140,7 @@ class WorkerClient:
 
     def for_request(self, deadline: float | None) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time)."""
-        return RequestChannel(self, deadline)
+        return RequestChannel(self, deadline, self.owner)
 
     @property
     def streams(self) -> int:
@@ -141,9 +162,10 @@ class WorkerClient:
 class RequestChannel:
     """One request's handle on one worker: the ``Verifier`` and ``DraftChannel`` over gRPC."""
 
-    def __init__(self, client: WorkerClient, deadline: float | None) -> None:
+    def __init__(self, client: WorkerClient, deadline: float | None, owner: str = "") -> None:
         self.client = client
         self.deadline = deadline  # asyncio loop time by which the client wants its answer; None: no limit
+        self.owner = owner  # the coordinator's instance id, named in every call (the worker's lease)
 
     def _timeout(self) -> float:
         timeout = self.client.call_timeout_s
@@ -175,8 +197,11 @@ class RequestChannel:
         return self.client.fitted_cost()
 
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
+        # prompt_len > 0 is a rebuild (the request moved, or was preempted): it may replace what the worker
+        # still holds of it. A first Prefill never does: the worker refuses an id that is live there.
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
-            seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len))
+            seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
+            owner=self.owner, replace=prompt_len > 0))
         return reply.next_token
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
@@ -185,7 +210,7 @@ class RequestChannel:
         # draft_probs are the draft's own messages, passed on untouched: the q it sampled from.
         reply = await self._call("Verify", target_pb2.VerifyRequest(
             seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs,
-            draft_parents=draft_parents))
+            draft_parents=draft_parents, owner=self.owner))
         accepted = list(reply.accepted_nodes)
         if len(accepted) != reply.num_accepted or any(not 0 <= n < len(draft_tokens) for n in accepted):
             raise InternalError("a target worker answered an inconsistent verdict")
@@ -195,13 +220,15 @@ class RequestChannel:
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
         reply = await self._call("Propose", draft_pb2.ProposeRequest(
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
-            sampling=sampling_to_proto(sampling), alternatives=alternatives, prompt_len=prompt_len))
+            sampling=sampling_to_proto(sampling), alternatives=alternatives, prompt_len=prompt_len,
+            owner=self.owner))
         return Drafted(list(reply.tokens), list(reply.probs), [list(a.token_ids) for a in reply.alternatives])
 
     async def release(self, seq_id: str) -> None:
         """Best effort: a worker that is gone has freed the KV anyway."""
         try:
-            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S)
+            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id, owner=self.owner),
+                                   RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 
@@ -210,11 +237,13 @@ REPLICA_STATES = ("starting", "healthy", "unhealthy", "leaving", "rejected")
 
 
 class WorkerPool:
-    """The replicas of one role; ``fingerprint`` is the coordinator's tokenizer's (None: not checked)."""
+    """The replicas of one role; ``fingerprint`` is the coordinator's tokenizer's (None: not checked);
+    ``owner`` the id it names itself by to the replicas that join (made here when not given)."""
 
     def __init__(self, role: str, clients: list[WorkerClient], fingerprint: str | None = None,
-                 call_timeout_s: float = 60.0, tls: ClientTLS | None = None) -> None:
+                 call_timeout_s: float = 60.0, tls: ClientTLS | None = None, owner: str | None = None) -> None:
         self.role = role
+        self.owner = owner or new_owner_id()
         self.tls = tls  # TLS to every replica of this pool; None: plaintext
         self.clients = clients
         self.fingerprint = fingerprint
@@ -276,7 +305,7 @@ class WorkerPool:
                 client.leaving = True
         for address in sorted(wanted - known):
             log.info("%s worker %s joined", self.role, address)
-            client = WorkerClient(address, self.role, self.call_timeout_s, self.tls)
+            client = WorkerClient(address, self.role, self.call_timeout_s, self.tls, self.owner)
             self.clients.append(client)
             self._spawn(self.refresh(client))  # usable as soon as its first Info answers
         self.sweep()
@@ -320,8 +349,13 @@ class WorkerPool:
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(self.poll_interval_s(interval_s))
             await self.refresh_all()
+
+    def poll_interval_s(self, interval_s: float) -> float:
+        """``interval_s``, or less where a replica's lease needs a heartbeat sooner (see the module doc)."""
+        leases = [c.info.lease_s for c in self.clients if c.info is not None and c.info.lease_s > 0]
+        return min([interval_s, *(lease * HEARTBEAT_FRACTION for lease in leases)])
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), *self._tasks)

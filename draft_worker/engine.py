@@ -27,7 +27,10 @@ so the target's acceptance test uses the q each token was drawn from.
 A batch first checks every call and admits it to the KV pool (counting the
 blocks its whole k-step run will hold) without changing anything; a refused
 call leaves its sequence exactly as it was. Releases apply in queue order
-relative to a Propose of the same sequence (see ``tandem.rpc.calls``).
+relative to a Propose of the same sequence (see ``tandem.rpc.calls``). A
+sequence belongs to the owner (coordinator) whose Propose created it: another
+owner's Propose is refused, even one that starts over (committed_len 0), which
+its own owner may send at any time (it resends everything after a failed call).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class ProposeCall:
     sampling: SamplingParams
     alternatives: int = 0  # next-best tokens to report per drafted position (speculation trees)
     prompt_len: int = 0  # the sequence's first prompt_len tokens are its prompt (0: not said, all fed as one run)
+    owner: str = ""  # the calling coordinator's instance id (tandem.rpc.leases); it must be the sequence's owner
 
 
 @dataclass(slots=True)

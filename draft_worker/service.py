@@ -21,7 +21,8 @@ class DraftService(WorkerServiceBase, draft_pb2_grpc.DraftWorkerServicer):
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
         call = ProposeCall(request.seq_id, request.committed_len, list(request.new_tokens), request.k,
-                           sampling_from_proto(request.sampling), request.alternatives, request.prompt_len)
+                           sampling_from_proto(request.sampling), request.alternatives, request.prompt_len,
+                           request.owner)
         reply: DraftReply = await self.batcher.submit(call)
         return draft_pb2.ProposeResponse(
             tokens=reply.tokens, probs=reply.probs,

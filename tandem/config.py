@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
+from tandem.rpc.leases import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_S, MAX_IDLE_TTL_S, MAX_LEASE_S, MIN_LEASE_S
 
 if TYPE_CHECKING:
     import torch
@@ -311,12 +312,22 @@ class WorkerConfig:
     # While a sequence that called recently has not called again, wait for it up to this many
     # forward passes (the fitted intercept), so batches fill (tandem.rpc.batcher); None: the role's.
     gather_fraction: float | None = None
+    # A coordinator unheard for lease_s (no call, no Info heartbeat: crashed, OOM-killed, cut off) loses
+    # its sequences here; any sequence idle for idle_ttl_s is freed too (0: never). tandem.rpc.leases.
+    lease_s: float = DEFAULT_LEASE_S
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S
 
     def __post_init__(self) -> None:
         if self.token_budget <= 0:
             raise InvalidRequestError(f"token budget must be positive, got {self.token_budget}")
         if self.gather_fraction is not None and not 0 <= self.gather_fraction <= 64:
             raise InvalidRequestError(f"gather fraction must be in 0..64 forward passes, got {self.gather_fraction}")
+        if not MIN_LEASE_S <= self.lease_s <= MAX_LEASE_S:
+            raise InvalidRequestError(f"--sequence-lease must be in {MIN_LEASE_S:g}..{MAX_LEASE_S:g} seconds "
+                                      f"(a coordinator renews it every third of it), got {self.lease_s:g}")
+        if self.idle_ttl_s and not self.lease_s <= self.idle_ttl_s <= MAX_IDLE_TTL_S:
+            raise InvalidRequestError(f"--sequence-idle-ttl must be 0 (never) or in {self.lease_s:g} (the lease)"
+                                      f"..{MAX_IDLE_TTL_S:g} seconds, got {self.idle_ttl_s:g}")
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ A batch runs in phases, all on the model thread (the batcher's):
 1. releases queued before any other call of their sequence in the batch;
 2. every Prefill and Verify is checked against the state as it is (unknown
    sequence, committed_len, context, token ids, a second call of the same
-   sequence, draft_probs decoded and checked) and then admitted to the KV
+   sequence, another owner's sequence, a Prefill of a live sequence that does
+   not say it replaces it, draft_probs decoded and checked) and then admitted to the KV
    pool, counting exactly the blocks it would take or give back; a call that
    fails either is answered with its error and its sequence is left exactly
    as it was;
@@ -40,7 +41,7 @@ from tandem.errors import (
 )
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
-from tandem.rpc.sequence_engine import SequenceEngine, history_runs
+from tandem.rpc.sequence_engine import SequenceEngine, SequenceOwnedError, history_runs
 from tandem.sampling import SamplingParams, pick_tokens
 from tandem.spec.rejection import Verdict, verify, verify_tree
 from tandem.spec.tree import check_parents, children_of, is_chain
@@ -55,6 +56,8 @@ class PrefillCall:
     token_ids: list[int]
     sampling: SamplingParams
     prompt_len: int = 0  # a rebuild: the prompt's length, the rest was generated; 0: all of it is prompt
+    owner: str = ""  # the calling coordinator's instance id (tandem.rpc.leases); "": none named
+    replace: bool = False  # a rebuild: the sequence may be live here, and is replaced; else a live id is refused
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class VerifyCall:
     draft_tokens: list[int]
     draft_probs: list[common_pb2.SparseDistribution]  # one per draft token; [] = a deterministic draft
     draft_parents: Sequence[int] = ()  # a token tree: each draft token's parent (-1: the root); () = a chain
+    owner: str = ""  # the calling coordinator's instance id; it must be the sequence's owner
 
 
 Call = PrefillCall | VerifyCall | ReleaseCall
@@ -141,6 +145,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 raise InvalidRequestError(
                     f"prompt of {len(call.token_ids)} tokens exceeds the context of {self.max_context}"
                 )
+            if call.seq_id in self.sequences and not call.replace:
+                # Another request's id, or a stray repeat: replacing it would hand one request's state to another.
+                raise SequenceOwnedError(f"sequence {call.seq_id!r} is live on this target: a Prefill does not "
+                                         "replace it unless it says it rebuilds it (replace)")
             if not call.prompt_len:
                 item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1)
                 return _Plan(index, call, item, kv_len=len(call.token_ids))
@@ -194,7 +202,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         """The admitted call's changes before the forward pass."""
         call = plan.call
         if isinstance(call, PrefillCall):
-            self._release(call.seq_id)  # a re-prefill (rebuild) replaces the old state
+            self._free(call.seq_id)  # a rebuild (replace) replaces the old state; the owner keeps the sequence
             generator = None if call.sampling.is_greedy else call.sampling.make_generator()
             self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator)
         else:

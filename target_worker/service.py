@@ -21,14 +21,14 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
         call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling),
-                           request.prompt_len)
+                           request.prompt_len, request.owner, request.replace)
         token: int = await self.batcher.submit(call)
         return target_pb2.PrefillResponse(next_token=token)
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
         call = VerifyCall(request.seq_id, request.committed_len, list(request.draft_tokens), list(request.draft_probs),
-                          list(request.draft_parents))
+                          list(request.draft_parents), request.owner)
         verdict: Verdict = await self.batcher.submit(call)
         return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
                                          accepted_nodes=verdict.accepted_nodes)

@@ -27,6 +27,7 @@ from tandem.config import (
     WorkerConfig,
 )
 from tandem.parent_watch import stop_with_launcher
+from tandem.rpc.leases import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_S
 from tandem.rpc.server import configure_logging
 
 
@@ -64,6 +65,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gather-fraction", type=float, default=None,
                    help="while a sequence that called recently has not called again, wait for it up to this many "
                         "forward passes, so batches fill; 0: never wait (default: 1 for target, 8 for draft)")
+    p.add_argument("--sequence-lease", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                   help="free the sequences of a coordinator not heard from (no call, no Info heartbeat, which "
+                        "it sends every third of this) for this long: one that crashed or was cut off leaves "
+                        "no KV behind; freed within 1.25x this (default: %(default)s)")
+    p.add_argument("--sequence-idle-ttl", type=float, default=DEFAULT_IDLE_TTL_S, metavar="SECONDS",
+                   help="free any sequence idle this long, whatever its coordinator (a lost Release); "
+                        "0: never (default: %(default)s)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -162,7 +170,8 @@ def run_worker(args: argparse.Namespace) -> int:
                           args.kv_cache_tokens, args.attention, num_threads=args.threads,
                           packed_weights=args.packed_weights, **role_options)
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
-                       gather_fraction=args.gather_fraction)
+                       gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
+                       idle_ttl_s=args.sequence_idle_ttl)
     if args.role == "target":
         from target_worker.main import serve
     else:

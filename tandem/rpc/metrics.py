@@ -29,6 +29,10 @@ class WorkerMetrics:
         self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV cache blocks in use", registry=registry)
         self.kv_blocks_total = Gauge(f"{prefix}_kv_blocks_total", "KV cache blocks in the pool", registry=registry)
         self.active_sequences = Gauge(f"{prefix}_active_sequences", "sequences holding KV", registry=registry)
+        self.sequences_reclaimed = Counter(
+            f"{prefix}_sequences_reclaimed", "sequences freed by the worker itself: their coordinator's lease "
+            "ran out (reason=lease) or they sat idle past the time-to-live (reason=idle)", ["reason"],
+            registry=registry)
 
 
 class ContinuationCacheCollector(Collector):

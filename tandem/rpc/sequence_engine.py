@@ -7,10 +7,14 @@ every call has been checked:
 1. Releases queued before any computing call of their sequence apply now; those queued after
    one wait until the batch is done (queue order, per sequence).
 2. Every computing call is checked (``_check``, which changes nothing) and at most one call per
-   sequence is taken; a bad call fails alone.
-3. The KV pool admits the checked calls together, or refuses the ones it cannot hold.
+   sequence is taken; a bad call fails alone. A call of a sequence another owner holds is refused.
+3. The KV pool admits the checked calls together, or refuses the ones it cannot hold; the admitted
+   calls hold their sequences for their owner (``tandem.rpc.leases``).
 
 What the admitted calls then do (one forward pass, k draft steps) is each engine's own.
+
+Sequences whose owner's lease ran out, or that sat idle too long, are taken back by ``reclaim``,
+which the worker runs on the model thread like every batch.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 from typing import Any, Generic, Protocol, TypeVar
 
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
-from tandem.errors import InvalidRequestError, KVCacheExhaustedError
+from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSequenceError
 from tandem.rpc.calls import ReleaseCall
+from tandem.rpc.leases import Expired, Leases
 
 
 def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[list[int]]:
@@ -39,9 +44,14 @@ def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[list[in
     return runs
 
 
+class SequenceOwnedError(StaleSequenceError):
+    """A call names a sequence that is live under another owner, or a Prefill names a live sequence
+    without saying it rebuilds it (FAILED_PRECONDITION): the sequence is left as it was."""
+
+
 class _Checked(Protocol):
     index: int  # the call's place in the batch
-    call: Any  # has a seq_id
+    call: Any  # has a seq_id and an owner
     kv_len: int  # the sequence's KV length once the call has run
 
 
@@ -52,9 +62,10 @@ Sequence = TypeVar("Sequence")
 class SequenceEngine(Generic[Sequence, Plan]):
     """A sequence table over one ``ModelEngine`` (``engine``), run only on the model thread."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, leases: Leases | None = None) -> None:
         self.engine = engine
         self.sequences: dict[str, Sequence] = {}
+        self.leases = leases or Leases()  # swept only where a worker runs ``reclaim`` (not in process)
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +96,7 @@ class SequenceEngine(Generic[Sequence, Plan]):
                     results[i] = self._release(call.seq_id)
             else:
                 seen.add(call.seq_id)
+                self.leases.renew(call.owner)  # every call renews its coordinator's lease, refused or not
 
         plans: list[Plan] = []
         planned: set[str] = set()
@@ -94,12 +106,23 @@ class SequenceEngine(Generic[Sequence, Plan]):
             try:
                 if call.seq_id in planned:
                     raise InvalidRequestError(f"sequence {call.seq_id!r} has two calls in this batch")
+                self._check_owner(call)
                 plans.append(self._check(i, call))
                 planned.add(call.seq_id)
             except Exception as exc:  # noqa: BLE001 - one bad call fails alone
                 results[i] = exc
         self._admit(plans, results)
-        return [p for p in plans if results[p.index] is None], late
+        admitted = [p for p in plans if results[p.index] is None]
+        for plan in admitted:
+            self.leases.hold(plan.call.seq_id, plan.call.owner)
+        return admitted, late
+
+    def _check_owner(self, call) -> None:
+        """A sequence is driven only by the owner that created it."""
+        owner = self.leases.owner_of(call.seq_id) if call.seq_id in self.sequences else None
+        if owner is not None and owner != call.owner:
+            raise SequenceOwnedError(f"sequence {call.seq_id!r} belongs to another coordinator "
+                                     f"({owner or 'none named'}), not to {call.owner or 'a caller naming none'}")
 
     def _release_late(self, calls: list, late: list[int], results: list) -> None:
         """Releases queued after a computing call of their sequence, once that call has run."""
@@ -117,7 +140,20 @@ class SequenceEngine(Generic[Sequence, Plan]):
 
     def _release(self, seq_id: str) -> bool:
         """Forget a sequence and free its KV; True when it was held."""
+        self.leases.drop(seq_id)
+        return self._free(seq_id)
+
+    def _free(self, seq_id: str) -> bool:
+        """Free a sequence's state and KV but leave it held by its owner (a rebuild replaces it)."""
         held = self.sequences.pop(seq_id, None) is not None
         if self.engine.kv_cache.has_sequence(seq_id):
             self.engine.release(seq_id)
         return held
+
+    def reclaim(self) -> list[Expired]:
+        """Free the sequences whose owner's lease ran out or that sat idle too long; what was freed.
+        Runs on the model thread, between batches."""
+        expired = self.leases.expired()
+        for item in expired:
+            self._release(item.seq_id)
+        return expired

@@ -1,4 +1,5 @@
-"""What both worker roles do to come up: load, wire the batcher and service, warm up, serve."""
+"""What both worker roles do to come up: load, wire the batcher and service, warm up, serve; and,
+while serving, take back the sequences whose coordinator went silent (``tandem.rpc.leases``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tandem.config import WorkerConfig
 from tandem.engine import ModelEngine
 from tandem.parallel.engine import TensorParallelEngine, load_engine
 from tandem.rpc.batcher import Batcher
+from tandem.rpc.leases import Leases
 from tandem.rpc.metrics import WorkerMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
@@ -23,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class RoleEngine(Protocol):
     engine: ModelEngine
+    leases: Leases
 
     def run_batch(self, calls: list[Any]) -> list[Any]: ...
     def call_cost(self, call: Any) -> int: ...
     def warmup(self) -> None: ...
+    def reclaim(self) -> list[Any]: ...
 
 
 @dataclass(slots=True)
@@ -34,7 +38,7 @@ class WorkerRole:
     """How one role differs: its engine, its servicer and its gRPC service."""
 
     name: str  # "draft" or "target"
-    make_engine: Callable[[ModelEngine], RoleEngine]
+    make_engine: Callable[..., RoleEngine]  # (engine, leases)
     make_service: Callable[..., Any]  # (engine, batcher, server, model_name, fingerprint, stop_ids)
     add_to_server: Callable[[Any, Any], None]
     service_full_name: str
@@ -51,18 +55,21 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
         loop = asyncio.get_running_loop()
         engine.ranks.on_failure = lambda reason: loop.call_soon_threadsafe(failed.set)
     tokenizer = load_tokenizer(cfg.engine.model_dir)
-    role_engine = role.make_engine(engine)
+    role_engine = role.make_engine(engine, Leases(cfg.lease_s, cfg.idle_ttl_s))
     server = ManagedServer(role.name, cfg.server)
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
+
+    def kv_gauges() -> None:
+        metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)
+        metrics.active_sequences.set(len(engine.kv_cache.sequences()))
 
     def on_batch(num_calls: int, num_tokens: int, seconds: float) -> None:
         metrics.batch_seconds.observe(seconds)
         metrics.batch_size.observe(num_calls)
         metrics.batch_tokens.observe(num_tokens)
         metrics.queue_depth.set(batcher.queue_depth)
-        metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)
-        metrics.active_sequences.set(len(engine.kv_cache.sequences()))
+        kv_gauges()
 
     gather_fraction = role.gather_fraction if cfg.gather_fraction is None else cfg.gather_fraction
     batcher = Batcher(
@@ -75,14 +82,38 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
         sorted(stop_token_ids(cfg.engine.model_dir, tokenizer, engine.config)),
     )
     server.add_service(role.add_to_server, service, role.service_full_name)
+    background: list[asyncio.Task] = []
+
+    async def reclaim_forever() -> None:
+        """Every sweep interval, on the model thread: free what expired leases and idle sequences hold."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(role_engine.leases.sweep_interval_s)
+            try:
+                expired = await loop.run_in_executor(batcher.executor, role_engine.reclaim)
+            except Exception:  # noqa: BLE001 - the sweep must outlive one failure; the next one retries
+                log.exception("%s: freeing expired sequences failed", role.name)
+                continue
+            for item in expired:
+                batcher.forget(item.seq_id)
+                metrics.sequences_reclaimed.labels(item.reason).inc()
+            if expired:
+                kv_gauges()
+                owners = sorted({f"{item.owner or 'no owner'} ({item.reason})" for item in expired})
+                log.warning("%s: freed %d sequences whose coordinator went silent or that sat idle: %s",
+                            role.name, len(expired), ", ".join(owners))
 
     async def warmup() -> None:
         # On the model thread, like every later change to the engine's state.
         await asyncio.get_running_loop().run_in_executor(batcher.executor, role_engine.warmup)
         batcher.start()
-        log.info("%s: warmed up (%d threads)", role.name, torch.get_num_threads())
+        background.append(asyncio.create_task(reclaim_forever()))
+        log.info("%s: warmed up (%d threads); sequence lease %.0fs, idle time-to-live %.0fs", role.name,
+                 torch.get_num_threads(), cfg.lease_s, cfg.idle_ttl_s)
 
     healthy = await serve_until_signalled(server, warmup, failed)
+    for task in background:
+        task.cancel()
     if not healthy and isinstance(engine, TensorParallelEngine):
         engine.ranks.exit_now()  # the model thread may be blocked in a collective with the dead rank
     await asyncio.get_running_loop().run_in_executor(batcher.executor, engine.close)

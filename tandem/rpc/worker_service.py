@@ -1,4 +1,9 @@
-"""What the draft and target servicers share: their wiring, Release and Info."""
+"""What the draft and target servicers share: their wiring, Release and Info.
+
+Every call that names its coordinator (``owner``) renews that coordinator's lease
+(``tandem.rpc.leases``): Release and Info as they arrive (a coordinator's periodic Info is its
+heartbeat), the computing calls when their batch runs (``tandem.rpc.sequence_engine``).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from tandem.v1 import common_pb2
 
 
 class WorkerServiceBase:
-    """Holds a role engine (``.engine``, ``.num_sequences``; ``run_batch`` takes ``ReleaseCall``) and its batcher."""
+    """Holds a role engine (``.engine``, ``.num_sequences``, ``.leases``; ``run_batch`` takes ``ReleaseCall``)
+    and its batcher."""
 
     role = "worker"
 
@@ -31,6 +37,7 @@ class WorkerServiceBase:
         # Shielded: a caller that gives up (its deadline passed while the release queued behind forward
         # passes) cancels this handler, and the batcher drops cancelled calls; the sequence's KV would then
         # be held for good (found by the fuzz test under load). The release runs to its end regardless.
+        self.engine.leases.renew(request.owner)
         held = await asyncio.shield(self._release(request.seq_id))
         return common_pb2.ReleaseResponse(released=held)
 
@@ -42,6 +49,7 @@ class WorkerServiceBase:
         return held
 
     async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
+        self.engine.leases.renew(request.owner)
         model = self.engine.engine
         cache = model.kv_cache
         return common_pb2.WorkerInfo(
@@ -50,5 +58,5 @@ class WorkerServiceBase:
             free_blocks=cache.num_free_blocks, block_size=cache.block_size, queue_depth=self.batcher.queue_depth,
             active_sequences=self.engine.num_sequences, tokenizer_fingerprint=self.fingerprint,
             stop_token_ids=self.stop_token_ids, forward_base_s=model.cost_fit.base_s,
-            forward_per_token_s=model.cost_fit.per_token_s,
+            forward_per_token_s=model.cost_fit.per_token_s, lease_s=self.engine.leases.lease_s,
         )

@@ -222,7 +222,7 @@ def test_a_full_pool_refuses_the_call_that_does_not_fit_and_corrupts_nothing(tin
     results = target.run_batch([
         VerifyCall("a", committed, [1, 2, 3, 4], []),  # KV 10 -> 15 tokens: a 4th block
         PrefillCall("c", prompt, GREEDY),  # 3 new blocks
-        PrefillCall("b", [*prompt, 1, 2, 3], GREEDY),  # a re-prefill needing a 4th block: b must survive
+        PrefillCall("b", [*prompt, 1, 2, 3], GREEDY, replace=True),  # a rebuild needing a 4th block: b must survive
     ])
     assert all(isinstance(r, KVCacheExhaustedError) for r in results), results
     for seq_id, snap in before.items():
