@@ -1,4 +1,4 @@
-"""What the fault, soak and KV tests share: a cluster of SmolLM2 replicas, and a look inside it."""
+"""What the fault, soak and KV tests share: a cluster of real worker processes, and a look inside it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,17 @@ import grpc
 from tandem.cluster import ClusterSpec, LocalCluster, Service
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
+# How long the coordinator waits on a worker's call before it takes the worker for hung. The tiny
+# served model answers every call in milliseconds, so a few seconds are far beyond a busy machine's
+# delay and a hung worker is found quickly; a real model's calls need longer.
+TINY_CALL_TIMEOUT_S = 5.0
 
-def smollm2_cluster(model_dir: Path, log_dir: Path, *, targets: int = 2, drafts: int = 1,
-                    kv_cache_tokens: int = 4096, coordinator_args: tuple[str, ...] = (),
-                    call_timeout_s: float = 15.0) -> LocalCluster:
-    """bf16 SmolLM2 target and draft replicas (one torch thread each: they share two cores), and a
-    coordinator that takes a worker silent for 15 s for hung (long enough for a busy machine)."""
+
+def local_cluster(model_dir: Path, log_dir: Path, *, targets: int = 2, drafts: int = 1,
+                  kv_cache_tokens: int = 4096, coordinator_args: tuple[str, ...] = (),
+                  call_timeout_s: float = TINY_CALL_TIMEOUT_S) -> LocalCluster:
+    """bf16 target and draft replicas of ``model_dir`` (one torch thread each: they share two cores), and a
+    coordinator that takes a worker silent for ``call_timeout_s`` for hung."""
     return LocalCluster(ClusterSpec(
         target=str(model_dir), draft=str(model_dir) if drafts else None, dtype="bfloat16",
         target_replicas=targets, draft_replicas=drafts, kv_cache_tokens=kv_cache_tokens, worker_threads=1,
@@ -33,3 +38,10 @@ def serving(cluster: LocalCluster, role: str) -> Service:
     holding = [s for s in cluster.workers(role) if s.process.poll() is None and worker_info(s).active_sequences]
     assert len(holding) == 1, f"expected one {role} replica holding the request, found {len(holding)}"
     return holding[0]
+
+
+def assert_kv_whole(workers: list[Service]) -> None:
+    """Each worker's KV pool is back to its baseline: every block free, no sequence held."""
+    for worker in workers:
+        info = worker_info(worker)
+        assert info.free_blocks == info.total_blocks and info.active_sequences == 0, worker.role

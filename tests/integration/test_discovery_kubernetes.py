@@ -2,8 +2,9 @@
 
 No kube-apiserver can run here: the coordinator's real ``kubernetes`` client
 talks to the stand-in of ``tests.kube_api_stub`` (the list/watch protocol over
-HTTP), through a kubeconfig, as it would talk to a cluster. Two SmolLM2 target
-worker processes, one slice per worker (they share 127.0.0.1 and a slice's
+HTTP), through a kubeconfig, as it would talk to a cluster. Two target worker
+processes of the tiny served model (tests/tiny_models.py: the property is about
+discovery, not text), one slice per worker (they share 127.0.0.1 and a slice's
 port is all its endpoints' port). Greedy requests run one after another the
 whole time: every one is answered, with the same tokens; the added replica
 gets requests; the removed one, once terminating, gets no new request and
@@ -33,8 +34,8 @@ def states(client: TandemClient) -> dict[str, str]:
     return {w.address: w.state for w in client.info().target_workers}
 
 
-def test_a_replica_added_and_one_removed_during_a_run_with_every_request_answered(smollm2_dir, tmp_path):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", target_replicas=2,
+def test_a_replica_added_and_one_removed_during_a_run_with_every_request_answered(tiny_served_dir, tmp_path):
+    spec = ClusterSpec(target=str(tiny_served_dir), draft=None, dtype="bfloat16", target_replicas=2,
                        kv_cache_tokens=2048, worker_threads=1, log_dir=tmp_path / "logs", discovery="given")
     cluster = LocalCluster(spec)
     with KubeApiStub() as api:

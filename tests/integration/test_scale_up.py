@@ -5,7 +5,8 @@ scale --target-replicas 2`, then back to 1, while a client keeps sending
 greedy requests. Every request is answered with the same tokens; requests
 reach the new replica once it has joined; after the shrink the coordinator
 lists only the first replica and the removed worker is gone. Run on a tiny
-random model (fast) and on SmolLM2 (a real model, marked slow).
+random model (fast: `make test`) and on SmolLM2 (a real model: the long tier,
+`make test-long`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.integration.traffic import Traffic, until, until_used
 READY = re.compile(r"ready: .* --addr (\S+)")
 
 
-@pytest.fixture(params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.fixture(params=["tiny", pytest.param("smollm2", marks=[pytest.mark.slow, pytest.mark.long])])
 def model(request, tmp_path_factory) -> tuple[Path, str | list[int]]:
     """(model directory, prompt): the prompt in the model's own terms."""
     if request.param == "smollm2":

@@ -1,10 +1,12 @@
 """The system with every link secured, for real: mutual TLS client->coordinator and coordinator->workers, a token.
 
-One LocalCluster (SmolLM2 as target and draft) whose every server requires a
-client certificate from the test's CA, whose coordinator requires a bearer
-token and enforces the operator's limits. Greedy output through it must equal
-target-only decoding in process (which the plaintext services equal too:
-tests/integration/test_services.py), and every limit is refused with its status.
+One LocalCluster (the tiny served model of tests/tiny_models.py as target and
+draft: the property is about the links, not the text) whose every server
+requires a client certificate from the test's CA, whose coordinator requires a
+bearer token and enforces the operator's limits. Greedy output through it must
+equal target-only decoding of the same model in process (tests/references.py;
+the plaintext services equal it too: tests/integration/test_services.py), and
+every limit is refused with its status.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ from tandem.client import TandemClient, build_request
 from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
 from tandem.v1 import target_pb2, target_pb2_grpc
-from tests.integration.test_services import PROMPTS, target_only_in_process
+from tests.references import target_only
 from tests.tls_certs import make_pki
 
 pytestmark = pytest.mark.slow
 
 TOKENS = ("client-one-0123456789abcdef", "client-two-0123456789abcdef")
-MAX_PROMPT_TOKENS = 100  # the chat-templated PROMPTS are about 40 tokens
-MAX_NEW_TOKENS_LIMIT = 48
+PROMPTS = ["Explain what a hash map is, with an example.", "Write a short poem about the sea."]
+MAX_PROMPT_TOKENS = 100  # the chat-templated PROMPTS are under 50 tokens (one per character)
+# Long enough that a stream of this many tokens outlasts the calls made while it holds its client's one slot
+# (the tiny model answers in milliseconds); prompt and stream fit the model's 2048 positions.
+MAX_NEW_TOKENS_LIMIT = 1500
 MAX_REQUEST_BYTES = 64 * 1024
 
 
@@ -43,11 +48,11 @@ def client_tls(pki) -> ClientTLS:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, pki, client_tls, tmp_path_factory):
+def cluster(tiny_served_dir, pki, client_tls, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("secrets") / "tokens"
     tokens.write_text("".join(f"{t}\n" for t in TOKENS))
     spec = ClusterSpec(
-        target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=2048,
+        target=str(tiny_served_dir), draft=str(tiny_served_dir), dtype="bfloat16", kv_cache_tokens=2048,
         log_dir=tmp_path_factory.mktemp("logs"), metrics=False, expose_worker_addresses=False,
         server_tls=ServerTLS(pki.server_cert, pki.server_key, client_ca=pki.ca), client_tls=client_tls,
         worker_args=("--host", "127.0.0.1"),
@@ -66,8 +71,8 @@ def client(cluster, client_tls):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir):
-    return target_only_in_process(smollm2_dir, "bfloat16")
+def reference(tiny_served_dir):
+    return target_only(tiny_served_dir, PROMPTS, dtype="bfloat16", max_new_tokens=40)
 
 
 def refused(call, *args, **kwargs) -> grpc.RpcError:
@@ -78,7 +83,7 @@ def refused(call, *args, **kwargs) -> grpc.RpcError:
 
 @pytest.mark.parametrize("method", ["draft", "none"])
 def test_greedy_over_mutual_tls_with_a_token_equals_target_only(client, reference, method):
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS:
         reply = client.generate(build_request(prompt, chat=True, max_new_tokens=40, method=method))
         assert list(reply.token_ids) == reference[prompt], prompt
         assert reply.stats.target_worker == "target-0"  # no internal address unless the operator exposes them
@@ -131,8 +136,10 @@ def test_each_limit_is_refused_with_its_status(client, cluster, client_tls):
     error = refused(client.generate, build_request("word " * (MAX_PROMPT_TOKENS + 10)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("text: the prompt is ") and f"at most {MAX_PROMPT_TOKENS}" in error.details()
-    error = refused(client.generate, build_request(list(range(1, MAX_PROMPT_TOKENS + 2))))
+    # Ids in the tiny vocabulary, so that the length is what is refused.
+    error = refused(client.generate, build_request([3 + i % 90 for i in range(MAX_PROMPT_TOKENS + 1)]))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("token_ids.ids:")
+    assert f"at most {MAX_PROMPT_TOKENS}" in error.details()
     error = refused(client.generate, build_request("hi", max_new_tokens=MAX_NEW_TOKENS_LIMIT + 1))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("stopping.max_new_tokens:") and str(MAX_NEW_TOKENS_LIMIT) in error.details()
