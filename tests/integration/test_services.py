@@ -1,16 +1,20 @@
 """The distributed system for real: worker and coordinator processes on localhost, real gRPC.
 
-SmolLM2-135M is both target and draft here (the only real model CI has);
-the draft drafts for itself, so every draft token is accepted, which makes
-the pipelined path (drafting round r+1 during round r's verification) carry
-most of the traffic. Outputs are compared with in-process target-only
-decoding of the same model: greedy output must be identical token for token.
+Most tests here send requests to the session's shared SmolLM2 cluster (tests/integration/conftest.py:
+two target and two draft replicas; the draft is the target's own model, so every draft token is
+accepted, which makes the pipelined path carry most of the traffic). Outputs are compared with
+in-process target-only decoding of the same model: greedy output must be identical token for token.
+Tests that reconfigure (fp32) start a SmolLM2 cluster of their own; tests that stop, hang or signal
+processes start one on the tiny model, since what they prove is about processes, not text.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -22,59 +26,33 @@ from tandem.client import TandemClient, build_request
 from tandem.cluster import ClusterSpec, LocalCluster
 from tandem.sampling import SamplingParams
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.integration.conftest import MAX_NEW_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "Write a story about a cat.",
-    "def fibonacci(n):",
-    "List the planets of the solar system.",
-    "Explain what a hash table is.",
-]
+
+@pytest.fixture
+def cluster(shared_cluster):
+    return shared_cluster
 
 
-@pytest.fixture(scope="module")
-def cluster(smollm2_dir, tmp_path_factory):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=8192,
-                       log_dir=tmp_path_factory.mktemp("logs"), pipelining=True,
-                       # A full-precision draft equal to the target: every draft is accepted, which tests assert.
-                       draft_args=("--quantization", "none", "--vocab", "0"))
-    with LocalCluster(spec) as running:
-        yield running
+@pytest.fixture
+def client(shared_client):
+    return shared_client
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    with TandemClient(cluster.coordinator.address, timeout_s=120) as c:
-        yield c
-
-
-def target_only_in_process(model_dir, dtype: str) -> dict[str, list[int]]:
-    """Target-only greedy output, in process, for each prompt (chat template, 40 tokens)."""
-    from tandem.config import EngineConfig
-    from tandem.engine import ModelEngine
-    from tandem.inprocess import GenerationRequest, SpeculativeGenerator
-    from tandem.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-
-    tok = load_tokenizer(model_dir)
-    engine = ModelEngine.load(EngineConfig(model_dir, dtype=dtype))
-    stops = stop_token_ids(model_dir, tok, engine.config)
-    requests = [GenerationRequest(encode_prompt(tok, p, chat=True), 40, stop_token_ids=stops) for p in PROMPTS]
-    return {p: r.token_ids for p, r in zip(PROMPTS, SpeculativeGenerator(engine).generate(requests))}
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_dir):
-    return target_only_in_process(smollm2_dir, "bfloat16")
+@pytest.fixture
+def reference(smollm2_reference):
+    return smollm2_reference
 
 
 def generate(client, prompt, **kw):
-    return client.generate(build_request(prompt, chat=True, max_new_tokens=40, **kw))
+    return client.generate(build_request(prompt, chat=True, max_new_tokens=MAX_NEW_TOKENS, **kw))
 
 
 def stream_tokens(client, prompt, **kw) -> list[int]:
     tokens = []
-    for chunk in client.stream(build_request(prompt, chat=True, max_new_tokens=40, **kw)):
+    for chunk in client.stream(build_request(prompt, chat=True, max_new_tokens=MAX_NEW_TOKENS, **kw)):
         tokens.extend(chunk.token_ids)
     return tokens
 
@@ -82,6 +60,15 @@ def stream_tokens(client, prompt, **kw) -> list[int]:
 def metric_samples(service, name: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^({name}\S*) (\S+)$", text, re.M)}
+
+
+def summed_metric(services, name: str) -> dict[str, float]:
+    """``name``'s samples added up over ``services`` (the replicas of one fleet)."""
+    total: dict[str, float] = {}
+    for service in services:
+        for key, value in metric_samples(service, name).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 # ----- correctness --------------------------------------------------------------
@@ -113,15 +100,16 @@ def test_greedy_token_trees_through_services_equal_target_only(client, reference
     assert tree_rounds > 0
 
 
-def test_fp32_greedy_through_services_equals_target_only_for_every_method(smollm2_dir, tmp_path):
-    reference = target_only_in_process(smollm2_dir, "float32")
+def test_fp32_greedy_through_services_equals_target_only_for_every_method(smollm2_dir, smollm2_reference_fp32,
+                                                                         tmp_path):
+    reference = smollm2_reference_fp32
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="float32", kv_cache_tokens=4096,
                        log_dir=tmp_path, metrics=False, pipelining=True,
                        draft_args=("--quantization", "none", "--vocab", "0"))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
         for method, tree in (("draft", "off"), ("hybrid", "off"), ("ngram", "off"), ("none", "off"),
                              ("hybrid", "on"), ("ngram", "on")):
-            for prompt in PROMPTS:
+            for prompt in PROMPTS[:2]:  # every method on two prompts: fp32 costs three times bf16 here
                 reply = generate(client, prompt, method=method, fixed_k=True, tree=tree)
                 assert list(reply.token_ids) == reference[prompt], (method, tree, prompt)
 
@@ -142,18 +130,18 @@ def test_stream_equals_unary_and_text_reassembles(client, reference):
 
 
 def test_sixteen_concurrent_streams_match_their_single_runs_and_batch(client, cluster, reference):
-    target = cluster.workers("target")[0]
-    before = metric_samples(target, "tandem_target_batch_size")
+    targets = cluster.workers("target")
+    before = summed_metric(targets, "tandem_target_batch_size")
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: stream_tokens(client, p, method="draft"), jobs))
     for prompt, tokens in zip(jobs, results):
         assert tokens == reference[prompt]
-    after = metric_samples(target, "tandem_target_batch_size")
+    after = summed_metric(targets, "tandem_target_batch_size")
     batches = after["tandem_target_batch_size_count"] - before.get("tandem_target_batch_size_count", 0)
     calls = after["tandem_target_batch_size_sum"] - before.get("tandem_target_batch_size_sum", 0)
-    # 16 streams of about 40 tokens: one forward per call would be ~16 x 10 batches of 1. Batching
-    # means fewer forwards than calls, by a wide margin: on average well over two calls per forward.
+    # 16 streams of about 40 tokens over two targets: one forward per call would be ~16 x 10 batches of 1.
+    # Batching means fewer forwards than calls, by a wide margin: on average well over two calls per forward.
     assert batches > 0 and calls / batches > 2, (calls, batches)
 
 
@@ -260,20 +248,21 @@ def test_health_and_reflection(cluster):
 
 # ----- replicas and failures -------------------------------------------------------------
 
-def test_two_draft_and_two_target_replicas_share_the_load(smollm2_dir, tmp_path):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", target_replicas=2,
-                       draft_replicas=2, kv_cache_tokens=4096, log_dir=tmp_path, metrics=False)
-    with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
-        with ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(lambda p: generate(client, p, method="draft"), PROMPTS * 2))
+def test_two_draft_and_two_target_replicas_share_the_load(client, cluster):
+    assert len(cluster.workers("target")) == len(cluster.workers("draft")) == 2
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda p: generate(client, p, method="draft"), PROMPTS * 2))
     assert len({r.stats.target_worker for r in replies}) == 2
     assert len({r.stats.draft_worker for r in replies}) == 2
 
 
-def test_unresponsive_worker_gives_deadline_exceeded_not_a_hang(smollm2_dir, tmp_path):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", kv_cache_tokens=2048,
+# ----- processes stopped, hung, signalled: on the tiny model --------------------------------
+
+def test_unresponsive_worker_gives_deadline_exceeded_not_a_hang(tiny_served_dir, tmp_path):
+    spec = ClusterSpec(target=str(tiny_served_dir), draft=None, dtype="float32", kv_cache_tokens=2048,
                        log_dir=tmp_path, metrics=False, coordinator_args=("--call-timeout", "3", "--move-wait", "5"))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=60) as client:
+        assert len(generate(client, PROMPTS[0], method="none").token_ids) > 0  # serving before the hang
         target = cluster.workers("target")[0].process
         target.send_signal(signal.SIGSTOP)  # alive but not answering
         try:
@@ -293,32 +282,36 @@ def test_unresponsive_worker_gives_deadline_exceeded_not_a_hang(smollm2_dir, tmp
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_sigterm_drains_and_exits_cleanly(smollm2_dir, tmp_path):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", kv_cache_tokens=2048,
-                       log_dir=tmp_path, metrics=False)
+def test_sigterm_drains_and_exits_cleanly(tiny_served_dir, tmp_path):
+    # The grace outlasts the request on a loaded machine: what is tested is that the drain waits for it.
+    spec = ClusterSpec(target=str(tiny_served_dir), draft=None, dtype="float32", kv_cache_tokens=2048,
+                       log_dir=tmp_path, metrics=False, coordinator_args=("--drain-grace", "60"))
     cluster = LocalCluster(spec)
     address = cluster.start()
+    new_tokens = 200  # long enough to be in flight when the signal lands, even on the tiny model
     with TandemClient(address, timeout_s=60) as client:
-        stream = client.stream(build_request(PROMPTS[0], chat=True, max_new_tokens=40, method="none",
+        stream = client.stream(build_request(PROMPTS[0], chat=True, max_new_tokens=new_tokens, method="none",
                                              ignore_eos=True))
         chunks = [next(stream)]  # the request is in flight now: the drain must let it finish
         cluster.coordinator.process.send_signal(signal.SIGTERM)
         chunks.extend(stream)
     cluster.stop()
-    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 40
+    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == new_tokens
     assert all(s.process.returncode == 0 for s in cluster.services), [
         (s.role, s.process.returncode) for s in cluster.services
     ]
 
 
-def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(smollm2_dir, tmp_path):
+def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(tiny_served_dir, tmp_path):
     """The README's path: `tandem up`, then `tandem generate --addr`, then Ctrl-C stops every process."""
     import json
-    import subprocess
-    import sys
 
-    up = subprocess.Popen([sys.executable, "-m", "tandem", "up", "--target", str(smollm2_dir), "--draft",
-                           str(smollm2_dir), "--port", "0", "--log-dir", str(tmp_path)],
+    from tests.references import target_only
+
+    prompt = "def add(a, b):"
+    expected = target_only(tiny_served_dir, [prompt], dtype="float32", max_new_tokens=12, chat=False)[prompt]
+    up = subprocess.Popen([sys.executable, "-m", "tandem", "up", "--target", str(tiny_served_dir), "--draft",
+                           str(tiny_served_dir), "--dtype", "float32", "--port", "0", "--log-dir", str(tmp_path)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -329,16 +322,15 @@ def test_tandem_up_serves_generate_addr_and_stops_on_ctrl_c(smollm2_dir, tmp_pat
         address = lines[-1].split("--addr")[1].strip()
         pids = [int(ln.split("pid")[1]) for ln in lines if " pid " in ln]
         assert len(pids) == 3
-        proc = subprocess.run([sys.executable, "-m", "tandem", "generate", "def add(a, b):", "--addr", address,
+        proc = subprocess.run([sys.executable, "-m", "tandem", "generate", prompt, "--addr", address,
                                "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert len(out["token_ids"]) == 12 and out["stats"]["tokens_per_s"] > 0
+        assert out["token_ids"] == expected
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         for pid in pids:  # every child is gone
             with pytest.raises(ProcessLookupError):
-                import os
                 os.kill(pid, 0)
     finally:
         if up.poll() is None:
