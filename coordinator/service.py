@@ -125,7 +125,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield msg
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
-        """The fleet as the last periodic poll of the workers saw it (``--info-poll``): a client's Info
+        """The fleet as the last periodic poll of the workers saw it (every ``info_poll_s``, 1 s): a client's Info
         calls no worker, and leaves the placement counts that spread a burst alone."""
         def status(pool: WorkerPool) -> list[generation_pb2.WorkerStatus]:
             return [generation_pb2.WorkerStatus(address=self.public_name(c), healthy=c.healthy, info=c.info,
@@ -147,8 +147,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc())
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
-        # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
-        # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
         # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
         seq_id = f"{request_id}-{uuid.uuid4().hex}"

@@ -26,7 +26,7 @@ def test_info_calls_reach_no_worker_and_keep_the_placement_counts_until_the_next
             assert client.placed_since_poll == 2
 
             worker.free_blocks = 40
-            await coordinator.targets.refresh_all()  # the periodic poll (--info-poll)
+            await coordinator.targets.refresh_all()  # the periodic poll (every info_poll_s)
             assert worker.calls["Info"] == polled + 1 and client.placed_since_poll == 0
             reply = await stub.Info(generation_pb2.InfoRequest(), timeout=5)
             assert reply.target_workers[0].info.free_blocks == 40

@@ -85,8 +85,9 @@ def test_a_replica_is_judged_on_every_info_a_stranger_never_gets_requests_until_
 
 def test_a_replica_closed_while_its_info_poll_is_on_the_way_ends_the_poll_quietly():
     """grpc.aio cancels a closed channel's calls and raises CancelledError in their callers: a replica
-    that drains while an Info poll waits for it must end that poll (and a client's Info that polls
-    every replica) with an answer, not cancel it. Seen in CI as a coordinator Info that never replied."""
+    that drains while an Info poll waits for it must end that poll (the periodic poll every request's
+    routing reads) with an answer, not cancel it. Seen in CI as a coordinator Info that never replied,
+    when the public Info still polled every replica itself."""
     from tandem.v1 import target_pb2_grpc
     from tests.serving import managed_server, serving
 
