@@ -78,8 +78,13 @@ class Supervisor:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while not self.stopping.wait(self.poll_s):
-            self.check()
+        try:
+            while not self.stopping.wait(self.poll_s):
+                self.check()
+        except Exception as exc:  # unwatched processes would go unnoticed: stop rather than run on blind
+            self.gave_up = f"the supervisor failed ({exc!r}); stopping"
+            self.say(self.gave_up)
+            self.stopping.set()
 
     def check(self) -> None:
         """One look: report each newly exited process and schedule it; replace those whose backoff is over."""
