@@ -193,7 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(404, {"error": f"no such endpoint {self.path}; GET /fleet or POST /scale"})
         try:
             length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
+            if not 0 <= length <= MAX_BODY_BYTES:
                 return self._reply(413, {"error": f"a body of {length} bytes; at most {MAX_BODY_BYTES}"})
             body = json.loads(self.rfile.read(length) or b"{}")
             fleet = self.server_admin.scale(*parse_scale(body, self.server_admin.max_replicas))
