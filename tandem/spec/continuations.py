@@ -22,7 +22,9 @@ Learning is incremental: a run is known only once ``max_continuation`` more
 tokens exist, so ``learn`` records the contexts whose runs became complete
 with the new tokens, and ``final=True`` (the sequence's last call) also
 records the last positions with the shorter runs they have. Each learned
-token costs ``max_n - min_n + 1`` table updates (a few microseconds in all).
+token costs ``max_n - min_n + 1`` table updates (a few microseconds in all),
+and a call reads (packs) only the tail those need (``learn_offset``), so a
+growing sequence learned every round costs its new tokens, not its length.
 
 Encoding: token ids are packed as 3 bytes each, little-endian (ids below
 2**24 = 16,777,216, far above any vocabulary in use): every context key is a
@@ -101,6 +103,16 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 
 # ----- what a sequence teaches ------------------------------------------------
+def learn_offset(start: int, orders: Sequence[int], max_continuation: int) -> int:
+    """The first token a learn from ``start`` reads: ``continuation_items`` of ``tokens[offset:]`` from
+    ``start - offset`` are those of ``tokens`` from ``start``.
+
+    The positions reported begin ``max_continuation - 1`` before ``start`` (their runs were incomplete
+    then) and their contexts ``max(orders)`` before those; nothing earlier is read.
+    """
+    return max(0, start - max_continuation + 1 - max(orders, default=0))
+
+
 def continuation_items(packed: bytes, start: int, final: bool, orders: Sequence[int],
                        max_continuation: int) -> Iterator[tuple[bytes, bytes]]:
     """(context, run) pairs of a packed sequence that became known since its first ``start`` tokens.
@@ -215,8 +227,10 @@ class LocalContinuations:
         the previous call; pass ``final=True`` on its last call (or on a
         finished sequence learned at once) so its last positions count too.
         A sequence learned twice from the same ``start`` is counted twice.
+        Only the tail that the new observations need is read (``learn_offset``).
         """
-        return self.learn_packed(pack_tokens(tokens), start, final=final)
+        skip = learn_offset(start, self.orders, self.max_continuation)
+        return self.learn_packed(pack_tokens(tokens[skip:]), start - skip, final=final)
 
     def learn_packed(self, packed: bytes, start: int = 0, *, final: bool = False) -> int:
         """``learn`` for a sequence already packed with ``pack_tokens``."""

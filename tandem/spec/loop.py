@@ -59,7 +59,7 @@ from tandem.spec.adaptive import (
     choose_tree,
     expected_tokens,
 )
-from tandem.spec.ngram import lookup_continuations
+from tandem.spec.ngram import NgramIndex
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import CACHE, DRAFT, NGRAM, ContinuationCache, DraftProposer, Proposal, ngram_proposal
 from tandem.spec.request import RequestState
@@ -113,6 +113,7 @@ class SpeculationLoop:
         self.replicas = replicas
         self.match_rates = match_rates  # acceptance per kind of n-gram match (see the module docstring)
         self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
+        self._ngrams = NgramIndex()  # the history's n-grams, indexed as it grows: no rescan per round
         self._in_flight: set[asyncio.Task] = set()
 
     # ----- the loop ------------------------------------------------------
@@ -215,9 +216,10 @@ class SpeculationLoop:
         if opts.uses_ngram or self.draft is None:  # (a request whose draft is lost goes on with n-grams)
             min_n = opts.ngram_min if opts.method == "ngram" or self.draft is None else opts.hybrid_min_match
             max_n = max(min_n, opts.ngram_max)
-            proposal, matched = ngram_proposal(s.history, k, min_n, max_n)
+            proposal, matched = ngram_proposal(s.history, k, min_n, max_n, self._ngrams)
             if shape is not None:  # the other continuations of the request's text, of any match length
-                branches = [c for c, _ in lookup_continuations(s.history, k, opts.ngram_min, max_n, shape.width + 1)]
+                branches = [c for c, _ in self._ngrams.lookup_continuations(s.history, k, opts.ngram_min, max_n,
+                                                                             shape.width + 1)]
             if self.cache is not None:
                 hit = await self._cache_lookup(k)
                 if hit is not None and hit.tokens and hit.match_len > matched:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tandem.sampling_params import SamplingParams
-from tandem.spec.ngram import lookup_match
+from tandem.spec.ngram import NgramIndex, lookup_match
 from tandem.spec.transport import DraftChannel, Drafted
 from tandem.spec.tree import TokenTree
 
@@ -53,9 +53,14 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def ngram_proposal(history: list[int], k: int, min_n: int, max_n: int) -> tuple[Proposal, int]:
-    """The continuation of the longest earlier match of the history's suffix, and the match length."""
-    tokens, matched = lookup_match(history, k, min_n, max_n)
+def ngram_proposal(history: list[int], k: int, min_n: int, max_n: int,
+                   index: NgramIndex | None = None) -> tuple[Proposal, int]:
+    """The continuation of the longest earlier match of the history's suffix, and the match length.
+
+    ``index``: the request's ``NgramIndex`` over ``history`` (a loop's rounds: no rescan); None scans.
+    """
+    lookup = index.lookup_match if index is not None else lookup_match
+    tokens, matched = lookup(history, k, min_n, max_n)
     return Proposal(len(history), tokens, source=NGRAM, match_len=matched), matched
 
 

@@ -76,6 +76,7 @@ from tandem.spec.continuations import (
     LocalContinuations,
     best_continuation,
     continuation_items,
+    learn_offset,
     pack_tokens,
     unpack_runs,
     unpack_tokens,
@@ -582,7 +583,9 @@ class SharedContinuations:
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         local = self.local
-        items = list(continuation_items(pack_tokens(tokens), start, final, local.orders, local.max_continuation))
+        skip = learn_offset(start, local.orders, local.max_continuation)  # the tail the new items need, only
+        items = list(continuation_items(pack_tokens(tokens[skip:]), start - skip, final, local.orders,
+                                        local.max_continuation))
         local.add_items(items)
         if self.settings is None or not items:
             return
