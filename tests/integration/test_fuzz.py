@@ -1,7 +1,7 @@
 """Bad input (issue 10): thousands of malformed and extreme requests against one running system, good ones beside.
 
-One LocalCluster (SmolLM2 target and draft, real processes, real gRPC on
-127.0.0.1). A seeded generator sends raw bytes through a generic call
+A coordinator of its own (with small request limits) over the session's shared SmolLM2 workers
+(tests/integration/conftest.py: real processes, real gRPC on 127.0.0.1). A seeded generator sends raw bytes through a generic call
 (identity serializers, so anything can reach the wire): random bytes, mutated
 valid messages, other message types, invalid UTF-8 in string fields, huge
 fields, unicode edge cases, absurd sampling values (NaN, inf, negative, huge
@@ -14,7 +14,8 @@ allows (INVALID_ARGUMENT, RESOURCE_EXHAUSTED; DEADLINE_EXCEEDED for 1 ms
 deadlines; CANCELLED for our own cancellations), never UNKNOWN or INTERNAL, and
 no message names a worker's address; every good request succeeds with exactly
 its single-run tokens; the workers' KV pools return to their baseline.
-Bounded: at most MAX_REQUESTS cases or MAX_SECONDS of sending, whichever ends first.
+Bounded: at most a budget of cases or of seconds of sending, whichever ends first: 300 cases or 60 s in
+`make test`, 1000 or 100 s in the long tier (`make test-long`).
 """
 
 from __future__ import annotations
@@ -25,20 +26,19 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from tandem.cluster import ClusterSpec, LocalCluster
+from tandem.cluster import Service
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 SEED = 20261122
-MAX_REQUESTS = 1000
-MAX_SECONDS = 100.0
 CONCURRENCY = 8  # most cases are refused in milliseconds; the ones that generate set the pace
-MAX_PROMPT_TOKENS = 128  # with 2048 KV tokens per worker, 10 requests at once can never exhaust the pool
+MAX_PROMPT_TOKENS = 128  # with 8192 KV tokens per worker, 10 requests at once can never exhaust the pool
 MAX_NEW_TOKENS_LIMIT = 16
 GOOD_PROMPTS = ("Write a story about a cat.", "def fibonacci(n):", "List the planets of the solar system.")
 BASE_CODES = frozenset({"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"})
@@ -46,14 +46,16 @@ SERVICE = "/tandem.v1.Generation/"
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, tmp_path_factory):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=2048,
-                       log_dir=tmp_path_factory.mktemp("logs"), metrics=False,
-                       worker_args=("--host", "127.0.0.1"),  # nothing of this test is reachable off the machine
-                       coordinator_args=("--host", "127.0.0.1", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
-                                         "--max-new-tokens", "4", "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT)))
-    with LocalCluster(spec) as running:
-        yield running
+def cluster(shared_cluster):
+    """The shared workers behind a coordinator of this test's own, which refuses long prompts and long
+    outputs (so that no fuzz case can fill a KV pool); ``coordinator`` and ``services`` as a cluster's."""
+    from tests.integration.conftest import extra_coordinator
+
+    with extra_coordinator(shared_cluster, ("--host", "127.0.0.1", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+                                            "--max-new-tokens", "4",
+                                            "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT))) as coordinator:
+        workers: list[Service] = [s for s in shared_cluster.services if s.role != "coordinator"]
+        yield SimpleNamespace(coordinator=coordinator, services=[*workers, coordinator])
 
 
 # ----- the wire, by hand ------------------------------------------------------------
@@ -281,7 +283,12 @@ async def kv_in_use(stub: generation_pb2_grpc.GenerationStub) -> list[tuple[int,
             for w in [*info.target_workers, *info.draft_workers]]
 
 
-def test_fuzzed_requests_get_proper_statuses_and_leave_good_requests_and_kv_untouched(cluster):
+@pytest.mark.parametrize("max_requests,max_seconds", [
+    pytest.param(300, 60.0, id="make-test"),
+    pytest.param(1000, 100.0, id="long", marks=pytest.mark.long),
+])
+def test_fuzzed_requests_get_proper_statuses_and_leave_good_requests_and_kv_untouched(cluster, max_requests,
+                                                                                      max_seconds):
     worker_addresses = [s.address for s in cluster.services if s.role != "coordinator"]
 
     async def scenario():
@@ -300,7 +307,7 @@ def test_fuzzed_requests_get_proper_statuses_and_leave_good_requests_and_kv_unto
 
             async def fuzz_worker() -> None:
                 nonlocal issued
-                while sending and issued < MAX_REQUESTS:
+                while sending and issued < max_requests:
                     issued += 1
                     case = fuzzer.case()
                     code, details = await send(channel, case)
@@ -318,7 +325,7 @@ def test_fuzzed_requests_get_proper_statuses_and_leave_good_requests_and_kv_unto
             workers = [asyncio.create_task(fuzz_worker()) for _ in range(CONCURRENCY)]
             goods = [asyncio.create_task(good_worker(i)) for i in range(2)]
             started = time.monotonic()
-            while not all(w.done() for w in workers) and time.monotonic() - started < MAX_SECONDS:
+            while not all(w.done() for w in workers) and time.monotonic() - started < max_seconds:
                 await asyncio.sleep(0.5)
             sending = False
             await asyncio.gather(*workers, *goods)
@@ -332,7 +339,7 @@ def test_fuzzed_requests_get_proper_statuses_and_leave_good_requests_and_kv_unto
                   f"{len(good_runs)} good requests beside them")
             print("fuzz by kind:", dict(sorted(codes.items())))
             assert not wrong, wrong[:10]
-            assert total >= min(MAX_REQUESTS, 200)  # the fuzz really ran
+            assert total >= min(max_requests, 200)  # the fuzz really ran
             assert good_runs and all(tokens == single[prompt] for prompt, tokens in good_runs)
             assert all(s.process.poll() is None for s in cluster.services), [
                 (s.role, s.process.returncode) for s in cluster.services]

@@ -1,8 +1,8 @@
 """Two coordinators share one continuation cache through a real redis-server; Redis trouble loses nothing.
 
-One target worker (SmolLM2) serves two coordinator processes, each started
-with ``--redis-url`` pointing at a redis-server this module starts on a free
-loopback port. Requests use ``method=ngram`` (no draft model), so every
+The session's shared SmolLM2 workers (tests/integration/conftest.py) serve two coordinator processes
+of this module's own, each started with ``--redis-url`` pointing at a redis-server this module
+starts on a free loopback port. Requests use ``method=ngram`` (no draft model), so every
 speculative token comes from the request's own text or from the cache.
 """
 
@@ -15,7 +15,8 @@ import urllib.request
 import pytest
 
 from tandem.client import TandemClient, build_request
-from tandem.cluster import ClusterSpec, LocalCluster
+from tandem.spec.adaptive import AcceptanceTracker
+from tests.integration.conftest import extra_coordinator
 from tests.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = pytest.mark.slow
@@ -37,14 +38,12 @@ def redis(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def system(smollm2_dir, redis, tmp_path_factory):
-    spec = ClusterSpec(target=str(smollm2_dir), draft=None, dtype="bfloat16", kv_cache_tokens=8192,
-                       log_dir=tmp_path_factory.mktemp("logs"), coordinator_args=("--redis-url", redis.url))
-    with LocalCluster(spec) as cluster:
-        second = cluster.add_coordinator(extra_args=("--redis-url", redis.url))
-        with TandemClient(cluster.coordinator.address, timeout_s=120) as one, \
-                TandemClient(second.address, timeout_s=120) as two:
-            yield cluster, second, one, two
+def system(shared_cluster, redis):
+    """(the first coordinator, the second, a client of each): both share the Redis continuation cache."""
+    shared = ("--host", "127.0.0.1", "--redis-url", redis.url)
+    with extra_coordinator(shared_cluster, shared) as first, extra_coordinator(shared_cluster, shared) as second:
+        with TandemClient(first.address, timeout_s=120) as one, TandemClient(second.address, timeout_s=120) as two:
+            yield first, second, one, two
 
 
 def generate(client, prompt=PROMPT, n=TOKENS):
@@ -65,9 +64,9 @@ def wait_for(condition, timeout_s: float = 15.0) -> None:
 
 
 def test_what_one_coordinator_generated_speeds_up_the_other(system):
-    cluster, second, one, two = system
+    coordinator, second, one, two = system
     first = generate(one)
-    wait_for(lambda: cache_metric(cluster.coordinator, "cache_writes_sent") > 0)  # flushed to Redis
+    wait_for(lambda: cache_metric(coordinator, "cache_writes_sent") > 0)  # flushed to Redis
     time.sleep(0.3)
     again = generate(two)
     assert list(again.token_ids) == list(first.token_ids)  # greedy: the cache never changes the output
@@ -76,7 +75,7 @@ def test_what_one_coordinator_generated_speeds_up_the_other(system):
 
 
 def test_killing_redis_mid_stream_loses_no_token_and_a_restart_shares_again(system, redis):
-    cluster, second, one, two = system
+    coordinator, second, one, two = system
     prompt = "List ten animals, one per line."
     reference = list(generate(one, prompt, 64).token_ids)
     stream = one.stream(build_request(prompt, chat=True, max_new_tokens=64, method="ngram", fixed_k=True,
@@ -87,7 +86,7 @@ def test_killing_redis_mid_stream_loses_no_token_and_a_restart_shares_again(syst
         tokens.extend(chunk.token_ids)
     assert tokens == reference
     assert list(generate(two, prompt, 64).token_ids) == reference  # the other coordinator too, Redis still down
-    wait_for(lambda: cache_metric(cluster.coordinator, "cache_redis_errors") > 0)
+    wait_for(lambda: cache_metric(coordinator, "cache_redis_errors") > 0)
 
     redis.start()  # the same port, empty
     # The breaker closes after its probe succeeds; then what one coordinator learns, the other finds.
@@ -106,18 +105,33 @@ def test_killing_redis_mid_stream_loses_no_token_and_a_restart_shares_again(syst
     wait_for(shared_again, timeout_s=60)
 
 
-def test_the_acceptance_of_each_kind_of_match_is_exported(system):
-    cluster, _, one, _ = system
-    reply = one.generate(build_request("Count from one to twenty in words, separated by commas.", chat=True,
-                                       max_new_tokens=TOKENS, method="ngram", ignore_eos=True))  # adaptive k
-    assert reply.stats.generated_tokens == TOKENS
-    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.coordinator.metrics_port}/metrics",
-                                  timeout=5).read().decode()
-    kinds = []
+def match_rates(service) -> dict[tuple[str, int, str], float]:
+    """The coordinator's exported acceptance per kind of match: (source, band, sampled) -> rate."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
+    rates = {}
     for m in re.finditer(r"^tandem_coordinator_match_acceptance\{(?P<labels>[^}]*)\} (?P<rate>\S+)$", text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
-        kinds.append((labels["source"], int(labels["match_band"]), labels["sampled"], float(m["rate"])))
-    assert kinds, "no kind of match was learned from a greedy n-gram request"
-    assert {source for source, *_ in kinds} <= {"ngram", "cache"}
-    assert {sampled for *_, sampled, _ in kinds} == {"false"}
-    assert all(0.0 < rate < 1.0 for *_, rate in kinds)
+        rates[(labels["source"], int(labels["match_band"]), labels["sampled"])] = float(m["rate"])
+    return rates
+
+
+def test_the_acceptance_of_each_kind_of_match_is_exported(shared_cluster):
+    """What the coordinator learned per kind of match reaches its metrics: a new coordinator exports no kind;
+    one greedy n-gram request exports the kinds it met; the same request again, whose continuation-cache
+    matches replay the first answer (always right under greedy), raises a cache kind's rate."""
+    request = build_request("Count from one to twenty in words, separated by commas.", chat=True,
+                            max_new_tokens=TOKENS, method="ngram", ignore_eos=True)  # adaptive k
+    with extra_coordinator(shared_cluster, ("--host", "127.0.0.1")) as coordinator, \
+            TandemClient(coordinator.address, timeout_s=120) as client:
+        assert match_rates(coordinator) == {}  # a new coordinator has learned nothing
+        first = client.generate(request)
+        assert first.stats.generated_tokens == TOKENS
+        learned = match_rates(coordinator)
+        assert learned, "no kind of match was learned from a greedy n-gram request"
+        assert {source for source, *_ in learned} <= {"ngram", "cache"}
+        assert {sampled for *_, sampled in learned} == {"false"}
+        again = client.generate(request)
+        assert list(again.token_ids) == list(first.token_ids)
+        rates = match_rates(coordinator)
+        assert any(rate > learned.get(kind, AcceptanceTracker().rate)
+                   for kind, rate in rates.items() if kind[0] == "cache"), (learned, rates)
