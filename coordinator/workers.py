@@ -21,12 +21,12 @@ flight finish, and it is closed once none is left. One that comes back before
 that is simply routable again.
 
 Leases: a pool names itself to its workers with an instance id of its own
-(``owner``, made when it starts) in every call; each call renews the pool's
-lease on that worker, and so does every Info poll, which runs at least every
-third of the lease a worker reports (``WorkerInfo.lease_s``). A coordinator
-that dies or is cut off stops renewing, and each worker frees the sequences
-it owned once the lease runs out (``tandem.rpc.leases``); with many
-coordinators, only that one's.
+(``owner``, made when it starts) in every Prefill, Verify and Propose; each
+renews the pool's lease on that worker, and so does every Info poll, which
+runs at least every third of the lease a worker reports
+(``WorkerInfo.lease_s``). A coordinator that dies or is cut off stops
+renewing, and each worker frees the sequences it owned once the lease runs
+out (``tandem.rpc.leases``); with many coordinators, only that one's.
 """
 
 from __future__ import annotations
@@ -227,8 +227,7 @@ class RequestChannel:
     async def release(self, seq_id: str) -> None:
         """Best effort: a worker that is gone has freed the KV anyway."""
         try:
-            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id, owner=self.owner),
-                                   RELEASE_TIMEOUT_S)
+            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 

@@ -1,8 +1,8 @@
 """What the draft and target servicers share: their wiring, Release and Info.
 
-Every call that names its coordinator (``owner``) renews that coordinator's lease
-(``tandem.rpc.leases``): Release and Info as they arrive (a coordinator's periodic Info is its
-heartbeat), the computing calls when their batch runs (``tandem.rpc.sequence_engine``).
+A coordinator's periodic Info names it (``owner``) and is its heartbeat: it renews that coordinator's
+lease (``tandem.rpc.leases``) as it arrives; its computing calls renew it when their batch runs
+(``tandem.rpc.sequence_engine``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class WorkerServiceBase:
         # Shielded: a caller that gives up (its deadline passed while the release queued behind forward
         # passes) cancels this handler, and the batcher drops cancelled calls; the sequence's KV would then
         # be held for good (found by the fuzz test under load). The release runs to its end regardless.
-        self.engine.leases.renew(request.owner)
         held = await asyncio.shield(self._release(request.seq_id))
         return common_pb2.ReleaseResponse(released=held)
 
