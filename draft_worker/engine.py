@@ -201,7 +201,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             self.engine.rollback(call.seq_id, plan.keep)
         if not call.sampling.is_greedy and seq.generator is None:
             seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
-            seq.generator = SamplingParams(1.0, seed=seed).make_generator()
+            # On the host, whatever the engine's device: it draws from the decoded wire rows (``_sample_step``).
+            seq.generator = SamplingParams(1.0, seed=seed).make_generator("cpu")
         if seq.generator is not None:  # seeded: the draws of the positions drafted next, on any replica
             call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
 

@@ -43,7 +43,7 @@ from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.sequence_engine import SequenceEngine, SequenceOwnedError, history_runs
 from tandem.sampling import SamplingParams, pick_tokens
-from tandem.spec.rejection import Verdict, verify, verify_tree
+from tandem.spec.rejection import PendingVerdict, Verdict, fetch, verify, verify_tree
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
 
@@ -91,7 +91,7 @@ class _Plan:
     # A rebuild's runs fed (alone, no logits) before the batched pass: the prompt, then generated
     # tokens in runs short enough for the row-invariant kernels that computed them the first time.
     before: list[list[int]] = field(default_factory=list)
-    q: torch.Tensor | None = None  # decoded draft_probs [k, vocab] (CPU), sampled Verify only
+    q: distributions.DecodedRows | None = None  # decoded draft_probs (host, sparse), sampled Verify only
     children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
 
 
@@ -124,12 +124,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     self._forward_failed(plan)
                     results[plan.index] = exc
             else:
-                for plan, rows in zip(admitted, logits):
-                    try:
-                        results[plan.index] = self._finish(plan, rows)
-                    except Exception as exc:  # noqa: BLE001
-                        self._forward_failed(plan)
-                        results[plan.index] = exc
+                self._finish(admitted, logits, results)
 
         self._release_late(calls, late, results)  # phase 4
         return results  # type: ignore[return-value]
@@ -185,9 +180,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             )
         q = None
         if call.draft_probs and not seq.sampling.is_greedy:  # greedy verification never reads q
-            q = distributions.decode_distributions(call.draft_probs, self.vocab_size, call.draft_tokens)  # [k, vocab]
-            drawn = q[torch.arange(k), torch.tensor(call.draft_tokens, dtype=torch.int64)]
-            if not (drawn > 0).all():
+            q = distributions.decode_sparse(call.draft_probs, self.vocab_size, call.draft_tokens)  # checked on the host
+            if not all(prob > 0 for prob in q.prob_of(call.draft_tokens)):
                 raise InvalidRequestError("a draft token has probability 0 under the distribution it was drawn from")
         tokens = [seq.history[call.committed_len - 1], *call.draft_tokens]
         if not tree:
@@ -203,7 +197,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         call = plan.call
         if isinstance(call, PrefillCall):
             self._free(call.seq_id)  # a rebuild (replace) replaces the old state; the owner keeps the sequence
-            generator = None if call.sampling.is_greedy else call.sampling.make_generator()
+            generator = None if call.sampling.is_greedy else call.sampling.make_generator(self.engine.device)
             self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator)
         else:
             del self.sequences[call.seq_id].history[call.committed_len:]
@@ -230,23 +224,59 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         elif self.engine.seq_len(call.seq_id) > call.committed_len - 1:
             self.engine.rollback(call.seq_id, call.committed_len - 1)
 
-    def _finish(self, plan: _Plan, logits: torch.Tensor) -> int | Verdict:
+    def _finish(self, plans: list[_Plan], logits: list[torch.Tensor], results: list) -> None:
+        """Decide every call on the device, read all the verdicts with ONE copy, then apply each.
+
+        That copy is the batch's one host sync after the forward pass: what each call keeps
+        decides its KV and its reply. A call whose decision or application fails fails alone.
+        """
+        decided: list[tuple[_Plan, Verdict | PendingVerdict]] = []
+        for plan, rows in zip(plans, logits):
+            try:
+                decided.append((plan, self._decide(plan, rows)))
+            except Exception as exc:  # noqa: BLE001
+                self._forward_failed(plan)
+                results[plan.index] = exc
+        try:
+            verdicts = fetch([verdict for _, verdict in decided])
+        except Exception as exc:  # noqa: BLE001 - the read failed: every call still deciding gets the error
+            for plan, _ in decided:
+                self._forward_failed(plan)
+                results[plan.index] = exc
+            return
+        for (plan, _), verdict in zip(decided, verdicts):
+            try:
+                results[plan.index] = self._commit(plan, verdict)
+            except Exception as exc:  # noqa: BLE001
+                self._forward_failed(plan)
+                results[plan.index] = exc
+
+    def _decide(self, plan: _Plan, logits: torch.Tensor) -> Verdict | PendingVerdict:
+        """The call's outcome, computed where the logits are and not read back (a Prefill: 0 drafts)."""
         call = plan.call
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall) and call.prompt_len:
-            return seq.history[-1]  # a rebuild: the history is known, nothing to sample
+            return Verdict(0, seq.history[-1])  # a rebuild: the history is known, nothing to sample
         if seq.generator is not None:  # seeded: this position's draws, wherever the sequence was rebuilt
             seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
         if isinstance(call, PrefillCall):
-            token = int(pick_tokens(logits, seq.sampling, seq.generator)[0])
-            seq.history.append(token)
-            return token
-        q = None if plan.q is None else plan.q.to(logits.device)
+            return PendingVerdict(pick_tokens(logits, seq.sampling, seq.generator), 0, tree=False)
+        q = None if plan.q is None else plan.q.dense(logits.device)
         if plan.children is None:
-            verdict = verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
+            return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
+        return verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator)
+
+    def _commit(self, plan: _Plan, verdict: Verdict) -> int | Verdict:
+        """Apply a read verdict: the history, and the KV cut (or moved) to what was kept."""
+        call = plan.call
+        seq = self.sequences[call.seq_id]
+        if isinstance(call, PrefillCall):
+            if not call.prompt_len:
+                seq.history.append(verdict.next_token)
+            return verdict.next_token
+        if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         else:
-            verdict = verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator)
             # The root's row (at committed_len - 1) stays; the kept nodes' KV moves to the positions a chain had.
             self.engine.keep_path(call.seq_id, call.committed_len - 1, [0, *(n + 1 for n in verdict.accepted_nodes)])
         seq.history.extend([*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token])
@@ -258,7 +288,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         seq = "__warmup__"
         greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
         drafts = [1, 2, 3, 4]
-        q = torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab_size).float()
+        q = torch.nn.functional.one_hot(torch.tensor(drafts, device=self.engine.device), self.vocab_size).float()
         for sampling, probs in ((greedy, []), (sampled, distributions.encode_distributions(q))):
             results = self.run_batch([PrefillCall(seq, [1, 2, 3, 4], sampling)])
             results += self.run_batch([VerifyCall(seq, 5, drafts, probs)])

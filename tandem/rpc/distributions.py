@@ -19,6 +19,10 @@ compact support and its float16 values are computed where q lives (CPU or
 GPU), packed into one int32 tensor, and copied to the host in one transfer
 (on a GPU, ``nonzero`` also waits for the support's size); the host then
 only slices that buffer into messages.
+
+Decoding stays on the host (``decode_sparse``: parsing and checks need no
+device); ``DecodedRows.dense`` then puts a batch's rows on the device from
+their sparse form.
 """
 
 from __future__ import annotations
@@ -109,12 +113,9 @@ class WireRows:
     probs: list[torch.Tensor]  # [N_r] float32, > 0
     vocab_size: int
 
-    def dense(self) -> torch.Tensor:
-        """``[R, vocab]`` float32: equal to ``decode_distributions(self.messages, vocab_size)``."""
-        dense = torch.zeros(len(self.probs), self.vocab_size)
-        for row, (ids, probs) in enumerate(zip(self.token_ids, self.probs)):
-            dense[row, torch.from_numpy(ids)] = probs
-        return dense
+    def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[R, vocab]`` float32 on ``device``: equal to ``decode_distributions(self.messages, vocab_size)``."""
+        return _scatter_rows(self.token_ids, [p.numpy() for p in self.probs], self.vocab_size, device)
 
 
 def encode_for_sampling(q: torch.Tensor) -> WireRows:
@@ -154,19 +155,66 @@ def parse(msg: common_pb2.SparseDistribution, vocab_size: int) -> tuple[np.ndarr
     return ids, values
 
 
-def decode_distributions(msgs: list[common_pb2.SparseDistribution], vocab_size: int,
-                         drafted: list[int] | None = None) -> torch.Tensor:
-    """Messages -> dense ``[len(msgs), vocab]`` float32 on the CPU, each row renormalised.
+@dataclass(slots=True)
+class DecodedRows:
+    """Received distributions decoded on the host, sparse: per row its token ids and float32 probabilities.
+
+    What the target checks (``prob_of``) without touching the device; ``dense`` then builds
+    ``[R, vocab]`` on the device from one host-to-device copy of the sparse rows, never a
+    dense host matrix (``R * vocab`` floats would cross the bus for a few hundred values).
+    """
+
+    token_ids: list[np.ndarray]  # [N_r] int64, increasing
+    probs: list[np.ndarray]  # [N_r] float32, summing to 1
+    vocab_size: int
+
+    def prob_of(self, tokens: list[int]) -> list[float]:
+        """Row r's probability of ``tokens[r]`` (0 when it is not in the row's support)."""
+        out = []
+        for ids, probs, token in zip(self.token_ids, self.probs, tokens):
+            at = int(np.searchsorted(ids, token))
+            out.append(float(probs[at]) if at < len(ids) and ids[at] == token else 0.0)
+        return out
+
+    def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[R, vocab]`` float32 on ``device``, 0 outside each row's support."""
+        return _scatter_rows(self.token_ids, self.probs, self.vocab_size, device)
+
+
+def _scatter_rows(token_ids: list[np.ndarray], probs: list[np.ndarray], vocab: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """Sparse rows -> dense ``[R, vocab]`` on ``device``: flat indices and values cross in one copy each."""
+    offsets = (ids.astype(np.int64) + r * vocab for r, ids in enumerate(token_ids))
+    flat = np.concatenate([np.zeros(0, np.int64), *offsets])
+    values = np.concatenate([np.zeros(0, np.float32), *(np.asarray(p, np.float32) for p in probs)])
+    dense = torch.zeros(len(token_ids) * vocab, dtype=torch.float32, device=device)
+    # non_blocking: from pageable memory the copy stages at once and waits for no kernel.
+    index = torch.from_numpy(flat).to(device, non_blocking=True)
+    dense.index_put_((index,), torch.from_numpy(values).to(device, non_blocking=True))
+    return dense.view(len(token_ids), vocab)
+
+
+def decode_sparse(msgs: list[common_pb2.SparseDistribution], vocab_size: int,
+                  drafted: list[int] | None = None) -> DecodedRows:
+    """Messages -> ``DecodedRows`` on the host, each row renormalised.
 
     ``drafted``: the token of each row; an empty message then stands for a point mass on it (a
     deterministic node in a sampled tree, ``tandem.spec.tree.POINT_MASS``). Raises
     ``InvalidRequestError`` (a ``ValueError``) on a malformed message.
     """
-    dense = torch.zeros(len(msgs), vocab_size)
+    ids_out, probs_out = [], []
     for row, msg in enumerate(msgs):
         if drafted is not None and not msg.token_ids and not msg.probs_fp16:
-            dense[row, drafted[row]] = 1.0
+            ids_out.append(np.array([drafted[row]], dtype=np.int64))
+            probs_out.append(np.ones(1, dtype=np.float32))
             continue
         ids, values = parse(msg, vocab_size)
-        dense[row, torch.from_numpy(ids)] = _normalised(values)
-    return dense
+        ids_out.append(ids)
+        probs_out.append(_normalised(values).numpy())
+    return DecodedRows(ids_out, probs_out, vocab_size)
+
+
+def decode_distributions(msgs: list[common_pb2.SparseDistribution], vocab_size: int,
+                         drafted: list[int] | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Messages -> dense ``[len(msgs), vocab]`` float32 on ``device``, each row renormalised (see ``decode_sparse``)."""
+    return decode_sparse(msgs, vocab_size, drafted).dense(device)

@@ -26,6 +26,16 @@ rejected, r <- normalize(max(0, r - q_c)). A kept child becomes the node (r =
 p at its row); when every child is rejected, the next token is drawn from r.
 Lossless when each child was drawn from its q_c independently of the others'
 draws given the path (a deterministic child: q_c = a point mass on it).
+
+On the device: every tensor is made on the logits' device and nothing is read
+back while deciding. Each node gets its own uniform (``N`` draws from the
+request's generator, always, then one draw of the next token: seeded runs
+repeat), every candidate is tested against the residual it would meet (the
+residual after its earlier siblings' rejection, computed for all parents at
+once, sibling rank by rank), and the kept path follows from two small matrix
+products (a node is kept when it is its parent's first accepted child and so
+are all its ancestors). The verifiers return a ``PendingVerdict``; ``fetch``
+reads a whole batch's verdicts with one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -49,47 +59,92 @@ class Verdict:
         return list(range(self.num_accepted)) if self.path is None else self.path
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdict:
+class PendingVerdict:
+    """A verdict decided on the device and not read yet: ``fetch`` reads a whole batch's with one copy.
+
+    ``packed`` ``[N + 1]`` int64 on the device: per draft node 1 if it is kept (kept nodes form a
+    root-to-node path, so their indices in increasing order are the path), then the next token.
+    Reading a field (or comparing) fetches this verdict alone: one host sync.
+    """
+
+    __slots__ = ("packed", "num_nodes", "tree", "_verdict")
+
+    def __init__(self, packed: torch.Tensor, num_nodes: int, tree: bool) -> None:
+        self.packed = packed
+        self.num_nodes = num_nodes
+        self.tree = tree
+        self._verdict: Verdict | None = None
+
+    def resolve(self, values: Sequence[int]) -> Verdict:
+        """The verdict from ``packed`` as read on the host."""
+        path = [node for node in range(self.num_nodes) if values[node]]
+        self._verdict = Verdict(len(path), int(values[self.num_nodes]), path if self.tree else None)
+        return self._verdict
+
+    def result(self) -> Verdict:
+        return self._verdict if self._verdict is not None else fetch([self])[0]
+
+    @property
+    def num_accepted(self) -> int:
+        return self.result().num_accepted
+
+    @property
+    def next_token(self) -> int:
+        return self.result().next_token
+
+    @property
+    def path(self) -> list[int] | None:
+        return self.result().path
+
+    @property
+    def accepted_nodes(self) -> list[int]:
+        return self.result().accepted_nodes
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PendingVerdict):
+            other = other.result()
+        return isinstance(other, Verdict) and self.result() == other
+
+    __hash__ = None  # type: ignore[assignment]  # mutable until read, like Verdict
+
+    def __repr__(self) -> str:
+        return f"PendingVerdict({self._verdict if self._verdict is not None else 'not read'})"
+
+
+def fetch(verdicts: Sequence[Verdict | PendingVerdict]) -> list[Verdict]:
+    """Every verdict read on the host, with ONE device-to-host copy for all those still pending.
+
+    The host sync a batch cannot avoid: what it keeps decides the KV and the reply.
+    """
+    pending = [v for v in verdicts if isinstance(v, PendingVerdict) and v._verdict is None]
+    if pending:
+        by_device: dict[torch.device, list[PendingVerdict]] = {}
+        for v in pending:
+            by_device.setdefault(v.packed.device, []).append(v)
+        for group in by_device.values():
+            values = torch.cat([v.packed for v in group]).tolist()  # the one copy (per device)
+            start = 0
+            for v in group:
+                v.resolve(values[start : start + v.num_nodes + 1])
+                start += v.num_nodes + 1
+    return [v if isinstance(v, Verdict) else v.result() for v in verdicts]
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> PendingVerdict:
     """``target_logits`` ``[k+1, vocab]``: keep draft tokens while they equal the target's argmax."""
-    choices = target_logits.argmax(-1).tolist()  # [k+1]; one host copy per sequence per round
-    accepted = 0
-    while accepted < len(draft_tokens) and draft_tokens[accepted] == choices[accepted]:
-        accepted += 1
-    return Verdict(accepted, choices[accepted])
+    return _greedy(target_logits, draft_tokens, _Shape.chain(len(draft_tokens), target_logits.device))
 
 
 def verify_sampled(
     target_logits: torch.Tensor,  # [k+1, vocab]
     draft_tokens: list[int],  # [k]
-    draft_probs: torch.Tensor | None,  # [k, vocab], or None for a deterministic draft
+    draft_probs: torch.Tensor | None,  # [k, vocab] on the logits' device, or None for a deterministic draft
     params: SamplingParams,
-    generator: torch.Generator,
-) -> Verdict:
+    generator: torch.Generator,  # on the logits' device
+) -> PendingVerdict:
     """Standard speculative rejection sampling over one sequence's k draft tokens."""
-    k = len(draft_tokens)
-    p = probabilities(target_logits, params)  # [k+1, vocab]
-    if k == 0:
-        return Verdict(0, int(sample(p, generator)[0]))
-    drafted = torch.tensor(draft_tokens, dtype=torch.int64)  # [k]
-    rows = torch.arange(k)
-    if draft_probs is None:
-        q = torch.zeros(k, p.shape[-1]).index_put_((rows, drafted), torch.tensor(1.0))  # point masses
-    else:
-        q = draft_probs
-    p_draft = p[rows, drafted]  # [k]
-    q_draft = q[rows, drafted]  # [k]; > 0, since each d_i was drawn from q_i
-    uniforms = torch.rand(k, generator=generator)  # one draw per draft token, always k: seeded runs repeat
-    keep = uniforms * q_draft < p_draft  # u < p/q without dividing by q
-    rejected = (~keep).nonzero()
-    if rejected.numel() == 0:
-        return Verdict(k, int(sample(p[k : k + 1], generator)[0]))
-    first = int(rejected[0, 0])
-    residual = torch.clamp(p[first] - q[first], min=0.0)  # [vocab]
-    total = residual.sum()
-    # residual sums to 0 only when p == q on the support, where rejection has probability 0;
-    # guard anyway against float round-off.
-    residual = residual / total if total > 0 else p[first]
-    return Verdict(first, int(sample(residual[None], generator)[0]))
+    shape = _Shape.chain(len(draft_tokens), target_logits.device)
+    return _sampled(target_logits, draft_tokens, shape, draft_probs, params, generator)
 
 
 def verify(
@@ -98,7 +153,7 @@ def verify(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator | None,
-) -> Verdict:
+) -> PendingVerdict:
     """Greedy fast path (no softmax at all) or rejection sampling."""
     if params.is_greedy:
         return verify_greedy(target_logits, draft_tokens)
@@ -113,48 +168,141 @@ def verify_tree(
     draft_probs: torch.Tensor | None,  # [N, vocab], each node's q (a point mass for a deterministic one), or None
     params: SamplingParams,
     generator: torch.Generator | None,
-) -> Verdict:
+) -> PendingVerdict:
     """The path a token tree keeps and the target's token after it (see the module doc)."""
+    shape = _Shape.tree(children, len(tokens), target_logits.device)
     if params.is_greedy:
-        return _greedy_tree(target_logits, tokens, children)
+        return _greedy(target_logits, tokens, shape)
     assert generator is not None, "sampling needs the request's generator"
+    return _sampled(target_logits, tokens, shape, draft_probs, params, generator)
+
+
+@dataclass(slots=True)
+class _Shape:
+    """A tree's structure as index tensors on the device (one host-to-device copy, none for a chain).
+
+    Parents are ordered by their number of children, most first, so the parents that have a
+    child of sibling rank j are a prefix of those that have one of rank j - 1.
+    """
+
+    num_nodes: int
+    parent_row_of: torch.Tensor  # [N] each node's parent's row
+    parent_rows: torch.Tensor  # [P] the rows of the parents (row 0 the root, row i + 1 node i), ordered
+    ranks: list[tuple[torch.Tensor, int]]  # per sibling rank j: the children of rank j [P_j], and P_j
+    ancestors: torch.Tensor | None  # [N, N] 1 where column a is row i's ancestor or itself; None: a chain
+    earlier: torch.Tensor | None  # [N, N] 1 where column s is an earlier sibling of row i; None: a chain
+    position: torch.Tensor | None = None  # [N+1] each row's index in ``parent_rows`` (-1: no children); trees
+
+    @classmethod
+    def chain(cls, n: int, device: torch.device) -> _Shape:
+        nodes = torch.arange(n, device=device)
+        return cls(n, nodes, nodes, [(nodes, n)] if n else [], None, None)
+
+    @classmethod
+    def tree(cls, children: dict[int, list[int]], n: int, device: torch.device) -> _Shape:
+        order = sorted(children, key=lambda v: -len(children[v]))  # stable: ties stay in the given order
+        width = len(children[order[0]]) if order else 0
+        kids = [[children[v][j] for v in order if len(children[v]) > j] for j in range(width)]
+        parent_of = {c: v for v, cs in children.items() for c in cs}
+        ancestors = [[0] * n for _ in range(n)]
+        earlier = [[0] * n for _ in range(n)]
+        for i in range(n):
+            a = i
+            while a >= 0:
+                ancestors[i][a] = 1
+                a = parent_of.get(a, -1)
+        for cs in children.values():
+            for j, c in enumerate(cs):
+                for s in cs[:j]:
+                    earlier[c][s] = 1
+        flat = [parent_of[i] + 1 for i in range(n)] + [v + 1 for v in order] + [c for row in kids for c in row]
+        flat += [x for row in ancestors for x in row] + [x for row in earlier for x in row]
+        where = {v + 1: i for i, v in enumerate(order) if children[v]}
+        flat += [where.get(row, -1) for row in range(n + 1)]
+        # One copy; non_blocking: from pageable memory it stages at once and waits for no kernel.
+        dev = torch.tensor(flat, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+        parent_row_of, parent_rows, *rank_nodes, anc, ear, position = dev.split(
+            [n, len(order), *map(len, kids), n * n, n * n, n + 1])
+        return cls(n, parent_row_of, parent_rows, [(nodes, len(nodes)) for nodes in rank_nodes],
+                   anc.view(n, n).float(), ear.view(n, n).float(), position)
+
+    def kept(self, ok: torch.Tensor) -> torch.Tensor:
+        """``[N]`` bool, each node accepted against its residual -> ``[N]`` bool, on the kept path."""
+        if self.ancestors is None:  # a chain: the accepted prefix
+            return ok.cumprod(0).bool()
+        assert self.earlier is not None
+        first = ok & ((self.earlier @ ok.float()) == 0)  # its parent's first accepted child
+        return (self.ancestors @ (~first).float()) == 0  # ... and so are all its ancestors
+
+    def last_row(self, kept: torch.Tensor) -> torch.Tensor:
+        """``[1]``: the row of the deepest kept node (0, the root, when none): a parent comes first."""
+        rows = torch.arange(1, self.num_nodes + 1, device=kept.device)
+        return (rows * kept).amax().view(1) if self.num_nodes else torch.zeros(1, dtype=torch.int64,
+                                                                                device=kept.device)
+
+
+def _node_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+
+
+def _greedy(target_logits: torch.Tensor, tokens: list[int], shape: _Shape) -> PendingVerdict:
+    choices = target_logits.argmax(-1)  # [N+1]
+    ok = _node_tokens(tokens, choices.device) == choices[shape.parent_row_of]  # [N]
+    kept = shape.kept(ok)
+    next_token = choices[shape.last_row(kept)]
+    return PendingVerdict(torch.cat([kept.long(), next_token]), shape.num_nodes, shape.ancestors is not None)
+
+
+def _sampled(
+    target_logits: torch.Tensor,
+    tokens: list[int],
+    shape: _Shape,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> PendingVerdict:
     p = probabilities(target_logits, params)  # [N+1, vocab]
-    path: list[int] = []
-    node = -1
-    residual = p[0]
-    while True:
-        for child in children.get(node, ()):
-            token = tokens[child]
-            q = None if draft_probs is None else draft_probs[child]  # [vocab]
-            q_token = 1.0 if q is None else float(q[token])
-            if float(torch.rand(1, generator=generator)) * q_token < float(residual[token]):
-                path.append(child)
-                node, residual = child, p[child + 1]
-                break
-            residual = _without(residual, token, q)
-        else:
-            return Verdict(len(path), int(sample(residual[None], generator)[0]), path)
+    n, device = shape.num_nodes, p.device
+    if n == 0:
+        return PendingVerdict(sample(p, generator), 0, shape.ancestors is not None)
+    drafted = _node_tokens(tokens, device)  # [N]
+    nodes = torch.arange(n, device=device)
+    uniforms = torch.rand(n, generator=generator, device=device)  # one per node, always N: seeded runs repeat
+    q_drafted = torch.ones(n, device=device) if draft_probs is None else draft_probs[nodes, drafted]  # [N], > 0
+    if shape.ancestors is None:  # a chain: only the first rejection's residual is ever needed
+        kept = shape.kept(uniforms * q_drafted < p[nodes, drafted])  # u < p/q without dividing by q
+        first = kept.sum().view(1)  # [1]: the first rejected node, or n when all are kept (its row: the bonus)
+        at = first.clamp(max=n - 1)
+        row = p.index_select(0, first)  # [1, vocab]: the row of the rejected node's parent, or the bonus row
+        residual = _without(row, drafted[at], None if draft_probs is None else draft_probs.index_select(0, at))
+        final = torch.where(first[:, None] < n, residual, row)
+        return PendingVerdict(torch.cat([kept.long(), sample(final, generator)]), n, tree=False)
+    ok = torch.zeros(n, dtype=torch.bool, device=device)
+    residual = p[shape.parent_rows]  # [P, vocab]: each parent's residual before its first child
+    ends = torch.empty_like(residual)  # each parent's residual once all its children are rejected
+    for j, (children, count) in enumerate(shape.ranks):
+        residual = residual[:count]  # the parents with a child of rank j
+        token = drafted[children]
+        ok[children] = uniforms[children] * q_drafted[children] < residual.gather(1, token[:, None]).squeeze(1)
+        residual = _without(residual, token, None if draft_probs is None else draft_probs[children])
+        done = shape.ranks[j + 1][1] if j + 1 < len(shape.ranks) else 0
+        ends[done:count] = residual[done:]  # the parents whose last child has rank j
+    kept = shape.kept(ok)
+    last = shape.last_row(kept)  # [1]
+    at = shape.position[last]  # [1]: where the last row is among the parents (-1: a leaf)
+    final = torch.where(at[:, None] >= 0, ends.index_select(0, at.clamp(min=0)), p.index_select(0, last))
+    return PendingVerdict(torch.cat([kept.long(), sample(final, generator)]), n, tree=True)
 
 
-def _without(residual: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tensor:
-    """normalize(max(0, r - q)) after a rejected candidate (q None: a point mass on ``token``)."""
+def _without(residual: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+    """normalize(max(0, r - q)) per row after a rejected candidate (q None: point masses on ``token``).
+
+    ``residual`` ``[M, vocab]``, ``token`` ``[M]``, ``q`` ``[M, vocab]``.
+    """
     if q is None:
-        out = residual.clone()
-        out[token] = 0.0
+        out = residual.scatter(1, token[:, None], 0.0)
     else:
         out = torch.clamp(residual - q, min=0.0)
-    total = out.sum()
+    total = out.sum(-1, keepdim=True)
     # 0 only when r <= q everywhere, i.e. r == q, where rejection has probability 0: round-off guard.
-    return out / total if total > 0 else residual
-
-
-def _greedy_tree(target_logits: torch.Tensor, tokens: Sequence[int], children: dict[int, list[int]]) -> Verdict:
-    choices = target_logits.argmax(-1).tolist()  # [N+1], one host copy
-    path: list[int] = []
-    node = -1
-    while True:
-        want = choices[node + 1]
-        node = next((c for c in children.get(node, ()) if tokens[c] == want), None)
-        if node is None:
-            return Verdict(len(path), want, path)
-        path.append(node)
+    return torch.where(total > 0, out / total, residual)
