@@ -1,9 +1,9 @@
 """Who owns each sequence a worker holds, and when it may be taken back.
 
-A coordinator names itself in every call (``owner``: an instance id of its own,
-made when it starts). Each call, and the coordinator's periodic ``Info`` poll,
-renews that owner's lease on this worker. A sequence belongs to the owner
-that created it. The worker takes a sequence back (frees its KV) when
+A coordinator names itself in its Prefill, Verify and Propose calls and in its
+periodic ``Info`` poll (``owner``: an instance id of its own, made when it
+starts); each renews that owner's lease on this worker. A sequence belongs to
+the owner that created it. The worker takes a sequence back (frees its KV) when
 
 * its owner's lease has run out: no call and no ``Info`` from that owner for
   ``lease_s`` (the coordinator crashed, was OOM-killed or cut off); or
@@ -13,9 +13,9 @@ that created it. The worker takes a sequence back (frees its KV) when
 The lease is per owner, never global: with many coordinators sharing the
 workers, one that restarts or dies takes back only its own sequences.
 
-The bookkeeping is thread safe: renewals arrive on the event loop as calls
-come in, while sequences are held, dropped and swept on the model thread
-(only the model thread frees KV).
+The bookkeeping is thread safe: Info renews on the event loop as it arrives,
+while calls renew and hold sequences, and sequences are dropped and swept, on
+the model thread (only the model thread frees KV).
 """
 
 from __future__ import annotations
