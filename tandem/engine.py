@@ -28,6 +28,7 @@ from tandem.cost_fit import ForwardCostFit
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
 from tandem.models.packed import pack_linear_weights
+from tandem.models.row_padding import PaddingTuner
 from tandem.models.quantize import shrink_for_drafting
 from tandem.models.tensor_parallel import local_kv_heads
 from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
@@ -124,7 +125,7 @@ class ModelEngine:
         model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, device)
         shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)  # a no-op unless the config asks for it
         if cfg.pack_weights:  # after shrinking: int8 layers are not packed, a cut head is packed as cut
-            pack_linear_weights(model)
+            pack_linear_weights(model, PaddingTuner())  # small calls: the row count measured cheapest
         return cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
 
     @classmethod

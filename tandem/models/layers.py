@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.packed import packed_linear
+from tandem.models.row_padding import DEFAULT_PADDING
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +67,11 @@ class RowStableLinear(nn.Linear):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.packed_weight: torch.Tensor | None = None  # oneDNN's blocked copy; replaces ``weight`` once set
+        self.padding: tuple[int, ...] = DEFAULT_PADDING  # rows a small packed call computes (row_padding)
 
     def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
+            return packed_linear(x, self.packed_weight, self.bias, self.padding)
         if x.dtype == torch.float32:
             return super().forward(x)
         if x.device.type != "cpu":

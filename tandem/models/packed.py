@@ -23,7 +23,8 @@ oneDNN emulates bf16 and the dtype that ``auto`` picks there is fp32 anyway.
 Row invariance, measured (fp32 on the Xeon, 2..600 rows; bf16 on the EPYC, 2..300 rows; 1
 and 2 threads, the Qwen and SmolLM2 layer shapes, with and without bias): oneDNN's kernel
 over a packed weight computes each output row bitwise the same whatever the other rows,
-from 2 rows up. One row takes another kernel, so a lone row is padded to two.
+from 2 rows up. One row takes another kernel, so a lone row is padded to two at least; small
+calls compute the row count that measured cheapest for their weight (``tandem.models.row_padding``).
 That gives a packed model the promise that a token's logits do not depend on how many
 tokens share the forward pass, so greedy speculative output is bitwise the target's
 alone, and batching changes nothing. Another instruction set may pick other kernels:
@@ -39,6 +40,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.models.row_padding import DEFAULT_PADDING, PaddingTuner, padded_rows
 
 # Below this many weight elements a layer keeps its dense weight (MKL in fp32, ATen in bf16): oneDNN's
 # fixed cost per call (tens of microseconds, milliseconds for some row counts on tiny shapes) exceeds
@@ -67,15 +70,27 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` [T, in] over a packed weight; every row bitwise independent of the others."""
-    if x.shape[0] == 1:  # one row runs another kernel: padded, it runs the kernel every other call runs
-        return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, 1)), packed, bias, "none", [], "")[:1]
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  padding: tuple[int, ...] = DEFAULT_PADDING) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [T, in] over a packed weight; every row bitwise independent of the others.
+
+    A call of T rows computes ``padding[T]`` rows (zeros past T) where the table has an entry: one row
+    runs another kernel (padded, it runs the kernel every other call runs), and some small counts run
+    slower kernels than a few more rows would (``tandem.models.row_padding``).
+    """
+    rows = x.shape[0]
+    computed = padded_rows(padding, rows)
+    if computed != rows:
+        return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, computed - rows)), packed, bias,
+                                                  "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, tuner: PaddingTuner | None = None) -> int:
     """Pack the weight of every ``RowStableLinear`` in ``model`` in place; the number of layers packed.
+
+    With ``tuner``, each packed layer's small calls compute the row count measured cheapest for its
+    shape (``tandem.models.row_padding``); without, a lone row is padded to two.
 
     Each layer's dense weight is dropped as its packed copy is made (so peak memory
     grows by one layer, not one model); a weight shared with another module (a
@@ -90,6 +105,9 @@ def pack_linear_weights(model: nn.Module) -> int:
         if (isinstance(module, RowStableLinear) and module.packed_weight is None
                 and module.weight.numel() >= MIN_PACKED_ELEMENTS):
             module.packed_weight = pack_weight(module.weight)
+            if tuner is not None:
+                module.padding = tuner.padding_for(module.packed_weight, module.out_features, module.in_features,
+                                                   module.bias, module.weight.dtype)
             module.weight = None  # the name stays registered, empty; the tensor is freed unless shared
             packed += 1
     return packed

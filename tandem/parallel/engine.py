@@ -13,6 +13,7 @@ from tandem.engine import ForwardBatch, ModelEngine
 from tandem.errors import WorkerUnavailableError
 from tandem.models import load_model
 from tandem.models.packed import pack_linear_weights
+from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import ParallelModel, check_splittable
 from tandem.parallel import step
 from tandem.parallel.ranks import RANK_TIMEOUT, RankGroup
@@ -36,7 +37,7 @@ class TensorParallelEngine(ModelEngine):
             parallel = ParallelModel(context.shard, context.compute)
             model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)
             if cfg.pack_weights:  # each rank packs its own shard
-                pack_linear_weights(model)
+                pack_linear_weights(model, PaddingTuner())
             engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
             engine.ranks, engine.parallel = ranks, parallel
             torch.distributed.barrier(group=context.control)  # every rank has loaded its shard

@@ -12,6 +12,7 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import ModelEngine
 from tandem.models import load_model
 from tandem.models.packed import pack_linear_weights
+from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import ParallelModel
 from tandem.parallel import step
 from tandem.parallel.ranks import join_group
@@ -34,7 +35,7 @@ def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threa
     parallel = ParallelModel(context.shard, context.compute)
     model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)
     if cfg.pack_weights:  # as rank 0 does (TensorParallelEngine.load)
-        pack_linear_weights(model)
+        pack_linear_weights(model, PaddingTuner())
     engine = ModelEngine.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
     torch.distributed.barrier(group=context.control)  # loaded: rank 0 waits for every rank here
     log.info("loaded its shard of %s; %d threads", cfg.model_dir, threads)

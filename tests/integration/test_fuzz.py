@@ -1,7 +1,8 @@
 """Bad input (issue 10): thousands of malformed and extreme requests against one running system, good ones beside.
 
 A coordinator of its own (with small request limits) over the session's shared SmolLM2 workers
-(tests/integration/conftest.py: real processes, real gRPC on 127.0.0.1). A seeded generator sends raw bytes through a generic call
+(tests/integration/conftest.py: real processes, real gRPC on 127.0.0.1). A seeded generator
+sends raw bytes through a generic call
 (identity serializers, so anything can reach the wire): random bytes, mutated
 valid messages, other message types, invalid UTF-8 in string fields, huge
 fields, unicode edge cases, absurd sampling values (NaN, inf, negative, huge

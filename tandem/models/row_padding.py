@@ -1,0 +1,85 @@
+"""How many rows a small call to a packed linear layer computes: the cheapest count, measured per shape.
+
+oneDNN picks its kernel by the row count, and the cheapest is not the smallest: on an AMD EPYC
+(Zen 4, bf16, 2 threads) the Qwen2.5-Coder-1.5B forward of one new token cost 192 ms, of five
+155 ms, because one and two rows take slower kernels than three to nine. Every plain decoding
+step (the target-only baseline, k = 0 rounds, a lean draft's batch-1 steps) paid it.
+
+Every row of a call over a packed weight is bitwise the same from two rows up whatever the
+other rows (``tandem.models.packed``), so a call of T rows may compute more rows (zeros) and
+keep its first T: the result is unchanged, only the kernel differs. ``measure_padding`` times
+2..``MAX_PADDED_ROWS`` rows for one weight once, at load, and gives each small T the count
+>= max(T, 2) that measured cheapest. Layers of one shape share the measurement
+(``PaddingTuner``), so a model pays a few hundred milliseconds once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# Row counts above this are never padded: past a handful of rows every kernel reads the weight once.
+MAX_PADDED_ROWS = 8
+# One row runs another kernel than every other count (not row-invariant), so it is always padded to two
+# at least: the layout without measurement.
+DEFAULT_PADDING: tuple[int, ...] = (0, 2)
+# A count is chosen over the smallest allowed one only if it measured this much cheaper: timing noise must
+# not turn into a choice.
+MIN_GAIN = 0.05
+
+
+def padded_rows(padding: tuple[int, ...], rows: int) -> int:
+    """How many rows a call of ``rows`` computes under ``padding`` (index = rows; counts past it unchanged)."""
+    return padding[rows] if rows < len(padding) else rows
+
+
+def choose_padding(cost_ms: dict[int, float]) -> tuple[int, ...]:
+    """``padding[T]`` for T in 0..max measured: the cheapest measured count >= max(T, 2).
+
+    ``cost_ms`` maps row counts (2..MAX_PADDED_ROWS) to measured times. The cheapest larger count
+    replaces the smallest allowed one only when it is more than ``MIN_GAIN`` cheaper than it.
+    """
+    counts = sorted(cost_ms)
+    if not counts or counts[0] != 2:
+        raise ValueError(f"padding needs the cost of 2 rows and up, got counts {counts}")
+    padding = [0]
+    for rows in range(1, counts[-1] + 1):
+        floor = max(rows, 2)
+        cheapest = min((count for count in counts if count >= floor), key=lambda count: (cost_ms[count], count))
+        padding.append(cheapest if cost_ms[cheapest] < cost_ms[floor] * (1 - MIN_GAIN) else floor)
+    return tuple(padding)
+
+
+def measure_padding(packed: torch.Tensor, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype,
+                    repeats: int = 7) -> tuple[tuple[int, ...], dict[int, float]]:
+    """Time one packed weight at 2..MAX_PADDED_ROWS rows (median of ``repeats`` calls each, after a warm-up
+    call); returns (padding, the medians in ms)."""
+    cost_ms: dict[int, float] = {}
+    for rows in range(2, MAX_PADDED_ROWS + 1):
+        x = torch.zeros(rows, in_features, dtype=dtype)  # [rows, in]
+        torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # the kernel's first-call setup
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            times.append(time.perf_counter() - start)
+        cost_ms[rows] = statistics.median(times) * 1e3
+    return choose_padding(cost_ms), cost_ms
+
+
+@dataclass(slots=True)
+class PaddingTuner:
+    """Measures each distinct packed weight shape once (per dtype and bias) and remembers the padding."""
+
+    chosen: dict[tuple[int, int, str, bool], tuple[int, ...]] = field(default_factory=dict)
+    costs: dict[tuple[int, int, str, bool], dict[int, float]] = field(default_factory=dict)
+
+    def padding_for(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> tuple[int, ...]:
+        key = (out_features, in_features, str(dtype).removeprefix("torch."), bias is not None)
+        if key not in self.chosen:
+            self.chosen[key], self.costs[key] = measure_padding(packed, in_features, bias, dtype)
+        return self.chosen[key]

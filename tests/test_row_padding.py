@@ -1,0 +1,52 @@
+"""Small packed calls compute the row count measured cheapest, and every row stays bitwise what a batch gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.models.row_padding import DEFAULT_PADDING, MAX_PADDED_ROWS, PaddingTuner, choose_padding, padded_rows
+
+
+def test_each_small_count_takes_the_cheapest_count_at_or_above_it():
+    # Two rows slower than three to five (the shape seen on an AMD EPYC), six and up dearer again; three and
+    # four are within MIN_GAIN of five, so they compute themselves.
+    costs = {2: 1.14, 3: 0.90, 4: 0.88, 5: 0.86, 6: 0.95, 7: 1.0, 8: 1.1}
+    padding = choose_padding(costs)
+    assert [padded_rows(padding, t) for t in range(1, 10)] == [5, 5, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_noise_does_not_turn_into_padding_and_one_row_is_always_padded():
+    flat = {count: 1.0 + 0.01 * (count % 3) for count in range(2, MAX_PADDED_ROWS + 1)}  # within MIN_GAIN
+    padding = choose_padding(flat)
+    assert [padded_rows(padding, t) for t in range(1, 10)] == [2, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert padded_rows(DEFAULT_PADDING, 1) == 2 and padded_rows(DEFAULT_PADDING, 2) == 2
+
+
+def test_padding_needs_the_cost_of_two_rows():
+    with pytest.raises(ValueError, match="cost of 2 rows"):
+        choose_padding({3: 1.0, 4: 2.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_row_through_any_padding_equals_the_same_row_inside_a_batch(dtype):
+    from tandem.config import native_cpu_bf16
+    from tandem.models.layers import RowStableLinear
+    from tandem.models.packed import pack_linear_weights
+
+    if dtype == torch.bfloat16 and not native_cpu_bf16():
+        pytest.skip("bf16 is packed only on a CPU with native bf16 (avx512_bf16 or AMX)")
+    torch.manual_seed(6)
+    layer = RowStableLinear(1536, 1536, bias=True).to(dtype)  # Qwen2.5-1.5B's q projection
+    tuner = PaddingTuner()
+    assert pack_linear_weights(layer, tuner) == 1
+    assert len(tuner.chosen) == 1 and padded_rows(layer.padding, 1) >= 2  # measured once, a lone row padded
+    x = torch.randn(9, 1536).to(dtype)  # [9, in]
+    with torch.inference_mode():
+        in_batches = {rows: layer(x[:rows]) for rows in (2, 3, 5, 9)}  # the measured padding
+        for pad_to in range(2, MAX_PADDED_ROWS + 1):  # every padding a measurement could choose
+            layer.padding = (0, *[max(pad_to, t) for t in range(1, MAX_PADDED_ROWS + 1)])
+            alone = layer(x[:1])  # [1, out]
+            for rows, batch in in_batches.items():
+                assert torch.equal(alone[0], batch[0]), (pad_to, rows)
+            assert torch.equal(layer(x[:3]), in_batches[9][:3]), pad_to
