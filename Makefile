@@ -18,7 +18,7 @@ STUBS := $(foreach name,common draft target generation,tandem/v1/$(name)_pb2.py 
 SETUP_STAMP := $(VENV)/.tandem-setup
 SETUP_DEV_STAMP := $(VENV)/.tandem-setup-dev
 
-.PHONY: setup setup-dev models-ci models demo test test-unit test-long soak install-check deploy-check bench bench-quick lint clean
+.PHONY: setup setup-dev models-ci models demo test test-unit test-long soak install-check deploy-check bench bench-quick gpu-check lint clean
 
 setup: $(SETUP_STAMP)  ## .venv with Tandem installed editable (CPU torch first; stubs generated)
 
@@ -85,6 +85,12 @@ bench-quick: setup-dev models
 	$(PYTHON) benchmarks/engine_speed.py --quick
 	$(PYTHON) benchmarks/spec_bench.py --quick
 	$(PYTHON) benchmarks/distributed_bench.py --quick
+
+# No prerequisite: a GPU machine has no network, so its .venv is made from wheels brought along
+# (benchmarks/README.md, "GPU check"); results go to benchmarks/results/gpu_check.{json,md}.
+DEVICE ?= cuda
+gpu-check:  ## one NVIDIA GPU, no network: engine vs transformers, speculation, processes, costs (DEVICE=cpu: tiny)
+	$(PYTHON) benchmarks/gpu_check.py --device $(DEVICE)
 
 lint: setup-dev  ## ruff (configured in pyproject.toml); fails on any finding
 	$(PYTHON) -m ruff check .

@@ -1,0 +1,476 @@
+"""One command that proves Tandem's CUDA path: ``make gpu-check`` (``make gpu-check DEVICE=cpu``: tiny shapes).
+
+For a machine with one NVIDIA GPU, PyTorch with CUDA, and no network: nothing is
+downloaded. Random-weight checkpoints with real shapes (Qwen2.5-1.5B and 0.5B,
+and tiny ones; ``benchmarks/random_models.py``) are built on the device, then:
+
+Checks (each passes or fails on its own; the exit status is 1 if any failed):
+- ``engine-vs-transformers``: our engine's logits against transformers' model on
+  the same weights, prefill then decode, float32 / bfloat16 / float16, within
+  ``LOGIT_TOLERANCE`` of the reference's largest logit; greedy tokens equal on
+  random prompts (float32: the same math in another order, so no near-ties decide).
+- ``speculative-greedy``: greedy output of draft, n-gram, hybrid and tree
+  speculation equal to target-only, token for token (the serving dtype).
+- ``lossless``: the chi-square test of speculative sampling (chains, then trees)
+  through the worker engines on the device, as tests/spec/test_rejection.py runs it on CPU.
+- ``processes``: a target worker, a draft worker and a coordinator as real
+  processes on the device (``tandem.cluster.LocalCluster``), one request streamed over gRPC.
+- ``tensor-parallel``: ``TensorParallelEngine`` with one rank (NCCL on CUDA, gloo on CPU)
+  starts, and its logits equal the one-process engine's.
+- ``attention``: the backend ``auto`` picks (flash-attn when installed, SDPA otherwise)
+  against SDPA.
+
+Measurements (figures, never pass/fail):
+- ``forward-cost``: seconds of a forward of 1, 2, 4, ..., 64 new tokens over a cached
+  prefix: the curve that decides k and tree sizes on this device;
+- ``decode``: tokens/s of plain greedy decoding, ours against transformers' ``generate``;
+- ``self-speculation``: the speedup of speculation with the target as its own draft
+  (acceptance near 1 whatever the random weights), fixed k.
+
+Writes ``gpu_check.json`` and ``gpu_check.md`` (a table) to ``--out``. Needs, beyond
+PyTorch (bring them as wheels; ``pip download`` them where there is network):
+transformers, safetensors, tokenizers, accelerate (checkpoints and the reference),
+numpy and scipy (chi-square), grpcio, grpcio-health-checking, grpcio-reflection,
+protobuf (the processes), grpcio-tools (building Tandem's gRPC stubs when installing
+it), and every other dependency in pyproject.toml; flash-attn is optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: the benchmarks and tests packages live here
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.common import DEFAULT_RESULTS_DIR, markdown_table, write_json, write_markdown  # noqa: E402
+from benchmarks.random_models import save_random_model  # noqa: E402
+from tandem.config import EngineConfig  # noqa: E402
+from tandem.engine import ForwardItem, ModelEngine  # noqa: E402
+from tandem.inprocess import GenerationRequest, SpeculativeGenerator  # noqa: E402
+from tandem.sampling_params import SamplingParams  # noqa: E402
+from tandem.spec.options import SpecOptions  # noqa: E402
+
+# |ours - transformers| <= tolerance * max |transformers' logit|: float32 differs by the order of
+# operations only; bfloat16 and float16 round every op, and differences grow layer by layer.
+LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 4e-2, "float16": 1e-2}
+SIGNIFICANCE = 1e-3  # chi-square p-value below which the lossless check fails
+FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(slots=True)
+class Plan:
+    """What one run checks: model shapes, sizes of the work, by device."""
+
+    device: str
+    models: tuple[str, ...]  # shapes compared with transformers
+    target: str  # the speculation pair
+    draft: str
+    dtypes: tuple[str, ...]
+    serving_dtype: str
+    greedy_prompts: int
+    new_tokens: int
+    lossless_samples: int
+    prefix: int  # cached tokens under the forward-cost curve
+    repeats: int
+
+    @classmethod
+    def for_device(cls, device: str, quick: bool = False) -> Plan:
+        if torch.device(device).type == "cuda":
+            models = ("tiny",) if quick else ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b")
+            target, draft = ("tiny", "tiny-draft") if quick else ("qwen2.5-1.5b", "qwen2.5-0.5b")
+            return cls(device, models, target, draft, ("float32", "bfloat16", "float16"), "bfloat16",
+                       greedy_prompts=4, new_tokens=32, lossless_samples=4000, prefix=512, repeats=5)
+        return cls(device, ("tiny",), "tiny", "tiny-draft", ("float32", "bfloat16"), "bfloat16",
+                   greedy_prompts=2, new_tokens=12, lossless_samples=400, prefix=64, repeats=2)
+
+
+@dataclass(slots=True)
+class Report:
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    measurements: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, name: str, subject: str, run: Callable[[], dict[str, Any]]) -> None:
+        """Run one check; its failure (an AssertionError or any exception) is recorded, not raised."""
+        started = time.perf_counter()
+        try:
+            details, passed = run(), True
+        except Exception as exc:  # noqa: BLE001 - every check runs and reports
+            details, passed = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=6)}, False
+        self.checks.append({"check": name, "subject": subject, "passed": passed,
+                            "seconds": round(time.perf_counter() - started, 2), **details})
+        print(f"[{'PASS' if passed else 'FAIL'}] {name} ({subject}) {details.get('error', '')}", flush=True)
+
+    @property
+    def passed(self) -> bool:
+        return all(c["passed"] for c in self.checks)
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def load(model_dir: Path, device: str, dtype: str, **kw: Any) -> ModelEngine:
+    return ModelEngine.load(EngineConfig(model_dir, dtype=dtype, device=device, kv_cache_tokens=8192, **kw))
+
+
+def hf_model(model_dir: Path, device: str, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+# ----- checks ----------------------------------------------------------------------------------
+
+def engine_vs_transformers(model_dir: Path, plan: Plan) -> dict[str, Any]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    (ids,) = random_prompts(1, 24, vocab, seed=1)
+    prompts = random_prompts(plan.greedy_prompts, 12, vocab, seed=2)
+    split = 16
+    ours: dict[str, torch.Tensor] = {}
+    for dtype in plan.dtypes:
+        engine = load(model_dir, plan.device, dtype)
+        rows = [engine.forward([ForwardItem("s", ids[:split], num_logits=split)])[0]]
+        rows += [engine.forward([ForwardItem("s", [t])])[0] for t in ids[split:]]
+        ours[dtype] = torch.cat(rows).float()
+        if dtype == "float32":
+            ours_greedy = [SpeculativeGenerator(engine).generate([GenerationRequest(p, plan.new_tokens, k_max=0)])[0]
+                           .token_ids for p in prompts]
+        del engine
+    free_memory(plan.device)
+    hf = hf_model(model_dir, plan.device, "float32")  # one load; cast for the other dtypes
+    worst: dict[str, float] = {}
+    with torch.inference_mode():
+        theirs = [hf.generate(torch.tensor([p], device=plan.device), do_sample=False, max_new_tokens=plan.new_tokens,
+                              min_new_tokens=plan.new_tokens, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        for dtype in plan.dtypes:
+            ref = hf.to(getattr(torch, dtype))(torch.tensor([ids], device=plan.device)).logits[0].float()
+            worst[dtype] = float((ours[dtype] - ref).abs().max() / ref.abs().max())
+    del hf
+    free_memory(plan.device)
+    assert ours_greedy == theirs, f"greedy tokens differ from transformers': {ours_greedy} vs {theirs}"
+    for dtype, error in worst.items():
+        assert error <= LOGIT_TOLERANCE[dtype], (
+            f"{dtype}: logits differ by {error:.2e} of the largest, more than {LOGIT_TOLERANCE[dtype]:.0e}")
+    return {"max_relative_logit_error": worst, "greedy_tokens": plan.greedy_prompts * plan.new_tokens}
+
+
+def speculative_greedy(target_dir: Path, draft_dir: Path, plan: Plan) -> dict[str, Any]:
+    target, draft = load(target_dir, plan.device, plan.serving_dtype), load(draft_dir, plan.device, plan.serving_dtype)
+    vocab = target.config.vocab_size
+    # Random prompts, and prompts that repeat themselves: n-gram lookup finds matches in those.
+    prompts = random_prompts(plan.greedy_prompts, 16, vocab, seed=3)
+    prompts += [p[:6] * 3 for p in random_prompts(plan.greedy_prompts, 6, vocab, seed=4)]
+    requests = [GenerationRequest(p, plan.new_tokens) for p in prompts]
+    expected = [r.token_ids for r in SpeculativeGenerator(target).generate(requests)]
+    methods = {"draft": SpecOptions("draft", 4), "ngram": SpecOptions("ngram", 4), "hybrid": SpecOptions("hybrid", 4),
+               "draft-tree": SpecOptions("draft", 4, adaptive_k=False, tree="on"),
+               "hybrid-tree": SpecOptions("hybrid", 4, adaptive_k=False, tree="on")}
+    accepted = {}
+    for name, options in methods.items():
+        results = SpeculativeGenerator(target, draft, options).generate(requests)
+        got = [r.token_ids for r in results]
+        assert got == expected, f"{name}: greedy output differs from target-only"
+        accepted[name] = sum(r.stats.accepted for r in results)
+    return {"methods": list(methods), "accepted_tokens": accepted}
+
+
+def lossless(plan: Plan, work: Path) -> dict[str, Any]:
+    from scipy.stats import chisquare
+
+    vocab, temperature = 6, 1.0
+    kw = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1)
+    target_dir = save_random_model(work / "lossless-target", "tiny", plan.device, seed=3, **kw)
+    draft_dir = save_random_model(work / "lossless-draft", "tiny", plan.device, seed=4, **kw)
+    target, draft = load(target_dir, plan.device, "float32"), load(draft_dir, plan.device, "float32")
+    prompt = [0, 3, 2, 5]
+
+    def dist(tokens: list[int]) -> np.ndarray:
+        logits = target.forward([ForwardItem("x", tokens)])[0][0]
+        target.release("x")
+        return torch.softmax(logits / temperature, -1).double().cpu().numpy()
+
+    exact = np.zeros((vocab, vocab))  # P(t2, t3), marginalised over t1 (from the prefill)
+    p1 = dist(prompt)
+    for t1 in range(vocab):
+        p2 = dist([*prompt, t1])
+        for t2 in range(vocab):
+            exact[t2] += p1[t1] * p2[t2] * dist([*prompt, t1, t2])
+    exact = exact.reshape(-1)
+    pvalues = {}
+    for tree in ("off", "on"):
+        requests = [GenerationRequest(prompt, 4, SamplingParams(temperature, seed=s))
+                    for s in range(plan.lossless_samples)]
+        options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
+        results = SpeculativeGenerator(target, draft, options).generate(requests)
+        counts = np.bincount([r.token_ids[1] * vocab + r.token_ids[2] for r in results], minlength=vocab * vocab)
+        expected = exact / exact.sum() * len(results)
+        keep = expected >= 5  # rare outcomes merged into one bin, so the chi-square approximation holds
+        observed = np.append(counts[keep], counts[~keep].sum())
+        expect = np.append(expected[keep], expected[~keep].sum())
+        pvalues[tree] = float(chisquare(observed, expect).pvalue)
+    assert all(p > SIGNIFICANCE for p in pvalues.values()), f"chi-square p-values {pvalues} (below {SIGNIFICANCE})"
+    return {"samples": plan.lossless_samples, "pvalue_chain": pvalues["off"], "pvalue_tree": pvalues["on"]}
+
+
+def processes(target_dir: Path, draft_dir: Path, plan: Plan, work: Path) -> dict[str, Any]:
+    from tandem.client import TandemClient, build_request
+    from tandem.cluster import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(str(target_dir), str(draft_dir), dtype=plan.serving_dtype, kv_cache_tokens=4096,
+                       worker_threads=1 if plan.device == "cpu" else None, metrics=False,
+                       worker_args=("--device", plan.device), log_dir=work / "cluster")
+    with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
+        request = build_request([5, 6, 7, 8, 9], max_new_tokens=8, method="draft", ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.8, seed=1))
+        chunks = list(client.stream(request))
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    assert len(tokens) == 8, f"streamed {len(tokens)} tokens, asked for 8"
+    return {"streamed_tokens": len(tokens), "messages": len(chunks)}
+
+
+def tensor_parallel(model_dir: Path, plan: Plan) -> dict[str, Any]:
+    from tandem.parallel.engine import TensorParallelEngine
+
+    ids = list(range(3, 20))
+    single = load(model_dir, plan.device, "float32")
+    expected = single.forward([ForwardItem("s", ids, num_logits=4)])[0]
+    engine = TensorParallelEngine.load(EngineConfig(model_dir, dtype="float32", device=plan.device,
+                                                    kv_cache_tokens=2048, tensor_parallel_size=1))
+    try:
+        got = engine.forward([ForwardItem("s", ids, num_logits=4)])[0]
+        backend = torch.distributed.get_backend(engine.ranks.context.compute)
+    finally:
+        engine.close()
+    error = float((got - expected).abs().max())
+    assert error <= 1e-4 * float(expected.abs().max()), f"one-rank logits differ by {error:.2e}"
+    return {"backend": str(backend), "max_logit_error": error}
+
+
+def attention(model_dir: Path, plan: Plan) -> dict[str, Any]:
+    block = 256 if torch.device(plan.device).type == "cuda" else 16  # flash-attn's paged KV wants 256
+    auto = load(model_dir, plan.device, plan.serving_dtype, block_size=block)
+    sdpa = load(model_dir, plan.device, plan.serving_dtype, block_size=block, attention_backend="sdpa")
+    ids = list(range(3, 40))
+    a, b = (e.forward([ForwardItem("s", ids, num_logits=8)])[0] for e in (auto, sdpa))
+    error = float((a - b).abs().max() / b.abs().max())
+    assert error <= LOGIT_TOLERANCE[plan.serving_dtype], f"{auto.backend.name} against sdpa: {error:.2e}"
+    return {"backend": auto.backend.name, "max_relative_logit_error": error}
+
+
+# ----- measurements ----------------------------------------------------------------------------
+
+def forward_cost(model_dir: Path, plan: Plan) -> dict[str, float]:
+    engine = load(model_dir, plan.device, plan.serving_dtype)
+    engine.forward([ForwardItem("p", [3] * plan.prefix, num_logits=1)])
+    engine.warmup()
+    costs = {}
+    for n in FORWARD_SIZES:
+        times = []
+        for _ in range(plan.repeats):
+            synchronize(plan.device)
+            started = time.perf_counter()
+            engine.forward([ForwardItem("p", [4] * n, num_logits=n)])
+            synchronize(plan.device)
+            times.append(time.perf_counter() - started)
+            engine.rollback("p", plan.prefix)
+        costs[str(n)] = round(statistics.median(times) * 1000, 3)  # ms
+    return costs
+
+
+def decode_speed(model_dir: Path, plan: Plan) -> dict[str, float]:
+    n = plan.new_tokens
+    engine = load(model_dir, plan.device, plan.serving_dtype)
+    engine.warmup()
+    prompt = random_prompts(1, 16, engine.config.vocab_size, seed=5)[0]
+    generator = SpeculativeGenerator(engine)
+    request = GenerationRequest(prompt, n, k_max=0)
+    generator.generate([request])  # warm
+    synchronize(plan.device)
+    started = time.perf_counter()
+    generator.generate([request])
+    synchronize(plan.device)
+    ours = n / (time.perf_counter() - started)
+    del generator, engine
+    hf = hf_model(model_dir, plan.device, plan.serving_dtype)
+    ids = torch.tensor([prompt], device=plan.device)
+    with torch.inference_mode():
+        hf.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=0)  # warm
+        synchronize(plan.device)
+        started = time.perf_counter()
+        hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        synchronize(plan.device)
+    theirs = n / (time.perf_counter() - started)
+    del hf
+    free_memory(plan.device)
+    return {"tandem_tok_s": round(ours, 2), "transformers_tok_s": round(theirs, 2), "tokens": n}
+
+
+def self_speculation(model_dir: Path, plan: Plan) -> dict[str, float]:
+    target = load(model_dir, plan.device, plan.serving_dtype)
+    target.warmup()
+    own_draft = ModelEngine.with_new_cache(target.model, target.kv_cache.num_blocks, target.kv_cache.block_size,
+                                           target.backend.name)  # the same weights, a KV pool of its own
+    prompt = random_prompts(1, 16, target.config.vocab_size, seed=6)[0]
+    request = GenerationRequest(prompt, plan.new_tokens * 2)
+    speeds, acceptance = {}, 0.0
+    for name, generator in (("target_only", SpeculativeGenerator(target)),
+                            ("self_draft_k4", SpeculativeGenerator(target, own_draft,
+                                                                   SpecOptions("draft", 4, adaptive_k=False)))):
+        generator.generate([request])  # warm
+        synchronize(plan.device)
+        started = time.perf_counter()
+        (result,) = generator.generate([request])
+        synchronize(plan.device)
+        speeds[name] = len(result.token_ids) / (time.perf_counter() - started)
+        if result.stats.drafted:
+            acceptance = result.stats.accepted / result.stats.drafted
+    return {**{f"{k}_tok_s": round(v, 2) for k, v in speeds.items()},
+            "speedup": round(speeds["self_draft_k4"] / speeds["target_only"], 3), "acceptance": round(acceptance, 3)}
+
+
+# ----- the run ---------------------------------------------------------------------------------
+
+def describe_device(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+    if torch.device(device).type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    else:
+        info["cpu"] = _cpu_name()
+    try:
+        import flash_attn  # type: ignore[import-not-found]
+
+        info["flash_attn"] = flash_attn.__version__
+    except ImportError:
+        info["flash_attn"] = None
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset()) -> Report:
+    """Every check and measurement of ``plan`` not in ``skip``; models are made under ``work``."""
+    report = Report()
+    dirs: dict[str, Path] = {}
+
+    def model(shape: str) -> Path:
+        if shape not in dirs:
+            dirs[shape] = save_random_model(work / shape, shape, plan.device, seed=len(dirs))
+        return dirs[shape]
+
+    def wanted(name: str) -> bool:
+        return name not in skip
+
+    if wanted("engine-vs-transformers"):
+        for shape in plan.models:
+            report.check("engine-vs-transformers", shape, lambda s=shape: engine_vs_transformers(model(s), plan))
+    pair = f"{plan.target} / {plan.draft}"
+    if wanted("speculative-greedy"):
+        report.check("speculative-greedy", pair,
+                     lambda: speculative_greedy(model(plan.target), model(plan.draft), plan))
+    if wanted("lossless"):
+        report.check("lossless", "vocabulary of 6", lambda: lossless(plan, work))
+    if wanted("processes"):
+        report.check("processes", "tiny / tiny-draft",
+                     lambda: processes(model("tiny"), model("tiny-draft"), plan, work))
+    if wanted("tensor-parallel"):
+        report.check("tensor-parallel", "tiny, 1 rank", lambda: tensor_parallel(model("tiny"), plan))
+    if wanted("attention"):
+        report.check("attention", plan.target, lambda: attention(model(plan.target), plan))
+    measured = [s for s in plan.models if s.startswith("qwen")] or list(plan.models)
+    for name, measure in (("forward-cost", forward_cost), ("decode", decode_speed),
+                          ("self-speculation", self_speculation)):
+        if wanted(name):
+            for shape in measured:
+                report.check(f"measure {name}", shape,
+                             lambda s=shape, m=measure, n=name: _measured(report, n, s, m(model(s), plan)))
+            free_memory(plan.device)
+    return report
+
+
+def _measured(report: Report, name: str, shape: str, figures: dict[str, Any]) -> dict[str, Any]:
+    report.measurements.setdefault(name, {})[shape] = figures
+    return {}
+
+
+def tables(report: Report, device: dict[str, Any]) -> str:
+    parts = [f"Device: {device.get('gpu') or device.get('cpu')} ({device['device']}), torch {device['torch']}, "
+             f"flash-attn {device['flash_attn'] or 'absent'}.", "",
+             markdown_table(report.checks, ["check", "subject", "passed", "seconds", "error"])]
+    costs = report.measurements.get("forward-cost", {})
+    if costs:
+        rows = [{"model": shape, **{f"{n} tok (ms)": ms for n, ms in figures.items()}}
+                for shape, figures in costs.items()]
+        parts += ["", "Forward cost over a cached prefix:", "",
+                  markdown_table(rows, ["model", *(f"{n} tok (ms)" for n in FORWARD_SIZES)])]
+    for name in ("decode", "self-speculation"):
+        figures = report.measurements.get(name, {})
+        if figures:
+            rows = [{"model": shape, **f} for shape, f in figures.items()]
+            parts += ["", f"{name}:", "", markdown_table(rows, ["model", *next(iter(figures.values()))])]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny shapes only)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="where gpu_check.json/.md go")
+    parser.add_argument("--quick", action="store_true", help="on CUDA: tiny shapes only (a smoke run)")
+    parser.add_argument("--skip", default="", help="comma-separated checks or measurements to leave out")
+    args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run with --device cpu (make gpu-check DEVICE=cpu)")
+    plan = Plan.for_device(args.device, args.quick)
+    device = describe_device(args.device)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tandem-gpu-check-") as work:
+        report = run(plan, Path(work), frozenset(s for s in args.skip.split(",") if s))
+    payload = {"device": device, "settings": {"device": args.device, "quick": args.quick, "skip": args.skip},
+               "passed": report.passed, "seconds": round(time.perf_counter() - started, 1),
+               "checks": [{k: v for k, v in c.items() if k != "trace"} for c in report.checks],
+               "measurements": report.measurements}
+    write_json(args.out, "gpu_check", payload)
+    write_markdown(args.out, "gpu_check", "GPU check", tables(report, device))
+    print(tables(report, device))
+    for failed in (c for c in report.checks if not c["passed"]):
+        print(f"\n{failed['check']} ({failed['subject']}):\n{failed.get('trace', failed['error'])}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
