@@ -5,45 +5,40 @@ decoded by the target on its own), in process. Output tokens 2 and 3 of many
 seeded runs must follow the target's own two-token distribution (chi-square).
 The fault injection of ``tests.integration.faulty_draft_worker`` (the one an
 end-to-end test runs in a real worker process) is applied here too: its
-coarse wire format sent once must pass, its double encoding must fail.
+coarse wire format sent once must pass, its double encoding must fail. The
+pair, prompt and temperature are ``tests.spec.losslessness``'s, where 500
+samples catch the double encoding with certainty (see there); the long tier
+runs 4000.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
 from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling import SamplingParams
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 from tests.integration import faulty_draft_worker
+from tests.spec.losslessness import (
+    PAIR_PROMPT,
+    PAIR_SAMPLES,
+    PAIR_TEMPERATURE,
+    PAIR_VOCAB,
+    SIGNIFICANCE,
+    chi_square_pvalue,
+    exact_two_token_distribution,
+    one_torch_thread,
+    save_six_token_pair,
+)
 
-SIGNIFICANCE = 1e-3
-PROMPT = [0, 3, 2, 5]
-VOCAB = 6
+PROMPT, VOCAB = PAIR_PROMPT, PAIR_VOCAB
 
 
 @pytest.fixture(scope="module")
 def six_token_pair(tmp_path_factory):
-    """A target and an unrelated draft with 6 tokens, so two-token outcomes fit a chi-square table."""
-    from tests.tiny_models import save_tiny_model
-
-    kw = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
-    target = save_tiny_model(tmp_path_factory.mktemp("t6"), "qwen2", seed=3, **kw)
-    draft = save_tiny_model(tmp_path_factory.mktemp("d6"), "qwen2", seed=4, **kw)
-    return target, draft
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Many tiny ops: one thread is faster, and on a busy 2-core machine far faster (no OpenMP waits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    """The target and the unrelated draft of ``tests.spec.losslessness``, as model directories."""
+    return save_six_token_pair(tmp_path_factory.mktemp("pair"))
 
 
 def load(model_dir):
@@ -51,34 +46,6 @@ def load(model_dir):
     from tandem.engine import ModelEngine
 
     return ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=16384, block_size=4))
-
-
-def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    expected = np.asarray(probs, dtype=np.float64) / np.sum(probs) * len(samples)
-    keep = expected >= 5  # merge rare outcomes into one bin so the chi-square approximation holds
-    observed, expect = np.append(counts[keep], counts[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
-    if expect[-1] == 0:
-        observed, expect = observed[:-1], expect[:-1]
-    return float(chisquare(observed, expect).pvalue)
-
-
-def exact_two_token_distribution(engine, prompt: list[int], temperature: float) -> np.ndarray:
-    """P(t2, t3) of the target alone, marginalised over t1, as a flat [vocab * vocab] array."""
-    from tandem.engine import ForwardItem
-
-    def dist(tokens):
-        logits = engine.forward([ForwardItem("exact", tokens)])[0][0]
-        engine.release("exact")
-        return torch.softmax(logits / temperature, -1).double().numpy()
-
-    joint = np.zeros((VOCAB, VOCAB))
-    p1 = dist(prompt)
-    for t1 in range(VOCAB):
-        p2 = dist([*prompt, t1])
-        for t2 in range(VOCAB):
-            joint[t2] += p1[t1] * p2[t2] * dist([*prompt, t1, t2])
-    return joint.reshape(-1)
 
 
 def ok(results: list) -> list:
@@ -114,19 +81,22 @@ def tokens_two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range,
     return [out[i][0] * VOCAB + out[i][1] for i in ids]
 
 
+@pytest.mark.parametrize("n", [PAIR_SAMPLES, pytest.param(4000, marks=pytest.mark.long)], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("fault,lossless", [
     (None, True),
     ("coarse", True),  # a coarse format, sent once: the draft samples from exactly what the target decodes
     ("double-encoding", False),  # samples from decode(encode(q)), sends encode(decode(encode(q)))
 ], ids=["float16-format", "coarse-format-sent-once", "coarse-format-encoded-twice"])
-def test_speculative_sampling_through_the_engines_follows_the_target(six_token_pair, monkeypatch, fault, lossless):
+def test_speculative_sampling_through_the_engines_follows_the_target(six_token_pair, monkeypatch, fault, lossless,
+                                                                      n):
     if fault:
         faulty_draft_worker.install(monkeypatch.setattr, fault)
     target_dir, draft_dir = six_token_pair
     target, draft = TargetEngine(load(target_dir)), DraftEngine(load(draft_dir))
-    temperature, n, chunk = 1.0, 4000, 500
-    samples = [s for start in range(0, n, chunk)
-               for s in tokens_two_and_three(target, draft, range(start, start + chunk), temperature)]
+    chunk = 500
+    with one_torch_thread():
+        samples = [s for start in range(0, n, chunk)
+                   for s in tokens_two_and_three(target, draft, range(start, min(start + chunk, n)), PAIR_TEMPERATURE)]
     assert target.num_sequences == draft.num_sequences == 0
-    pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target.engine, PROMPT, temperature))
+    pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target.engine, PROMPT, PAIR_TEMPERATURE))
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

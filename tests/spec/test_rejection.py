@@ -11,12 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from tandem.sampling import SamplingParams
 from tandem.spec.rejection import Verdict, verify, verify_greedy, verify_sampled
-
-SIGNIFICANCE = 1e-3
+from tests.spec.losslessness import SIGNIFICANCE, chi_square_pvalue, exact_two_token_distribution, one_torch_thread
 
 
 def one_hot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
@@ -72,17 +70,7 @@ def broken_resample_from_p(target_logits, draft_tokens, draft_probs, params, gen
     return verdict
 
 
-def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    probs = np.asarray(probs, dtype=np.float64)
-    expected = probs / probs.sum() * len(samples)
-    keep = expected >= 5  # merge rare outcomes into one bin so the chi-square approximation holds
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expect = np.append(expected[keep], expected[~keep].sum())
-    if expect[-1] == 0:
-        observed, expect = observed[:-1], expect[:-1]
-    return float(chisquare(observed, expect).pvalue)
-
+LOOP_SAMPLES = 800
 
 P_LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])  # row 1: the bonus position
 Q = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.15, 0.05])
@@ -94,7 +82,8 @@ Q = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.15, 0.05])
     (broken_resample_from_p, False),
 ], ids=["correct", "always-accept", "resample-from-p"])
 def test_rejection_sampler_output_follows_target(rule, lossless):
-    samples = [emitted_first_token(P_LOGITS, Q, seed, rule) for seed in range(8000)]
+    with one_torch_thread():
+        samples = [emitted_first_token(P_LOGITS, Q, seed, rule) for seed in range(8000)]
     pvalue = chi_square_pvalue(samples, torch.softmax(P_LOGITS[0], -1).numpy())
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"
 
@@ -112,47 +101,20 @@ def small_vocab_pair(tmp_path_factory):
     return target, draft
 
 
-def exact_two_token_distribution(engine, prompt: list[int], temperature: float) -> np.ndarray:
-    """P(t2, t3) of the target alone, marginalised over t1, as a flat [vocab * vocab] array."""
-    from tandem.engine import ForwardItem
-
-    vocab = engine.config.vocab_size
-    def dist(tokens):
-        logits = engine.forward([ForwardItem("x", tokens)])[0][0]
-        engine.release("x")
-        return torch.softmax(logits / temperature, -1).double().numpy()
-    joint = np.zeros((vocab, vocab))
-    p1 = dist(prompt)
-    for t1 in range(vocab):
-        p2 = dist([*prompt, t1])
-        for t2 in range(vocab):
-            joint[t2] += p1[t1] * p2[t2] * dist([*prompt, t1, t2])
-    return joint.reshape(-1)
-
-
-@pytest.mark.parametrize("lossless,draft_options,tree", [
-    (True, {}, "off"),
-    # q is 0 on ids 4 and 5 and int8-rounded elsewhere: still lossless, since q is what the draft sampled from.
-    (True, {"quantization": "int8", "vocab_limit": 4}, "off"),
-    (False, {}, "off"),
-    # token trees: the sampled chain plus the draft's next-best tokens under the multi-candidate rule
-    (True, {}, "on"),
-    (False, {}, "on"),
-], ids=["correct", "correct-lean-draft", "broken-resample-from-p", "correct-tree", "broken-tree-no-residual"])
-def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab_pair, monkeypatch, lossless,
-                                                                     draft_options, tree):
-    """In process, through the one loop and the worker engines (the wire format included)."""
+def sample_through_the_loop(pair, monkeypatch, lossless: bool, draft_options: dict, tree: str,
+                            n: int) -> tuple[list[int], np.ndarray]:
+    """Tokens 2 and 3 (``t2 * 6 + t3``) of n seeded requests through the loop, and their exact law under the target."""
     import target_worker.engine as target_engine_module
     from tandem.config import EngineConfig
     from tandem.engine import ModelEngine
     from tandem.inprocess import GenerationRequest, SpeculativeGenerator
     from tandem.spec.options import SpecOptions
 
-    target_dir, draft_dir = small_vocab_pair
+    target_dir, draft_dir = pair
     cfg = dict(dtype="float32", kv_cache_tokens=65536, block_size=4)
     target = ModelEngine.load(EngineConfig(target_dir, **cfg))
     draft = ModelEngine.load(EngineConfig(draft_dir, **cfg, **draft_options))
-    prompt, temperature, n = [0, 3, 2, 5], 1.0, 4000
+    prompt, temperature = [0, 3, 2, 5], 1.0
     if not lossless and tree == "on":  # a rejected candidate's mass stays in the residual
         from tandem.spec import rejection
 
@@ -166,9 +128,27 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab
     requests = [GenerationRequest(prompt, max_new_tokens=4, sampling=SamplingParams(temperature, seed=s))
                 for s in range(n)]
     options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
-    results = SpeculativeGenerator(target, draft, options).generate(requests)
+    with one_torch_thread():
+        results = SpeculativeGenerator(target, draft, options).generate(requests)
     assert all(r.stats.k_counts[2] >= 1 for r in results)  # tokens 2-3 come from a k=2 round (or k=1 after it)
     assert all((r.stats.tree_rounds >= 1) == (tree == "on") for r in results)
     samples = [r.token_ids[1] * 6 + r.token_ids[2] for r in results]
-    pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target, prompt, temperature))
+    return samples, exact_two_token_distribution(target, prompt, temperature)
+
+
+@pytest.mark.parametrize("n", [LOOP_SAMPLES, pytest.param(4000, marks=pytest.mark.long)], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("lossless,draft_options,tree", [
+    (True, {}, "off"),
+    # q is 0 on ids 4 and 5 and int8-rounded elsewhere: still lossless, since q is what the draft sampled from.
+    (True, {"quantization": "int8", "vocab_limit": 4}, "off"),
+    (False, {}, "off"),
+    # token trees: the sampled chain plus the draft's next-best tokens under the multi-candidate rule
+    (True, {}, "on"),
+    (False, {}, "on"),
+], ids=["correct", "correct-lean-draft", "broken-resample-from-p", "correct-tree", "broken-tree-no-residual"])
+def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab_pair, monkeypatch, lossless,
+                                                                     draft_options, tree, n):
+    """In process, through the one loop and the worker engines (the wire format included)."""
+    samples, law = sample_through_the_loop(small_vocab_pair, monkeypatch, lossless, draft_options, tree, n)
+    pvalue = chi_square_pvalue(samples, law)
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"
