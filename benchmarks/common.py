@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import json
 import os
+import platform
 import random
 import resource
 import statistics
@@ -154,6 +155,33 @@ def peak_rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
+# ----- the machine ---------------------------------------------------------
+def cpu_name() -> str:
+    """The CPU's model name (``lscpu``'s "Model name", read from /proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: platform's answer below
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """What a timing depends on beyond the flags: the CPU, its cores, torch's version and threads, transformers'."""
+    import torch
+    import transformers
+
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__}
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """``machine_info()`` as one markdown line for a result file."""
+    return (f"Machine: {info['cpu']} ({info['cpu_count']} logical CPUs), torch {info['torch']} with "
+            f"{info['torch_threads']} threads, transformers {info['transformers']}")
+
+
 # ----- result files ------------------------------------------------------
 def fmt(value: Any, digits: int = 2) -> str:
     """A table cell: floats rounded, None as an em dash."""
@@ -164,9 +192,11 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def markdown_table(records: Iterable[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A GitHub markdown table of ``columns`` taken from each record."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+def markdown_table(records: Iterable[dict[str, Any]], columns: Sequence[str],
+                   headers: dict[str, str] | None = None) -> str:
+    """A GitHub markdown table of ``columns`` taken from each record, headed by ``headers[c]`` where given."""
+    titles = [(headers or {}).get(c, c) for c in columns]
+    lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(columns)]
     for record in records:
         lines.append("| " + " | ".join(fmt(record.get(c)) for c in columns) + " |")
     return "\n".join(lines)

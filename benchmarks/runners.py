@@ -9,6 +9,7 @@ cache rolled back between repetitions so every one sees the same prefix.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ class RunOutput:
     token_ids: list[int]  # generated tokens only
     seconds: float  # wall clock of the whole call, prefill included
     stats: GenerationStats | None = None  # ours only: transformers does not expose acceptance
+    first_token_s: float | None = None  # transformers, when asked: seconds to the first new token (prefill)
 
 
 # ----- loading -----------------------------------------------------------
@@ -84,11 +86,40 @@ def run_ours(
     return RunOutput(results[0].token_ids, seconds, results[0].stats)
 
 
-def run_hf(model: Any, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs: Any) -> RunOutput:
-    """One greedy ``model.generate`` call; extra kwargs (assistant, prompt lookup, eos...) pass through."""
+class FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives.
+
+    ``generate`` hands a streamer the prompt first, then the tokens as they
+    come: the second ``put`` is the first token, the end of the prefill.
+    """
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        """Nothing to flush."""
+
+
+def run_hf(model: Any, prompt_ids: list[int], max_new_tokens: int, time_first_token: bool = False,
+           **generate_kwargs: Any) -> RunOutput:
+    """One greedy ``model.generate`` call; extra kwargs (assistant, prompt lookup, eos...) pass through.
+
+    ``time_first_token`` also records when the first token came (a streamer: one host copy per token), so
+    the decoding phase can be timed apart from the prefill, as our ``GenerationStats`` do.
+    """
     input_ids = torch.tensor([prompt_ids], dtype=torch.int64)  # [1, P]
     pad = model.generation_config.pad_token_id
     kwargs = {"pad_token_id": pad if pad is not None else model.generation_config.eos_token_id, **generate_kwargs}
+    clock = FirstTokenClock() if time_first_token else None
+    if clock is not None:
+        kwargs["streamer"] = clock
+    started = time.perf_counter()
     with torch.inference_mode():
         output, seconds = timed(
             lambda: model.generate(
@@ -99,7 +130,8 @@ def run_hf(model: Any, prompt_ids: list[int], max_new_tokens: int, **generate_kw
                 **kwargs,
             )
         )
-    return RunOutput(output[0, len(prompt_ids) :].tolist(), seconds)
+    first = clock.first_token_at - started if clock is not None and clock.first_token_at is not None else None
+    return RunOutput(output[0, len(prompt_ids) :].tolist(), seconds, first_token_s=first)
 
 
 def identical_prefix(ours: list[int], theirs: list[int], stop_ids: frozenset[int]) -> tuple[bool, int]:

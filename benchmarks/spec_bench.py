@@ -4,14 +4,14 @@ Greedy, batch 1, one process, every model loaded once. Each prompt runs every
 method back to back (in a rotating order), so machine noise hits all methods
 alike. Methods:
 
-  target-only       our engine, plain decoding (the baseline of every speedup)
+  target-only       our engine, plain decoding (the baseline of every speedup; always run)
   spec-draft        our engine + the draft model, adaptive k up to --k
   spec-hybrid       our engine + n-gram lookup when the text repeats (3+ token match), the draft model otherwise
   spec-ngram        our engine + prompt lookup (n-gram match in prompt and output)
   spec-early-exit   our engine + the target's own first layers as drafter (not run by default)
   spec-*-tree       spec-draft, spec-hybrid, spec-ngram with speculation trees (--tree: auto or on): the
                     draft's next-best tokens and other n-gram continuations verified beside the chain
-  hf-plain          transformers generate(do_sample=False)
+  hf-plain          transformers generate(do_sample=False) (the second baseline of every speedup; always run)
   hf-assisted       transformers generate(assistant_model=draft), --hf-assistant-tokens per round
   hf-prompt-lookup  transformers generate(prompt_lookup_num_tokens=--hf-pld-tokens)
 
@@ -21,7 +21,8 @@ wrapped in the target's chat template. Reported per method and category, plus
 spec-bench-mix (every category but humaneval) and all:
 
   tokens_per_s       generated tokens / wall seconds of the generate calls (prefill included)
-  speedup            tokens_per_s / target-only's tokens_per_s in the same category
+  speedup            tokens_per_s / target-only's tokens_per_s in the same category (markdown: x target-only)
+  speedup_vs_hf_plain    the same over hf-plain's, transformers' plain generate (markdown: x hf-plain)
   mean_accepted_len  draft tokens accepted per speculative round (ours only)
   acceptance_rate    a, per-token acceptance: accepted / (accepted + rejections), each judged draft
                      token one trial (ours only: transformers does not expose it). Drafts after a
@@ -34,12 +35,15 @@ spec-bench-mix (every category but humaneval) and all:
                      128-token prefix, drafter / target, measured once per run (0 for n-gram)
   decode_speedup     speedup of the decoding phase alone: from the first token (after the target's
                      prefill, which every method pays alike) to the last; the draft's own prefill
-                     stays in (ours only)
+                     stays in (ours and hf-plain, whose first token a streamer times);
+                     decode_speedup_vs_hf_plain the same over hf-plain's decoding phase
   efficiency         decode_speedup / predicted_speedup: the formula models decoding, not prefill
   mismatches         prompts whose token ids differ from target-only's (bf16 near-ties can flip)
 
-Done when: spec-draft >= 1.45x on humaneval, >= 1.2x on spec-bench-mix,
+Done when: spec-draft >= 1.45x on humaneval, >= 1.2x on spec-bench-mix (over target-only),
 >= 1.2x hf-assisted's tokens/s over all prompts, efficiency >= 0.85.
+
+The JSON and markdown also record the machine: CPU model name, torch's version and thread count.
 
 Writes spec_bench.json / .md / .png into --out (default benchmarks/results).
 """
@@ -66,6 +70,8 @@ from benchmarks.common import (  # noqa: E402
     Prompt,
     grouped_bars,
     load_prompts,
+    machine_info,
+    machine_line,
     markdown_table,
     new_figure,
     quick_default,
@@ -83,6 +89,8 @@ if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
 
 NAME = "spec_bench"
 BASELINE = "target-only"
+HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given over it too
+BASELINES = (BASELINE, HF_BASELINE)
 METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "spec-draft-tree",
            "spec-hybrid-tree", "spec-ngram-tree", "hf-plain", "hf-assisted", "hf-prompt-lookup")
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree"))
@@ -90,9 +98,13 @@ OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngra
              "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram"}
 TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
 MIX, ALL = "spec-bench-mix", "all"
-COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "decode_speedup", "mean_accepted_len",
-           "acceptance_rate", "accepted_per_drafted", "mean_k", "tree_rounds", "branch_tokens", "predicted_speedup",
-           "efficiency", "mismatches")
+COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "speedup_vs_hf_plain",
+           "decode_speedup", "decode_speedup_vs_hf_plain", "mean_accepted_len", "acceptance_rate",
+           "accepted_per_drafted", "mean_k", "tree_rounds", "branch_tokens", "predicted_speedup", "efficiency",
+           "mismatches")
+# The JSON keeps "speedup" (over target-only, as before); the markdown names both baselines.
+HEADERS = {"speedup": "x target-only", "speedup_vs_hf_plain": "x hf-plain",
+           "decode_speedup": "decode x target-only", "decode_speedup_vs_hf_plain": "decode x hf-plain"}
 
 Runner = Callable[[list[int], int], "RunOutput"]  # (prompt ids, max new tokens) -> output
 
@@ -107,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft model for spec-draft and hf-assisted (default: %(default)s)")
     add_draft_flags(p)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated subset of {', '.join(METHODS)}; target-only is always added "
-                        "(it is the baseline) (default: %(default)s)")
+                   help=f"comma-separated subset of {', '.join(METHODS)}; target-only and hf-plain are always "
+                        "added (they are the baselines of every speedup) (default: %(default)s)")
     p.add_argument("--categories", default=",".join(ALL_CATEGORIES),
                    help="comma-separated prompt categories (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=None, help="prompts per category (default: 3; --quick: 1)")
@@ -167,7 +179,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-    args.methods = [BASELINE, *[m for m in dict.fromkeys(methods) if m != BASELINE]]
+    args.methods = [*BASELINES, *[m for m in dict.fromkeys(methods) if m not in BASELINES]]
     args.categories = [c.strip() for c in args.categories.split(",") if c.strip()]
     if min(args.per_category, args.max_new_tokens, args.cost_reps, args.k, args.hf_assistant_tokens) <= 0:
         raise SystemExit("--per-category, --max-new-tokens, --cost-reps, --k and --hf-assistant-tokens "
@@ -272,7 +284,8 @@ def add_hf_runners(bench: Bench, args: argparse.Namespace, target_dir: Path, dra
         pld["max_matching_ngram_size"] = args.hf_pld_ngram
     extra["hf-prompt-lookup"] = pld
     for method in wanted:
-        kwargs = {"eos_token_id": eos, **extra[method]}
+        # hf-plain, a baseline of decode_speedup, times its prefill apart as our methods do
+        kwargs = {"eos_token_id": eos, "time_first_token": method == HF_BASELINE, **extra[method]}
         bench.runners[method] = lambda ids, n, kw=kwargs: run_hf(model, ids, n, **kw)
 
 
@@ -297,6 +310,8 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
                        spec_rounds=s.spec_rounds, ngram_rounds=s.ngram_rounds,
                        k_sum=sum(k * n for k, n in s.k_counts.items()), k_rounds=s.rounds,
                        k_counts=dict(s.k_counts), tree_rounds=s.tree_rounds, branch_tokens=s.branch_tokens)
+        elif out.first_token_s is not None and out.token_ids:  # hf-plain: the same phase, by its streamer
+            row.update(decode_tokens=len(out.token_ids) - 1, decode_seconds=out.seconds - out.first_token_s)
         rows.append(row)
     return rows
 
@@ -329,21 +344,32 @@ def predicted_speedup(a: float, k_counts: Counter[int], c: float) -> float:
     return tokens / steps
 
 
-def aggregate(runs: list[dict[str, Any]], method: str, category: str, baseline: dict[str, Any] | None,
+def ratio(value: float | None, baseline: dict[str, Any] | None, key: str) -> float | None:
+    """``value`` over ``baseline[key]``; None where either is missing or zero."""
+    base = baseline.get(key) if baseline else None
+    return value / base if value and base else None
+
+
+def aggregate(runs: list[dict[str, Any]], method: str, category: str, baselines: dict[str, dict[str, Any]],
               cost_ratio: float | None) -> dict[str, Any]:
-    """One table row from the per-prompt rows of one method in one category (``baseline``: target-only's row)."""
+    """One table row from the per-prompt rows of one method in one category.
+
+    ``baselines``: target-only's and hf-plain's rows of the same category, where measured (empty for those rows
+    themselves); every speedup is given over each.
+    """
     tokens = sum(r["tokens"] for r in runs)
     seconds = sum(r["seconds"] for r in runs)
     tps = tokens / seconds if seconds else None
-    speedup = tps / baseline["tokens_per_s"] if tps and baseline and baseline["tokens_per_s"] else None
     decode_seconds = sum(r.get("decode_seconds", 0.0) for r in runs)
     decode_tps = sum(r.get("decode_tokens", 0) for r in runs) / decode_seconds if decode_seconds > 0 else None
-    decode_speedup = (decode_tps / baseline["decode_tokens_per_s"]
-                      if decode_tps and baseline and baseline["decode_tokens_per_s"] else None)
+    ours_base, hf_base = baselines.get(BASELINE), baselines.get(HF_BASELINE)
+    decode_speedup = ratio(decode_tps, ours_base, "decode_tokens_per_s")
     row: dict[str, Any] = {
         "method": method, "category": category, "prompts": len(runs), "tokens": tokens,
-        "seconds": round(seconds, 4), "tokens_per_s": tps, "speedup": speedup,
+        "seconds": round(seconds, 4), "tokens_per_s": tps, "speedup": ratio(tps, ours_base, "tokens_per_s"),
+        "speedup_vs_hf_plain": ratio(tps, hf_base, "tokens_per_s"),
         "decode_tokens_per_s": decode_tps, "decode_speedup": decode_speedup,
+        "decode_speedup_vs_hf_plain": ratio(decode_tps, hf_base, "decode_tokens_per_s"),
         "mean_accepted_len": None, "acceptance_rate": None, "mean_k": None, "cost_ratio": cost_ratio,
         "tree_rounds": None, "branch_tokens": None, "predicted_speedup": None, "efficiency": None,
         "mismatches": sum(not r["matches_target_only"] for r in runs),
@@ -381,10 +407,11 @@ def summarize(runs: list[dict[str, Any]], methods: list[str], cost_ratio: dict[s
     rows = []
     for category, keep in groups.items():
         selected = [r for r in runs if keep(r)]
-        base = aggregate([r for r in selected if r["method"] == BASELINE], BASELINE, category, None, None)
+        bases = {b: aggregate([r for r in selected if r["method"] == b], b, category, {}, None)
+                 for b in BASELINES if b in methods}
         for method in methods:
             mine = [r for r in selected if r["method"] == method]
-            rows.append(aggregate(mine, method, category, base, cost_ratio.get(method)))
+            rows.append(aggregate(mine, method, category, bases, cost_ratio.get(method)))
     return rows
 
 
@@ -405,48 +432,64 @@ def thresholds(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def notes(rows: list[dict[str, Any]]) -> list[str]:
-    """Warnings a reader of the numbers should see: methods of ours that hardly speculated."""
-    return [
+    """What a reader of the numbers should see: the two baselines side by side; methods that hardly speculated."""
+    lines = []
+    ours = next((r for r in rows if r["method"] == BASELINE and r["category"] == ALL), None)
+    if ours and ours["speedup_vs_hf_plain"]:
+        lines.append(f"  note  baselines (all): target-only {ours['tokens_per_s']:.2f} tokens/s = "
+                     f"{ours['speedup_vs_hf_plain']:.3f}x hf-plain's; every speedup is given over both")
+        if ours["speedup_vs_hf_plain"] < 1.0:
+            lines.append("  note  target-only is slower than hf-plain here: the speedups over target-only "
+                         "are flattered; x hf-plain is the fairer figure")
+    lines += [
         f"  note  {r['method']}: mean k {r['mean_k']:.2f} over all prompts: it hardly speculated "
         "(adaptive k chose 0; compare with --fixed-k)"
         for r in rows
         if r["category"] == ALL and r["method"] in OURS_SPEC and r["mean_k"] is not None and r["mean_k"] < 0.5
     ]
+    return lines
 
 
 # ----- output ------------------------------------------------------------
 def chart(rows: list[dict[str, Any]], methods: list[str], out: Path) -> Path:
-    """Grouped bars: speedup over target-only per category, one bar per method."""
+    """Grouped bars per category, one bar per method: speedup over target-only (left), over hf-plain (right).
+
+    Both panels show every method, the baselines too (a panel's own at 1.0), so a method keeps its colour.
+    """
     categories = list(dict.fromkeys(r["category"] for r in rows))
-    shown = [m for m in methods if m != BASELINE]
-    by = {(r["method"], r["category"]): r["speedup"] for r in rows}
-    fig, (ax,) = new_figure(width=max(7.0, 1.2 * len(categories)))
-    grouped_bars(ax, categories, {m: [by.get((m, c)) for c in categories] for m in shown},
-                 "speedup over target-only (tokens/s ratio)")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_title("greedy, batch 1: speedup per category")
+    fig, axes = new_figure(ncols=len(BASELINES), width=max(7.0, 1.2 * len(categories)))
+    for ax, baseline, key in zip(axes, BASELINES, ("speedup", "speedup_vs_hf_plain")):
+        by = {(r["method"], r["category"]): r[key] for r in rows}
+        grouped_bars(ax, categories, {m: [by.get((m, c)) for c in categories] for m in methods},
+                     f"speedup over {baseline} (tokens/s ratio)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"greedy, batch 1: speedup over {baseline} per category")
     return save_figure(fig, out, NAME)
 
 
 def write_results(args: argparse.Namespace, prompts: list[Prompt], bench: Bench, runs: list[dict[str, Any]],
                   rows: list[dict[str, Any]], verdicts: list[str]) -> list[Path]:
-    """spec_bench.json (settings, cost ratios, rows, per-prompt runs), .md and .png."""
+    """spec_bench.json (settings, machine, cost ratios, rows, per-prompt runs), .md and .png."""
     settings = {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": args.methods,
         "k": args.k, "adaptive_k": not args.fixed_k, "tree": args.tree, "tree_width": args.tree_width,
         "max_new_tokens": args.max_new_tokens,
         "per_category": args.per_category, "select": args.select, "seed": args.seed,
         "hf_assistant_tokens": args.hf_assistant_tokens, "hf_pld_tokens": args.hf_pld_tokens,
-        "hf_pld_ngram": args.hf_pld_ngram, "quick": args.quick, "prompts": [p.prompt_id for p in prompts],
+        "hf_pld_ngram": args.hf_pld_ngram, "quick": args.quick, "baselines": list(BASELINES),
+        "prompts": [p.prompt_id for p in prompts],
     }
-    table = markdown_table(rows, COLUMNS)
+    machine = machine_info()
+    table = markdown_table(rows, COLUMNS, HEADERS)
     costs = ", ".join(f"{m}: {c:.3f}" for m, c in bench.cost_ratio.items()) or "none measured"
-    body = (f"Settings: `{ {k: v for k, v in settings.items() if k != 'prompts'} }`\n\n"
-            f"Cost ratio c (drafter step / target step): {costs}\n\n{table}\n\n"
+    body = (f"Settings: `{ {k: v for k, v in settings.items() if k != 'prompts'} }`\n\n{machine_line(machine)}\n\n"
+            f"Cost ratio c (drafter step / target step): {costs}\n\n"
+            "Every speedup over both baselines, measured in this run: our target-only (x target-only) and "
+            f"transformers' plain generate (x hf-plain).\n\n{table}\n\n"
             "Done when:\n\n```\n" + "\n".join(verdicts) + "\n```")
     return [
-        write_json(args.out, NAME, {"settings": settings, "cost_ratio": bench.cost_ratio, "records": rows,
-                                    "thresholds": verdicts, "runs": runs}),
+        write_json(args.out, NAME, {"settings": settings, "machine": machine, "cost_ratio": bench.cost_ratio,
+                                    "records": rows, "thresholds": verdicts, "runs": runs}),
         write_markdown(args.out, NAME, "Spec-Bench: speculative decoding side by side", body),
         chart(rows, args.methods, args.out),
     ]
@@ -469,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(runs, args.methods, bench.cost_ratio)
     verdicts = thresholds(rows) + notes(rows)
     paths = write_results(args, prompts, bench, runs, rows, verdicts)
-    print(markdown_table(rows, COLUMNS))
+    print(markdown_table(rows, COLUMNS, HEADERS))
+    print(machine_line(machine_info()))
     print("cost ratio c: " + (", ".join(f"{m} {c:.3f}" for m, c in bench.cost_ratio.items()) or "none"))
     print("Done-when thresholds (spec-draft):")
     print("\n".join(verdicts))

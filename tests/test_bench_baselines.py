@@ -1,0 +1,70 @@
+"""spec_bench and engine_speed: every speedup over both baselines, and the forward(1) <= forward(5) check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import engine_speed, spec_bench
+from benchmarks.common import markdown_table
+
+
+def run(method: str, category: str, tokens: int, seconds: float, decode_seconds: float | None = None) -> dict[str, Any]:
+    """A per-prompt row as spec_bench's run_prompt writes it (decode fields where the method times its prefill)."""
+    row: dict[str, Any] = {"prompt_id": f"{category}/0", "category": category, "method": method, "prompt_tokens": 10,
+                           "tokens": tokens, "seconds": seconds, "matches_target_only": True}
+    if decode_seconds is not None:
+        row.update(decode_tokens=tokens - 1, decode_seconds=decode_seconds)
+    return row
+
+
+def test_every_speedup_is_given_over_target_only_and_over_hf_plain():
+    runs = [run("target-only", "humaneval", 10, 1.0, 0.9), run("hf-plain", "humaneval", 10, 2.0, 1.8),
+            run("hf-assisted", "humaneval", 10, 0.5),
+            run("target-only", "qa", 20, 2.0, 1.9), run("hf-plain", "qa", 20, 1.0, 0.95),
+            run("hf-assisted", "qa", 20, 4.0)]
+    rows = spec_bench.summarize(runs, ["target-only", "hf-plain", "hf-assisted"], {})
+    by = {(r["method"], r["category"]): r for r in rows}
+    assert by[("hf-assisted", "humaneval")]["speedup"] == 2.0
+    assert by[("hf-assisted", "humaneval")]["speedup_vs_hf_plain"] == 4.0
+    assert by[("hf-assisted", "qa")]["speedup"] == 0.5
+    assert by[("hf-assisted", "qa")]["speedup_vs_hf_plain"] == 0.25
+    assert by[("hf-assisted", "spec-bench-mix")]["speedup_vs_hf_plain"] == 0.25  # humaneval left out
+    assert by[("hf-assisted", "all")]["speedup_vs_hf_plain"] == 30 / 4.5 / (30 / 3.0)
+    assert by[("target-only", "humaneval")]["speedup_vs_hf_plain"] == 2.0
+    assert by[("hf-plain", "qa")]["speedup"] == 2.0
+    # the decoding phase too: hf-plain's is timed apart from its prefill, so it is a baseline of decode_speedup
+    assert by[("target-only", "humaneval")]["decode_speedup_vs_hf_plain"] == 2.0
+    assert by[("hf-plain", "humaneval")]["decode_speedup"] == 0.5
+
+
+def test_hf_plain_runs_in_every_spec_bench_run():
+    args = spec_bench.resolve_args(spec_bench.build_parser().parse_args(["--methods", "spec-ngram"]))
+    assert args.methods == ["target-only", "hf-plain", "spec-ngram"]
+    assert "hf-plain" in spec_bench.DEFAULT_METHODS
+
+
+def test_the_markdown_names_both_baselines():
+    header = markdown_table([], spec_bench.COLUMNS, spec_bench.HEADERS).splitlines()[0]
+    assert "| x target-only |" in header and "| x hf-plain |" in header
+    assert "| decode x hf-plain |" in header
+
+
+def engine_rows(fwd_1: float, fwd_5: float) -> list[dict[str, Any]]:
+    """engine_speed's two rows of one model, as measure_model makes them."""
+    ours = engine_speed.record("qwen-coder-1.5b", "tandem", [], {1: fwd_1, 5: fwd_5, 9: 0.3}, [])
+    theirs = engine_speed.record("qwen-coder-1.5b", "transformers", [], {1: 0.2, 5: 0.25, 9: 0.3}, [])
+    ours.update(tokens_per_s=13.0, x_transformers=1.3)
+    theirs.update(tokens_per_s=10.0, x_transformers=None)
+    return [ours, theirs]
+
+
+def test_engine_speed_records_and_checks_forward_1_against_forward_5():
+    slow_step = engine_rows(fwd_1=0.19, fwd_5=0.155)  # issue 28's figures: a plain step cost more than 5 tokens
+    assert slow_step[0]["fwd1_le_fwd5"] is False
+    assert any(line.startswith("  FAIL") and "forward(1) <= forward(5)" in line
+               for line in engine_speed.thresholds(slow_step))
+    assert "does not hold" in engine_speed.summary(slow_step)[0]
+    fixed = engine_rows(fwd_1=0.15, fwd_5=0.155)
+    assert fixed[0]["fwd1_le_fwd5"] is True
+    assert all(line.startswith("  PASS") for line in engine_speed.thresholds(fixed))
+    assert "1.300x transformers'" in engine_speed.summary(fixed)[0]
