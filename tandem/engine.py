@@ -28,8 +28,8 @@ from tandem.cost_fit import ForwardCostFit
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
 from tandem.models.packed import pack_linear_weights
-from tandem.models.row_padding import PaddingTuner
 from tandem.models.quantize import shrink_for_drafting
+from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import local_kv_heads
 from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
 
