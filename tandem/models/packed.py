@@ -105,9 +105,10 @@ def pack_linear_weights(model: nn.Module, tuner: PaddingTuner | None = None) -> 
         if (isinstance(module, RowStableLinear) and module.packed_weight is None
                 and module.weight.numel() >= MIN_PACKED_ELEMENTS):
             module.packed_weight = pack_weight(module.weight)
-            if tuner is not None:
-                module.padding = tuner.padding_for(module.packed_weight, module.out_features, module.in_features,
-                                                   module.bias, module.weight.dtype)
+            if tuner is not None:  # the weight's own shape: a tensor-parallel shard's, not the layer's declared one
+                out_features, in_features = module.weight.shape
+                module.padding = tuner.padding_for(module.packed_weight, out_features, in_features, module.bias,
+                                                   module.weight.dtype)
             module.weight = None  # the name stays registered, empty; the tensor is freed unless shared
             packed += 1
     return packed
