@@ -8,7 +8,7 @@ import logging
 from coordinator.access import AccessControl
 from coordinator.discovery import follow, make_source
 from coordinator.service import GenerationService
-from coordinator.workers import WorkerPool
+from coordinator.workers import WorkerPool, new_owner_id
 from tandem.config import CoordinatorConfig
 from tandem.errors import WorkerUnavailableError
 from tandem.rpc.metrics import CoordinatorMetrics
@@ -45,8 +45,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     fingerprint = tokenizer_fingerprint(tokenizer)
     # Replicas are found by discovery (coordinator/discovery): each one joins when its Info shows our tokenizer.
-    targets = WorkerPool("target", [], fingerprint, cfg.call_timeout_s, cfg.worker_tls)
-    drafts = WorkerPool("draft", [], fingerprint, cfg.call_timeout_s, cfg.worker_tls)
+    owner = new_owner_id()  # one instance id for this coordinator: its lease on every worker it calls
+    targets = WorkerPool("target", [], fingerprint, cfg.call_timeout_s, cfg.worker_tls, owner)
+    drafts = WorkerPool("draft", [], fingerprint, cfg.call_timeout_s, cfg.worker_tls, owner)
     access = AccessControl(cfg.auth, cfg.max_concurrent_per_client)
     server = ManagedServer("coordinator", cfg.server, interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
     # One cache per tokenizer: the fingerprint namespaces it, so that different models never mix.
