@@ -295,6 +295,9 @@ def test_sigterm_drains_and_exits_cleanly(tiny_served_dir, tmp_path):
         chunks = [next(stream)]  # the request is in flight now: the drain must let it finish
         cluster.coordinator.process.send_signal(signal.SIGTERM)
         chunks.extend(stream)
+    # The coordinator exits by itself once its request is done (well inside the grace); only then are the
+    # workers stopped, so that a second signal never lands on a coordinator still shutting down.
+    cluster.coordinator.process.wait(timeout=45)  # a bound on a hang, far inside the 60 s grace
     cluster.stop()
     assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == new_tokens
     assert all(s.process.returncode == 0 for s in cluster.services), [
