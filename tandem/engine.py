@@ -11,10 +11,16 @@ object.
 An item's new tokens may form a speculation tree (``ForwardItem.parents``, see
 ``tandem.tree_rows``): the target verifies every branch in one pass, and
 ``keep_path`` then leaves the KV exactly as if only the accepted path had been fed.
+
+Speculation heads read the target's hidden states: ``forward_with_features``
+returns, besides the logits, the features of the items that ask
+(``ForwardItem.features``), taken from the residual streams a ``FeatureSpec``
+names. A forward that asks for none keeps and copies nothing extra.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ from tandem.models.packed import pack_linear_weights
 from tandem.models.quantize import shrink_for_drafting
 from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import local_kv_heads
+from tandem.models.transformer import HiddenStates
 from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
 
 
@@ -52,6 +59,39 @@ class ForwardBatch:
     parents: torch.Tensor  # [T] int64, each token's parent row within its sequence's new tokens (-1: the context)
 
 
+FINAL = -1  # in a FeatureSpec: the last layer's output after the final norm (what lm_head reads)
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSpec:
+    """Which hidden states make a row's feature, concatenated in this order.
+
+    Each entry is a layer index ``i`` (the residual stream entering layer ``i``; ``num_layers``:
+    leaving the last layer, before the norm) or ``FINAL``. Medusa reads ``(FINAL,)``; EAGLE-3
+    reads a low, a middle and a high layer.
+    """
+
+    streams: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.streams:
+            raise ValueError("a feature needs at least one hidden state")
+
+    def check(self, num_layers: int) -> None:
+        bad = [i for i in self.streams if i != FINAL and not 0 <= i <= num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} outside 0..{num_layers} (or {FINAL}: the final normed state)")
+
+    def take(self, hidden: HiddenStates, rows: torch.Tensor) -> torch.Tensor:  # rows [F] -> [F, len * hidden]
+        parts = [hidden.final if i == FINAL else hidden.streams[i] for i in self.streams]
+        return torch.cat([part[rows] for part in parts], dim=-1)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The residual streams the model must keep (``FINAL`` needs none)."""
+        return tuple(i for i in self.streams if i != FINAL)
+
+
 @dataclass(slots=True)
 class ForwardItem:
     """One sequence's part of a batch.
@@ -66,6 +106,7 @@ class ForwardItem:
     token_ids: Sequence[int]  # new tokens, appended after the sequence's cached ones
     num_logits: int = 1  # how many of the last new positions to compute logits for
     parents: Sequence[int] | None = None  # a speculation tree over token_ids; None: a chain
+    features: bool = False  # return the features of every new token (``forward_with_features``)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -211,13 +252,20 @@ class ModelEngine:
         self.kv_cache.move(src, dst)
 
     # ----- the forward pass ---------------------------------------------
-    @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
         """Append each item's tokens to its sequence and return ``[num_logits, vocab]`` float32 per item.
 
         All or nothing: if the KV pool cannot hold the batch, or the forward
         fails, every sequence is left exactly as it was.
         """
+        return self.forward_with_features(items, None)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(
+        self, items: Sequence[ForwardItem], spec: FeatureSpec | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """``forward``, plus per item that asks (``features``) its new tokens' features ``[q, F]``
+        in the model's dtype, on its device (None for the others, and for all when ``spec`` is None)."""
         seq_ids = [it.seq_id for it in items]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("a batch may hold each sequence at most once")
@@ -226,9 +274,9 @@ class ModelEngine:
         slots = self.kv_cache.append_slots({it.seq_id: len(it.token_ids) for it in items})
         started = time.perf_counter()
         try:
-            logits = self._run(items, context_lens, slots)
+            out = self._run(items, context_lens, slots, spec)
             self.cost_fit.observe(sum(len(it.token_ids) for it in items), time.perf_counter() - started)
-            return logits
+            return out
         except BaseException:
             for seq_id, length, had in zip(seq_ids, context_lens, existed):
                 if had:
@@ -238,8 +286,9 @@ class ModelEngine:
             raise
 
     def _run(
-        self, items: Sequence[ForwardItem], context_lens: list[int], slots: dict[SeqId, torch.Tensor]
-    ) -> list[torch.Tensor]:
+        self, items: Sequence[ForwardItem], context_lens: list[int], slots: dict[SeqId, torch.Tensor],
+        spec: FeatureSpec | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         query_lens = [len(it.token_ids) for it in items]
         # Only the rows whose logits are wanted go through lm_head (the largest matmul at small batch).
         rows: list[int] = []
@@ -257,11 +306,23 @@ class ModelEngine:
             logit_rows=torch.tensor(rows, dtype=torch.int64),
             parents=torch.tensor([p for it in items for p in it.row_parents()], dtype=torch.int64),
         )
-        logits = self.compute(batch)  # [R, vocab]
-        return list(logits.split([it.num_logits for it in items]))  # each [num_logits, vocab]
+        wanted = [it.features and spec is not None for it in items]
+        request = None
+        if any(wanted):
+            starts = [0, *itertools.accumulate(query_lens)]
+            feature_rows = [r for it, w, s in zip(items, wanted, starts) if w for r in range(s, s + len(it.token_ids))]
+            request = FeatureRequest(spec, torch.tensor(feature_rows, dtype=torch.int64))  # type: ignore[arg-type]
+        logits, features = self.compute(batch, request)  # [R, vocab], [F, feature] or None
+        per_item = list(logits.split([it.num_logits for it in items]))  # each [num_logits, vocab]
+        if features is None:
+            return per_item, [None] * len(items)
+        pieces = iter(features.split([len(it.token_ids) for it, w in zip(items, wanted) if w]))
+        return per_item, [next(pieces) if w else None for w in wanted]
 
     @torch.inference_mode()
-    def compute(self, batch: ForwardBatch) -> torch.Tensor:  # -> [R, vocab] float32
+    def compute(
+        self, batch: ForwardBatch, features: FeatureRequest | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # -> [R, vocab] float32, [F, feature] or None
         """The model over one batch whose KV slots are already allocated; no bookkeeping."""
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
@@ -269,9 +330,20 @@ class ModelEngine:
         )
         hidden = self.model.hidden_states(
             batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_cache, meta, self.backend,
-            self.num_layers,
-        )  # [T, hidden]
-        return self.model.logits(hidden[batch.logit_rows.to(self.device)])
+            self.num_layers, features.spec.layers if features is not None else (),
+        )
+        logits = self.model.logits(hidden.final[batch.logit_rows.to(self.device)])
+        if features is None:
+            return logits, None
+        return logits, features.spec.take(hidden, features.rows.to(self.device))
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureRequest:
+    """The features one forward returns: which hidden states, for which of its rows."""
+
+    spec: FeatureSpec
+    rows: torch.Tensor  # [F] int64, rows of the batch's T
 
 
 def tree_parents_of(parents: torch.Tensor, query_lens: list[int]) -> list[list[int] | None]:

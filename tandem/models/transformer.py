@@ -9,6 +9,8 @@ new tokens with their positions, writes their K/V into the paged cache at
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,8 +23,31 @@ from tandem.kv_cache import PagedKVCache
 from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowBlocks, RowStableLinear, apply_rotary
 
 
+@dataclass(slots=True)
+class ForwardContext:
+    """What every layer of one forward pass reads besides its input: built once per forward."""
+
+    kv_cache: PagedKVCache
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    backend_state: Any  # what ``backend.prepare(meta)`` derived, shared by every layer
+    blocks: RowBlocks  # how the flat rows split for the linear layers
+
+
+@dataclass(slots=True)
+class HiddenStates:
+    """A forward's hidden states: the final (normed) ones, and the residual streams asked for."""
+
+    final: torch.Tensor  # [T, hidden], after the final norm: what lm_head reads
+    # layer index i -> [T, hidden], the residual stream entering layer i (i = num_layers: leaving the last
+    # layer, before the norm); only the indices the caller named (speculation heads read them)
+    streams: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, input_size: int | None = None) -> None:
+        """``input_size``: the width q, k and v are projected from (an EAGLE-3 layer reads two
+        hidden states side by side); the model's hidden size by default."""
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -30,7 +55,9 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         # q, k and v fused into one matmul: one pass over the activations instead of three.
-        self.qkv_proj = RowStableLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = RowStableLinear(
+            input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = RowStableLinear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(
@@ -38,22 +65,19 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
-        kv_cache: PagedKVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        backend_state: Any,
-        blocks: RowBlocks,
+        ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x, blocks).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, ctx.blocks).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        kv_cache.write(self.layer_index, meta.slot_mapping, k, v)
-        out = backend.forward(
-            q, kv_cache.key[self.layer_index], kv_cache.value[self.layer_index], meta, backend_state, self.scale
+        cache = ctx.kv_cache
+        cache.write(self.layer_index, ctx.meta.slot_mapping, k, v)
+        out = ctx.backend.forward(
+            q, cache.key[self.layer_index], cache.value[self.layer_index], ctx.meta, ctx.backend_state, self.scale
         )  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size), blocks)
+        return self.o_proj(out.reshape(num_tokens, self.q_size), ctx.blocks)
 
 
 class DecoderLayer(nn.Module):
@@ -69,15 +93,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
-        kv_cache: PagedKVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        backend_state: Any,
-        blocks: RowBlocks,
+        ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend, backend_state, blocks)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), blocks)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx.blocks)
 
 
 class CausalLM(nn.Module):
@@ -102,16 +121,27 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         num_layers: int | None = None,
-    ) -> torch.Tensor:  # [T, hidden], after the final norm
-        """Run the first ``num_layers`` layers (all by default; fewer for early-exit drafting)."""
+        streams: Sequence[int] = (),
+    ) -> HiddenStates:
+        """Run the first ``num_layers`` layers (all by default; fewer for early-exit drafting).
+
+        ``streams``: layer indices whose incoming residual stream to keep (see ``HiddenStates``);
+        none by default, and then nothing is kept or copied.
+        """
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
-        state = backend.prepare(meta)
         # Prompt chunks longer than attention's row-wise limit get matmul calls of their own.
         blocks = RowBlocks.from_query_lens(meta.query_lens, ROWWISE_MAX_QUERY)
-        for layer in self.layers[: num_layers or len(self.layers)]:
-            x = layer(x, cos, sin, kv_cache, meta, backend, state, blocks)
-        return self.norm(x)
+        ctx = ForwardContext(kv_cache, meta, backend, backend.prepare(meta), blocks)
+        kept: dict[int, torch.Tensor] = {}
+        layers = self.layers[: num_layers or len(self.layers)]
+        for index, layer in enumerate(layers):
+            if index in streams:
+                kept[index] = x
+            x = layer(x, cos, sin, ctx)
+        if len(layers) in streams:
+            kept[len(layers)] = x
+        return HiddenStates(self.norm(x), kept)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         logits = self.lm_head(hidden).float()  # [R, V'], V' < vocab for a drafter with a cut vocabulary

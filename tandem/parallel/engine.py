@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine import ForwardBatch, ModelEngine
+from tandem.engine import FeatureRequest, ForwardBatch, ModelEngine
 from tandem.errors import WorkerUnavailableError
 from tandem.models import load_model
 from tandem.models.packed import pack_linear_weights
@@ -46,7 +46,10 @@ class TensorParallelEngine(ModelEngine):
             raise
         return engine
 
-    def compute(self, batch: ForwardBatch) -> torch.Tensor:  # -> [R, vocab] float32
+    def compute(
+        self, batch: ForwardBatch, features: FeatureRequest | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # -> [R, vocab] float32, [F, feature] or None
+        """Every rank runs the batch; features are rank 0's own (every rank holds the whole hidden state)."""
         context, clock = self.ranks.context, self.parallel.clock
 
         def announce() -> None:
@@ -56,7 +59,7 @@ class TensorParallelEngine(ModelEngine):
                 clock.broadcast_seconds += time.perf_counter() - started
 
         compute_here = super().compute
-        return self._on_every_rank("a forward pass", announce, lambda: compute_here(batch))
+        return self._on_every_rank("a forward pass", announce, lambda: compute_here(batch, features))
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every rank holds K/V of its own heads: each copies the same slots (``keep_path``)."""
