@@ -66,11 +66,13 @@ def instantiate(cfg: HeadsConfig, state: dict[str, torch.Tensor], where: str,
     return heads.eval()
 
 
-def load_heads(path: Path, dtype: torch.dtype, device: torch.device) -> Heads:
-    """Heads from ``path`` in any known layout (not yet checked against a target: ``HeadsConfig.check_target``)."""
+def load_heads(path: Path, dtype: torch.dtype, device: torch.device, target_num_layers: int | None = None) -> Heads:
+    """Heads from ``path`` in any known layout (not yet checked against a target: ``HeadsConfig.check_target``).
+
+    ``target_num_layers``: the target's layer count, which EAGLE-3 heads that do not name their layers need."""
     from tandem.heads.formats import read_any_layout  # the public layouts' readers
 
-    cfg, state = read_any_layout(Path(path))
+    cfg, state = read_any_layout(Path(path), target_num_layers)
     return instantiate(cfg, state, str(path), dtype, device)
 
 
