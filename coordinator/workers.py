@@ -45,9 +45,9 @@ from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableE
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
 from tandem.rpc.tls import ClientTLS, open_channel
-from tandem.rpc.wire import sampling_to_proto
+from tandem.rpc.wire import proposal_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams
-from tandem.spec.transport import Drafted, FittedCost
+from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -196,25 +196,26 @@ class RequestChannel:
     def fitted_cost(self) -> FittedCost | None:
         return self.client.fitted_cost()
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
+                      propose: int = 0) -> Prefilled:
         # prompt_len > 0 is a rebuild (the request moved, or was preempted): it may replace what the worker
         # still holds of it. A first Prefill never does: the worker refuses an id that is live there.
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
-            owner=self.owner, replace=prompt_len > 0))
-        return reply.next_token
+            owner=self.owner, replace=prompt_len > 0, propose=propose))
+        return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution],
-                     draft_parents: Sequence[int] = ()) -> tuple[list[int], int]:
+                     draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
         # draft_probs are the draft's own messages, passed on untouched: the q it sampled from.
         reply = await self._call("Verify", target_pb2.VerifyRequest(
             seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs,
-            draft_parents=draft_parents, owner=self.owner))
+            draft_parents=draft_parents, owner=self.owner, propose=propose))
         accepted = list(reply.accepted_nodes)
         if len(accepted) != reply.num_accepted or any(not 0 <= n < len(draft_tokens) for n in accepted):
             raise InternalError("a target worker answered an inconsistent verdict")
-        return accepted, reply.next_token
+        return Verified(accepted, reply.next_token, proposal_from_proto(reply.proposal) if propose else None)
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:

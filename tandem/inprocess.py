@@ -25,6 +25,7 @@ from typing import Any
 from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError, check_token_ids
+from tandem.heads.drafters import HeadDrafter
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling_params import SamplingParams
@@ -32,8 +33,8 @@ from tandem.spec.adaptive import CostModel, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import GenerationStats, RequestState, StopConditions
-from tandem.spec.transport import Drafted, FittedCost
-from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+from tandem.spec.transport import Drafted, FittedCost, Prefilled, TreeProposal, Verified
+from target_worker.engine import PrefillCall, Proposed, TargetEngine, VerifyCall
 
 TOKEN_BUDGET = 4096  # most tokens in one batched forward pass, as a worker's default
 
@@ -74,14 +75,21 @@ class LocalTarget:
     def fitted_cost(self) -> FittedCost | None:
         return _fitted(self.engine.engine)
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
-        return await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len))
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
+                      propose: int = 0) -> Prefilled:
+        result = await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len, propose=propose))
+        if isinstance(result, Proposed):
+            return Prefilled(result.result, TreeProposal(result.proposal.tokens, result.proposal.parents))
+        return Prefilled(result)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
-                     draft_probs: Sequence[Any], draft_parents: Sequence[int] = ()) -> tuple[list[int], int]:
-        verdict = await self.batcher.submit(
-            VerifyCall(seq_id, committed_len, draft_tokens, list(draft_probs), list(draft_parents)))
-        return verdict.accepted_nodes, verdict.next_token
+                     draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
+        result = await self.batcher.submit(
+            VerifyCall(seq_id, committed_len, draft_tokens, list(draft_probs), list(draft_parents), propose=propose))
+        proposal = None
+        if isinstance(result, Proposed):
+            result, proposal = result.result, TreeProposal(result.proposal.tokens, result.proposal.parents)
+        return Verified(result.accepted_nodes, result.next_token, proposal)
 
     async def release(self, seq_id: str) -> None:
         await self.batcher.submit(ReleaseCall(seq_id))
@@ -113,14 +121,17 @@ class SpeculativeGenerator:
     """Runs requests to completion with a target engine and, for draft methods, a draft engine."""
 
     def __init__(self, target: ModelEngine, draft: ModelEngine | None = None,
-                 options: SpecOptions | None = None, costs: CostModel | None = None) -> None:
+                 options: SpecOptions | None = None, costs: CostModel | None = None,
+                 heads: HeadDrafter | None = None) -> None:
         self.options = options or SpecOptions("none", k_max=0)
         if self.options.uses_draft and draft is None:
             raise InvalidRequestError(f"method {self.options.method!r} needs a draft model")
+        if self.options.uses_heads and heads is None:
+            raise InvalidRequestError(f"method {self.options.method!r} needs the target's heads (--heads)")
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise InvalidRequestError(
                 f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({target.config.vocab_size})")
-        self.target = TargetEngine(target)
+        self.target = TargetEngine(target, drafter=heads)
         self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
         self.costs = costs or CostModel()
         self.match_rates = MatchRates()  # acceptance per kind of n-gram match, over this generator's requests

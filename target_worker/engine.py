@@ -22,6 +22,13 @@ A batch runs in phases, all on the model thread (the batcher's):
    at positions by depth, each seeing only its ancestors; the KV of the
    kept path is then moved into place, as if it had been a chain;
 4. releases queued after a call of their sequence.
+
+Speculation heads (``drafter``, tandem/heads): a sequence whose Prefill asked for
+proposals (``propose`` > 0) gets the features of every row it commits from the
+same forward pass; after the verdicts, ONE heads step for the whole batch turns
+them into each call's proposal for the next round (a token tree rooted after its
+next token), returned with the result (``Proposed``). EAGLE's own KV follows the
+target's: extended with each committed row, rolled back and freed with it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from tandem.errors import (
     UnknownSequenceError,
     check_token_ids,
 )
+from tandem.heads.drafters import HeadDrafter, HeadStep
+from tandem.heads.proposal import HeadProposal
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.sequence_engine import SequenceEngine, SequenceOwnedError, history_runs
@@ -47,7 +56,7 @@ from tandem.spec.rejection import PendingVerdict, Verdict, fetch, verify, verify
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
 
-__all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict"]
+__all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Proposed"]
 
 
 @dataclass(slots=True)
@@ -58,6 +67,7 @@ class PrefillCall:
     prompt_len: int = 0  # a rebuild: the prompt's length, the rest was generated; 0: all of it is prompt
     owner: str = ""  # the calling coordinator's instance id (tandem.rpc.leases); "": none named
     replace: bool = False  # a rebuild: the sequence may be live here, and is replaced; else a live id is refused
+    propose: int = 0  # the sequence drafts with this worker's heads: nodes of the first proposal (0: no heads)
 
 
 @dataclass(slots=True)
@@ -68,9 +78,18 @@ class VerifyCall:
     draft_probs: list[common_pb2.SparseDistribution]  # one per draft token; [] = a deterministic draft
     draft_parents: Sequence[int] = ()  # a token tree: each draft token's parent (-1: the root); () = a chain
     owner: str = ""  # the calling coordinator's instance id; it must be the sequence's owner
+    propose: int = 0  # a heads sequence: nodes of the next round's proposal (0: none this round)
 
 
 Call = PrefillCall | VerifyCall | ReleaseCall
+
+
+@dataclass(slots=True)
+class Proposed:
+    """A call's result with the heads' proposal for the next round (the calls that asked, ``propose`` > 0)."""
+
+    result: int | Verdict
+    proposal: HeadProposal
 
 
 @dataclass(slots=True)
@@ -78,6 +97,7 @@ class TargetSequence:
     history: list[int]
     sampling: SamplingParams
     generator: torch.Generator | None = field(default=None)
+    heads: bool = False  # drafts with the worker's heads: every committed row's feature goes to them
 
 
 @dataclass(slots=True)
@@ -93,12 +113,17 @@ class _Plan:
     before: list[list[int]] = field(default_factory=list)
     q: distributions.DecodedRows | None = None  # decoded draft_probs (host, sparse), sampled Verify only
     children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
+    features: list[torch.Tensor] = field(default_factory=list)  # heads: [rows, feature] per forward, in order
 
 
 class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     """Runs batches of Prefill, Verify and Release calls through one ``ModelEngine``."""
 
     engine: ModelEngine
+
+    def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None) -> None:
+        super().__init__(engine, leases)
+        self.drafter = drafter
 
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
@@ -118,7 +143,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 self._apply(plan)
             admitted = self._rebuild(admitted, results)
             try:
-                logits = self.engine.forward([p.item for p in admitted])
+                logits, features = self._forward([p.item for p in admitted])
+                for plan, rows in zip(admitted, features):
+                    if rows is not None:
+                        plan.features.append(rows)
             except Exception as exc:  # noqa: BLE001 - the pass failed: each call gets the error
                 for plan in admitted:
                     self._forward_failed(plan)
@@ -129,9 +157,20 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         self._release_late(calls, late, results)  # phase 4
         return results  # type: ignore[return-value]
 
+    def _forward(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """One forward pass; the heads sequences' features too when this worker has heads."""
+        if self.drafter is None:
+            return self.engine.forward(items), [None] * len(items)
+        return self.engine.forward_with_features(items, self.drafter.spec)
+
     def _check(self, index: int, call: PrefillCall | VerifyCall) -> _Plan:
         if not call.seq_id:
             raise InvalidRequestError("seq_id is empty")
+        if call.propose < 0:
+            raise InvalidRequestError(f"propose must be >= 0 nodes, got {call.propose}")
+        if call.propose and self.drafter is None:
+            raise InvalidRequestError("this target worker serves no speculation heads (start it with --heads); "
+                                      "choose another speculation method")
         if isinstance(call, PrefillCall):
             if not call.token_ids:
                 raise InvalidRequestError("token_ids is empty: nothing to prefill")
@@ -144,8 +183,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 # Another request's id, or a stray repeat: replacing it would hand one request's state to another.
                 raise SequenceOwnedError(f"sequence {call.seq_id!r} is live on this target: a Prefill does not "
                                          "replace it unless it says it rebuilds it (replace)")
+            heads = call.propose > 0
             if not call.prompt_len:
-                item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1)
+                item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1, features=heads)
                 return _Plan(index, call, item, kv_len=len(call.token_ids))
             # A rebuild: the whole history; the KV of all but its last token, and nothing sampled.
             if not 0 < call.prompt_len < len(call.token_ids):
@@ -153,7 +193,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     f"prompt_len {call.prompt_len}: a rebuild needs 1..{len(call.token_ids) - 1} (the history "
                     f"holds at least one generated token)")
             *before, last = history_runs(call.token_ids[:-1], 0, call.prompt_len)
-            item = ForwardItem(call.seq_id, last, num_logits=0)
+            item = ForwardItem(call.seq_id, last, num_logits=0, features=heads)
             return _Plan(index, call, item, kv_len=len(call.token_ids) - 1, before=before)
         seq = self.sequences.get(call.seq_id)
         if seq is None:
@@ -184,12 +224,15 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             if not all(prob > 0 for prob in q.prob_of(call.draft_tokens)):
                 raise InvalidRequestError("a draft token has probability 0 under the distribution it was drawn from")
         tokens = [seq.history[call.committed_len - 1], *call.draft_tokens]
+        if call.propose and not seq.heads:
+            raise InvalidRequestError(f"sequence {call.seq_id!r} did not start with heads (its Prefill's propose "
+                                      "was 0): it cannot ask them for proposals")
         if not tree:
-            item = ForwardItem(call.seq_id, tokens, num_logits=k + 1)
+            item = ForwardItem(call.seq_id, tokens, num_logits=k + 1, features=seq.heads)
             return _Plan(index, call, item, kv_len=call.committed_len + k, q=q)
         # Row 0 is the root (the last committed token), row i + 1 draft node i.
         rows = [-1, *(p + 1 for p in call.draft_parents)]
-        item = ForwardItem(call.seq_id, tokens, num_logits=k + 1, parents=rows)
+        item = ForwardItem(call.seq_id, tokens, num_logits=k + 1, parents=rows, features=seq.heads)
         return _Plan(index, call, item, kv_len=call.committed_len + k, q=q, children=children_of(call.draft_parents))
 
     def _apply(self, plan: _Plan) -> None:
@@ -198,10 +241,13 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if isinstance(call, PrefillCall):
             self._free(call.seq_id)  # a rebuild (replace) replaces the old state; the owner keeps the sequence
             generator = None if call.sampling.is_greedy else call.sampling.make_generator(self.engine.device)
-            self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator)
+            self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator,
+                                                         heads=call.propose > 0)
         else:
             del self.sequences[call.seq_id].history[call.committed_len:]
             self.engine.rollback(call.seq_id, call.committed_len - 1)
+            if self.drafter is not None:
+                self.drafter.rollback(call.seq_id, call.committed_len - 1)
 
     def _rebuild(self, plans: list[_Plan], results: list) -> list[_Plan]:
         """Feed each rebuild's earlier runs, one sequence at a time; the plans still to run."""
@@ -209,7 +255,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         for plan in plans:
             try:
                 for run in plan.before:
-                    self.engine.forward([ForwardItem(plan.call.seq_id, run, num_logits=0)])
+                    _, features = self._forward([ForwardItem(plan.call.seq_id, run, num_logits=0,
+                                                             features=plan.item.features)])
+                    if features[0] is not None:
+                        plan.features.append(features[0])
                 ready.append(plan)
             except Exception as exc:  # noqa: BLE001 - this rebuild fails alone
                 self._forward_failed(plan)
@@ -244,12 +293,45 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 self._forward_failed(plan)
                 results[plan.index] = exc
             return
+        committed: list[tuple[_Plan, Verdict]] = []
         for (plan, _), verdict in zip(decided, verdicts):
             try:
                 results[plan.index] = self._commit(plan, verdict)
+                committed.append((plan, verdict))
             except Exception as exc:  # noqa: BLE001
                 self._forward_failed(plan)
                 results[plan.index] = exc
+        self._propose(committed, results)
+
+    def _propose(self, committed: list[tuple[_Plan, Verdict]], results: list) -> None:
+        """One heads step for the batch's heads sequences: their committed rows in, next proposals out."""
+        if self.drafter is None:
+            return
+        steps, plans = [], []
+        for plan, verdict in committed:
+            if plan.features:
+                steps.append(self._head_step(plan, verdict))
+                plans.append(plan)
+        if not steps:
+            return
+        for plan, proposal in zip(plans, self.drafter.step(steps)):
+            if plan.call.propose:
+                results[plan.index] = Proposed(results[plan.index], proposal)
+
+    def _head_step(self, plan: _Plan, verdict: Verdict) -> HeadStep:
+        """The rows a call committed to the KV, their features, and the token after each."""
+        call = plan.call
+        features = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]  # [rows fed, F]
+        if isinstance(call, PrefillCall):  # every row fed is committed: the prompt (or the rebuilt history)
+            history = self.sequences[call.seq_id].history
+            return HeadStep(call.seq_id, 0, features, history[1:], call.propose)
+        accepted = [call.draft_tokens[n] for n in verdict.accepted_nodes]
+        if plan.children is None:
+            kept = features[: verdict.num_accepted + 1]
+        else:  # the root's row, then the kept nodes' rows
+            rows = [0, *(n + 1 for n in verdict.accepted_nodes)]
+            kept = features[torch.tensor(rows, device=features.device)]
+        return HeadStep(call.seq_id, call.committed_len - 1, kept, [*accepted, verdict.next_token], call.propose)
 
     def _decide(self, plan: _Plan, logits: torch.Tensor) -> Verdict | PendingVerdict:
         """The call's outcome, computed where the logits are and not read back (a Prefill: 0 drafts)."""
@@ -265,6 +347,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if plan.children is None:
             return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
         return verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator)
+
+    def _free(self, seq_id: str) -> bool:
+        if self.drafter is not None:
+            self.drafter.release(seq_id)
+        return super()._free(seq_id)
 
     def _commit(self, plan: _Plan, verdict: Verdict) -> int | Verdict:
         """Apply a read verdict: the history, and the KV cut (or moved) to what was kept."""

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.rpc.wire import sampling_from_proto
+from tandem.rpc.wire import proposal_to_proto, sampling_from_proto
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.spec.rejection import Verdict
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_worker.engine import PrefillCall, VerifyCall
+from target_worker.engine import PrefillCall, Proposed, VerifyCall
 
 
 class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
@@ -21,14 +21,21 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
         call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling),
-                           request.prompt_len, request.owner, request.replace)
-        token: int = await self.batcher.submit(call)
-        return target_pb2.PrefillResponse(next_token=token)
+                           request.prompt_len, request.owner, request.replace, request.propose)
+        result: int | Proposed = await self.batcher.submit(call)
+        if isinstance(result, Proposed):
+            return target_pb2.PrefillResponse(next_token=result.result, proposal=proposal_to_proto(
+                result.proposal.tokens, result.proposal.parents))
+        return target_pb2.PrefillResponse(next_token=result)
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()
         call = VerifyCall(request.seq_id, request.committed_len, list(request.draft_tokens), list(request.draft_probs),
-                          list(request.draft_parents), request.owner)
-        verdict: Verdict = await self.batcher.submit(call)
-        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
-                                         accepted_nodes=verdict.accepted_nodes)
+                          list(request.draft_parents), request.owner, request.propose)
+        result: Verdict | Proposed = await self.batcher.submit(call)
+        verdict = result.result if isinstance(result, Proposed) else result
+        reply = target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
+                                          accepted_nodes=verdict.accepted_nodes)
+        if isinstance(result, Proposed):
+            reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
+        return reply

@@ -7,8 +7,12 @@ workers only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from tandem.errors import InternalError
 from tandem.sampling_params import SamplingParams
-from tandem.v1 import common_pb2
+from tandem.spec.transport import TreeProposal
+from tandem.v1 import common_pb2, target_pb2
 
 
 def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
@@ -26,3 +30,15 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
     if params.seed is not None:
         msg.seed = params.seed
     return msg
+
+
+def proposal_to_proto(tokens: Sequence[int], parents: Sequence[int]) -> target_pb2.TokenTree:
+    return target_pb2.TokenTree(tokens=tokens, parents=parents)
+
+
+def proposal_from_proto(tree: target_pb2.TokenTree) -> TreeProposal:
+    """A worker's proposal, checked: a well-formed tree (a bad one would fail the next Verify instead)."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    if len(tokens) != len(parents) or any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise InternalError("a target worker answered a malformed proposal tree")
+    return TreeProposal(tokens, parents)

@@ -21,6 +21,14 @@ n-gram continuations as branches (``tandem.spec.tree``), verified in the same
 pass; the shape comes from the cost model and the request's measured
 acceptance (``choose_tree``), as k does. A chain is the tree with no branches.
 
+Heads (``medusa``, ``eagle``): the target's own heads propose. Each Prefill
+and Verify asks for the next round's proposal (``propose``, a node budget
+from the verification cost), and the reply carries it: a token tree rooted
+after the target's next token. The loop takes it as it takes a pipelined
+proposal (valid while the history is what it was drafted after), adds the
+request's own n-gram continuation as a branch when the text repeats, and
+verifies it: one RPC a round, no draft model.
+
 Invariant: the target's KV holds every committed token but the last, which
 the next verification feeds; k = 0 is plain decoding through the same path.
 
@@ -61,10 +69,20 @@ from tandem.spec.adaptive import (
 )
 from tandem.spec.ngram import NgramIndex
 from tandem.spec.options import SpecOptions
-from tandem.spec.proposers import CACHE, DRAFT, NGRAM, ContinuationCache, DraftProposer, Proposal, ngram_proposal
+from tandem.spec.proposers import (
+    CACHE,
+    DRAFT,
+    HEADS,
+    NGRAM,
+    ContinuationCache,
+    DraftProposer,
+    Proposal,
+    ngram_proposal,
+)
 from tandem.spec.request import RequestState
-from tandem.spec.transport import DraftChannel, Drafted, ReplicaSource, Verifier
+from tandem.spec.transport import DraftChannel, Drafted, ReplicaSource, TreeProposal, Verifier
 from tandem.spec.tree import ROOT, TokenTree, children_of, kept_on_chain
+from tandem.tree_rows import depths as _depths
 
 T = TypeVar("T")
 
@@ -80,6 +98,10 @@ REPLICA_FAULTS = (WorkerUnavailableError, InternalError)
 KV_BACKOFF_S = 0.05
 KV_BACKOFF_MAX_S = 2.0
 KV_WAIT_MAX_S = 300.0
+# Heads' tree size when the options leave it to the cost: as many nodes as verification prices at
+# HEADS_EXTRA_COST of a one-token step (MODELS.md: ~16 nodes cost ~1.2x a step on a CPU in bf16).
+HEADS_EXTRA_COST = 0.25
+HEADS_DEFAULT_NODES = 8  # before the target's forward cost has been fitted
 
 
 class RoundObserver(Protocol):
@@ -140,9 +162,14 @@ class SpeculationLoop:
         if self.draft is not None and k > 0 and self.options.pipelined:
             # Draft while the target prefills: its first token is a guess of the target's first token.
             early = self._spawn(self._propose(s.prompt_ids, k + 2))
-        first = await self._on_target(lambda v: v.prefill(self.seq_id, s.prompt_ids, s.sampling), rebuild=False)
+        propose = self._heads_budget(first=True)
+        prefilled = await self._on_target(lambda v: v.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose),
+                                          rebuild=False)
+        first = prefilled.next_token
         s.commit([first])
         self._learn()
+        if propose:
+            return self._heads_proposal(prefilled.proposal)
         if early is None:
             return None
         drafted = await self._timed_draft(early)
@@ -153,6 +180,8 @@ class SpeculationLoop:
         return None
 
     async def _round(self, ready: Proposal | None) -> Proposal | None:
+        if self.options.uses_heads:
+            return await self._heads_round(ready)
         s, stats = self.state, self.state.stats
         started = time.perf_counter()
         k = self._choose_k(after_tokens=0)
@@ -173,7 +202,8 @@ class SpeculationLoop:
             # Draft round r+1 now, betting that all of round r's chain is accepted and the guess is right.
             ahead = self._spawn(self._propose([*s.history, *chain, proposal.guess], k + 1))
         t0 = time.perf_counter()
-        kept, next_token = await verifying
+        verified = await verifying
+        kept, next_token = verified.kept, verified.next_token
         waited = time.perf_counter() - t0
         stats.verify_wait_s += waited
         self.costs.observe_verify(len(drafts) + 1, waited)
@@ -196,6 +226,87 @@ class SpeculationLoop:
                                          list(drafted.alternatives)[:-1])
         stats.round_wall_s += time.perf_counter() - started
         return next_proposal
+
+    async def _heads_round(self, ready: Proposal | None) -> Proposal | None:
+        """A round with the target's heads: verify their last proposal, get the next one in the same reply."""
+        s, stats = self.state, self.state.stats
+        started = time.perf_counter()
+        committed = len(s.history)
+        tree = self._heads_tree(ready)
+        drafts = tree.tokens if tree is not None else []
+        parents = tree.parents if tree is not None and not tree.is_chain else []
+        propose = self._heads_budget()
+        t0 = time.perf_counter()
+        verified = await self._on_target(
+            lambda v: v.verify(self.seq_id, committed, drafts, [], parents, propose=propose))
+        waited = time.perf_counter() - t0
+        stats.verify_wait_s += waited
+        self.costs.observe_verify(len(drafts) + 1, waited)
+        if self.observer:
+            self.observer.on_verify(waited)
+        kept = verified.kept
+        s.commit([*(drafts[n] for n in kept), verified.next_token])
+        self._learn()
+        stats.rounds += 1
+        stats.k_counts[len(drafts)] += 1
+        if self.observer:
+            self.observer.on_round(len(drafts), len(drafts), len(kept), HEADS)
+        if tree is not None:
+            stats.spec_rounds += 1
+            stats.drafted += len(drafts)
+            stats.accepted += len(kept)
+            stats.depth_offered.update(range(1, max(_depths(tree.parents)) + 2))
+            stats.depth_kept.update(range(1, len(kept) + 1))
+            if not tree.is_chain:
+                stats.tree_rounds += 1
+                stats.tree_nodes += len(tree)
+        stats.round_wall_s += time.perf_counter() - started
+        return self._heads_proposal(verified.proposal) if not s.finish_reason else None
+
+    def _heads_proposal(self, tree: TreeProposal | None) -> Proposal | None:
+        """The heads' tree from a reply, as the proposal for the history it was drafted after."""
+        if tree is None or not tree.tokens:
+            return None
+        proposal = Proposal(len(self.state.history), list(tree.tokens), source=HEADS)
+        proposal.tree = TokenTree()  # the heads' tokens are chosen, not sampled: deterministic nodes
+        node_of: dict[int, int] = {ROOT: ROOT}
+        for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            if parent in node_of:
+                node_of[node] = proposal.tree.add_node(token, node_of[parent])
+        return proposal
+
+    def _heads_tree(self, ready: Proposal | None) -> TokenTree | None:
+        """This round's tree: the heads' proposal (when it still fits the history), cut to the room left,
+        with the request's own n-gram continuation as a branch when the text repeats a long run."""
+        s, opts = self.state, self.options
+        committed = len(s.history)
+        room = min(MAX_K, self.max_context - committed - 1, max(0, s.remaining - 1))
+        if room <= 0 or opts.k_max == 0:
+            return None
+        tree = TokenTree()
+        if ready is not None and ready.base_len == committed and ready.tree is not None:
+            keep: dict[int, int] = {ROOT: ROOT}  # the proposal's nodes -> this tree's, within the room
+            for node, (token, parent) in enumerate(zip(ready.tree.tokens, ready.tree.parents)):
+                if len(tree) < room and parent in keep:
+                    keep[node] = tree.add_node(token, keep[parent])
+        ngram, matched = ngram_proposal(s.history, min(room, opts.k_max), opts.hybrid_min_match,
+                                        max(opts.hybrid_min_match, opts.ngram_max), self._ngrams)
+        if matched >= opts.hybrid_min_match and ngram.tokens:
+            tree.add_path(ngram.tokens, budget=room)
+        return tree if len(tree) else None
+
+    def _heads_budget(self, first: bool = False) -> int:
+        """Nodes to ask the heads for (0: no heads). Given, or as many as verification prices at
+        ``HEADS_EXTRA_COST`` of a one-token step by the target's fitted forward cost."""
+        opts = self.options
+        if not opts.uses_heads:
+            return 0
+        nodes = opts.heads_nodes or HEADS_DEFAULT_NODES
+        fit = self.verifier.fitted_cost()
+        if not opts.heads_nodes and fit is not None and fit.per_token_s > 0:
+            nodes = int(HEADS_EXTRA_COST * (fit.base_s + fit.per_token_s) / fit.per_token_s)
+        room = min(self.max_context - len(self.state.history) - 2, self.state.remaining - 2)
+        return max(1 if first else 0, min(nodes, MAX_K, room))
 
     # ----- proposals -------------------------------------------------------
     async def _proposal(self, k: int, ready: Proposal | None, shape: TreeShape | None) -> Proposal:
@@ -313,8 +424,9 @@ class SpeculationLoop:
         backoff, waited = KV_BACKOFF_S, 0.0
         while True:
             try:
-                if needs_rebuild:
-                    await self.verifier.prefill(self.seq_id, s.history, s.sampling, len(s.prompt_ids))
+                if needs_rebuild:  # (a heads request asks for heads there too: its KV must follow)
+                    await self.verifier.prefill(self.seq_id, s.history, s.sampling, len(s.prompt_ids),
+                                                propose=self._heads_budget(first=True))
                 return await call(self.verifier)
             except KVCacheExhaustedError:
                 if self.replicas is None or waited >= KV_WAIT_MAX_S:

@@ -9,8 +9,12 @@ Methods:
 - ``early-exit``: the target's own first layers as the draft. In process
   only: it shares the target's weights, so over gRPC it would be a second
   model inside the target worker rather than a draft fleet of its own;
-- ``auto``: ``hybrid`` when a draft model is configured (spec_bench: 1.91x
-  target-only against 1.73x for ``draft``), else ``ngram``.
+- ``medusa``, ``eagle``: the target's own speculation heads (``--heads``,
+  tandem/heads) propose a token tree with each verification's reply: one RPC
+  a round, no draft model;
+- ``auto``: the target's heads when it has them, else ``hybrid`` when a draft
+  model is configured (spec_bench: 1.91x target-only against 1.73x for
+  ``draft``), else ``ngram``.
 
 Any of them may verify a token tree instead of a chain (``tree``, ``tree_width``;
 ``tandem.spec.tree``): the draft's next-best tokens and other n-gram continuations
@@ -29,9 +33,10 @@ from tandem.spec.adaptive import MAX_K
 TREE_MODES = ("auto", "on", "off")
 MAX_TREE_WIDTH = 4  # other candidates per position at most
 
-METHODS = ("auto", "none", "draft", "ngram", "hybrid", "early-exit")
-REMOTE_METHODS = ("auto", "none", "draft", "ngram", "hybrid")  # offered over gRPC
+METHODS = ("auto", "none", "draft", "ngram", "hybrid", "early-exit", "medusa", "eagle")
+REMOTE_METHODS = ("auto", "none", "draft", "ngram", "hybrid", "medusa", "eagle")  # offered over gRPC
 DRAFT_METHODS = ("draft", "hybrid", "early-exit")  # need a draft model (early-exit: the target's layers)
+HEADS_METHODS = ("medusa", "eagle")  # need the target's heads of that kind
 
 
 def check_tree_mode(mode: str) -> str:
@@ -41,14 +46,19 @@ def check_tree_mode(mode: str) -> str:
     return mode
 
 
-def resolve_method(method: str, has_draft: bool, offered: tuple[str, ...] = METHODS) -> str:
-    """``auto`` -> a concrete method; refuse unknown methods and methods that need a missing draft."""
+def resolve_method(method: str, has_draft: bool, offered: tuple[str, ...] = METHODS, heads: str = "") -> str:
+    """``auto`` -> a concrete method; refuse unknown methods and methods that need a missing draft or heads.
+
+    ``heads``: the kind of speculation heads the target serves ("": none)."""
     if method not in offered:
         raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(offered)}")
     if method == "auto":
-        return "hybrid" if has_draft else "ngram"
+        return heads or ("hybrid" if has_draft else "ngram")
     if method in ("draft", "hybrid") and not has_draft:
         raise InvalidRequestError(f"method {method!r} needs a draft model, and none is configured")
+    if method in HEADS_METHODS and method != heads:
+        served = f"serves {heads} heads" if heads else "serves no heads (start it with --heads)"
+        raise InvalidRequestError(f"method {method!r} needs the target's {method} heads; the target {served}")
     return method
 
 
@@ -65,6 +75,7 @@ class SpecOptions:
     hybrid_min_match: int = 3  # hybrid: an n-gram match this long wins over the draft model
     tree: str = "off"  # one of TREE_MODES (the CLI and the public request default to auto)
     tree_width: int = 2  # most other candidates per position in a tree
+    heads_nodes: int = 0  # medusa/eagle: most nodes of the heads' tree; 0: chosen from the verification cost
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":
@@ -78,10 +89,16 @@ class SpecOptions:
         check_tree_mode(self.tree)
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise InvalidRequestError(f"tree width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
+        if not 0 <= self.heads_nodes <= MAX_K:
+            raise InvalidRequestError(f"heads nodes must be in 0..{MAX_K} (0: chosen by cost), got {self.heads_nodes}")
 
     @property
     def uses_draft(self) -> bool:
         return self.method in DRAFT_METHODS and self.k_max > 0
+
+    @property
+    def uses_heads(self) -> bool:
+        return self.method in HEADS_METHODS and self.k_max > 0
 
     @property
     def uses_ngram(self) -> bool:

@@ -20,6 +20,7 @@ from tandem.spec.tree import TokenTree
 NGRAM = "ngram"  # the request's own text (prompt lookup)
 CACHE = "cache"  # the continuation cache: what every request generated (tandem.spec.shared_cache)
 DRAFT = "draft"
+HEADS = "heads"  # the target's own speculation heads (medusa, eagle): a tree from the last Verify's reply
 
 
 @dataclass(slots=True)

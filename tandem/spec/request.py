@@ -48,6 +48,10 @@ class GenerationStats:
     tree_rounds: int = 0  # rounds that verified a token tree rather than a chain
     tree_nodes: int = 0  # draft tokens those trees held (all counted in drafted)
     branch_tokens: int = 0  # accepted tokens off the trees' first branch: what trees added
+    # Heads rounds (medusa, eagle), per depth d >= 1 of the heads' tree: rounds whose tree reached depth d,
+    # and rounds that kept a token at depth d (their ratio: the acceptance of head position d).
+    depth_offered: Counter[int] = field(default_factory=Counter)
+    depth_kept: Counter[int] = field(default_factory=Counter)
     generated: int = 0
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -90,6 +94,11 @@ class GenerationStats:
     def mean_k(self) -> float:
         return sum(k * n for k, n in self.k_counts.items()) / self.rounds if self.rounds else 0.0
 
+    @property
+    def depth_acceptance(self) -> dict[int, float]:
+        """Heads rounds: per tree depth, the share of rounds reaching it that kept a token there."""
+        return {d: round(self.depth_kept[d] / n, 4) for d, n in sorted(self.depth_offered.items())}
+
     def as_dict(self) -> dict[str, float | int]:
         return {
             "generated": self.generated,
@@ -106,6 +115,7 @@ class GenerationStats:
             "tree_rounds": self.tree_rounds,
             "branch_tokens": self.branch_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            **({"depth_acceptance": self.depth_acceptance} if self.depth_offered else {}),
         }
 
 

@@ -26,6 +26,27 @@ class Drafted:
     alternatives: Sequence[Sequence[int]] = ()  # per token when asked: the draft's next-best, best first
 
 
+@dataclass(slots=True)
+class TreeProposal:
+    """The target's heads' proposal for the next round: a token tree rooted after its next token."""
+
+    tokens: list[int]
+    parents: list[int]  # per token, its parent's index among tokens (-1: the root), parents first
+
+
+@dataclass(slots=True)
+class Prefilled:
+    next_token: int  # the target's first token (a rebuild: the history's last, echoed)
+    proposal: TreeProposal | None = None  # asked with ``propose``: the first round's drafts
+
+
+@dataclass(slots=True)
+class Verified:
+    kept: list[int]  # the kept drafts' indices, root to leaf
+    next_token: int  # the target's own token after them
+    proposal: TreeProposal | None = None  # asked with ``propose``: the next round's drafts, after next_token
+
+
 @dataclass(slots=True, frozen=True)
 class FittedCost:
     """Seconds of one forward pass ~ ``base_s + per_token_s * tokens``, as the worker measured it."""
@@ -37,14 +58,18 @@ class FittedCost:
 class Verifier(Protocol):
     """The target side: prefill a prompt, verify drafts, forget a sequence."""
 
-    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0) -> int:
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
+                      propose: int = 0) -> Prefilled:
         """Ingest the prompt; the target's first token. ``prompt_len`` > 0: rebuild a moved request
-        from its whole committed history (the first ``prompt_len`` tokens its prompt); echoes the last."""
+        from its whole committed history (the first ``prompt_len`` tokens its prompt); echoes the last.
+        ``propose`` > 0: the request drafts with the target's heads; their first proposal, of at most
+        that many nodes, comes with the reply."""
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
-                     draft_probs: Sequence[Any], draft_parents: Sequence[int] = ()) -> tuple[list[int], int]:
+                     draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
         """Keep ``committed_len`` tokens, score the last one plus the drafts (a chain, or a token tree
-        given ``draft_parents``): (the kept drafts' indices, root to leaf; the target's next token)."""
+        given ``draft_parents``): the kept drafts and the target's next token; with ``propose`` > 0 (a
+        heads request), the heads' proposal for the next round too."""
 
     async def release(self, seq_id: str) -> None:
         """Best effort: free the sequence's KV."""

@@ -91,6 +91,11 @@ class TokenTree:
             added += 1
         return added
 
+    def add_node(self, token: int, parent: int = ROOT) -> int:
+        """A deterministic node below ``parent`` (or the one already there with this token): its index."""
+        self.add_path([token], parent=parent)
+        return self._children[parent][token]
+
     def chain_probs(self) -> list[Any]:
         """The per-node distributions as the wire carries them: empty when none was sampled,
         else one message per node (``POINT_MASS`` for a deterministic node)."""

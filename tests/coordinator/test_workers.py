@@ -81,7 +81,7 @@ def test_worker_calls_carry_the_clients_remaining_time():
         recorder = RecordingClient()
         now = asyncio.get_running_loop().time()
         await RequestChannel(recorder, now + 2.0).release("s")  # a release keeps its own short timeout
-        assert await RequestChannel(recorder, now + 2.0).prefill("s", [1], SamplingParams()) == 7
+        assert (await RequestChannel(recorder, now + 2.0).prefill("s", [1], SamplingParams())).next_token == 7
         await RequestChannel(recorder, None).release("s")
         late = RequestChannel(recorder, now - 1.0)
         with pytest.raises(errors.WorkerDeadlineError):

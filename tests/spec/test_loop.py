@@ -21,7 +21,7 @@ from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import NGRAM
 from tandem.spec.request import RequestState, StopConditions
-from tandem.spec.transport import Drafted, FittedCost
+from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
 from tandem.spec.tree import children_of
 
 VOCAB = 50
@@ -64,14 +64,14 @@ class FakeTarget:
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.1, 0.001)
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
         await asyncio.sleep(0)
         if prompt_len:  # a rebuild: the whole history, nothing new
             self.histories[seq_id] = list(token_ids)
-            return token_ids[-1]
+            return Prefilled(token_ids[-1])
         token = target_next(list(token_ids))
         self.histories[seq_id] = [*token_ids, token]
-        return token
+        return Prefilled(token)
 
     async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
         await asyncio.sleep(0)
@@ -88,7 +88,7 @@ class FakeTarget:
             kept.append(node)
         nxt = target_next(history)
         history.append(nxt)
-        return kept, nxt
+        return Verified(kept, nxt)
 
     async def release(self, seq_id):
         self.released.append(seq_id)

@@ -1,0 +1,122 @@
+"""Greedy output with the target's own heads (Medusa, EAGLE-3) is the target's alone; their KV follows the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import FINAL, FeatureSpec, ForwardItem, ModelEngine
+from tandem.heads.drafters import EagleDrafter
+from tandem.heads.serving import drafter_for
+from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+from tandem.sampling import SamplingParams
+from tandem.spec.options import SpecOptions
+from target_worker.engine import PrefillCall, Proposed, TargetEngine, VerifyCall
+from tests.heads.tiny_heads import tiny_heads
+
+PROMPTS = [[5, 17, 33], [9, 9, 9, 9, 9, 9, 9, 9], list(range(10, 40)), [61]]
+
+
+def load(model_dir, dtype: str) -> ModelEngine:
+    return ModelEngine.load(EngineConfig(model_dir, dtype=dtype, kv_cache_tokens=4096, block_size=4))
+
+
+def run(target: ModelEngine, method: str, heads=None, n: int = 40, **options) -> list:
+    if heads is not None:
+        options.setdefault("heads_nodes", 6)  # fixed: the cost-chosen budget depends on this machine's timings
+    spec = SpecOptions(method, 4 if method != "none" else 0, **options)
+    requests = [GenerationRequest(p, max_new_tokens=n, sampling=SamplingParams()) for p in PROMPTS]
+    return SpeculativeGenerator(target, None, spec, heads=heads).generate(requests)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def target(request, tiny_qwen2_dir):
+    return load(tiny_qwen2_dir, request.param)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return [r.token_ids for r in run(target, "none")]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_greedy_output_is_the_targets(target, plain, kind):
+    drafter = drafter_for(tiny_heads(target, kind), target)
+    results = run(target, kind, drafter)
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.drafted > 0 for r in results)  # the heads proposed every round they could
+    assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks  # every sequence released
+    if isinstance(drafter, EagleDrafter):
+        assert drafter.cache.num_free_blocks == drafter.cache.num_blocks  # the head's KV too
+
+
+def test_untrained_medusa_heads_are_accepted_on_repetitive_text(target, plain):
+    """Zero-initialised blocks repeat the target's next token: right on a run of one token."""
+    results = run(target, "medusa", drafter_for(tiny_heads(target, "medusa"), target))
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.stats.accepted for r in results) > 0
+    assert all(0 <= a <= 1 for r in results for a in r.stats.depth_acceptance.values())
+
+
+def test_cost_chosen_budget_and_ngram_branches_keep_output(target, plain):
+    drafter = drafter_for(tiny_heads(target, "eagle"), target)
+    results = run(target, "eagle", drafter, heads_nodes=0, hybrid_min_match=2)
+    assert [r.token_ids for r in results] == plain
+
+
+def test_kv_after_a_heads_round_is_the_accepted_chains(tiny_qwen2_dir):
+    """Target KV and EAGLE KV after Prefill + Verify rounds of head trees equal those of feeding the history."""
+    target = load(tiny_qwen2_dir, "float32")
+    drafter = drafter_for(tiny_heads(target, "eagle"), target)
+    engine = TargetEngine(target, drafter=drafter)
+    greedy = SamplingParams()
+    result = engine.run_batch([PrefillCall("s", [9] * 8 + [3, 4, 9, 9], greedy, propose=6)])[0]
+    assert isinstance(result, Proposed) and len(result.proposal.tokens) == 6
+    for _ in range(4):
+        seq = engine.sequences["s"]
+        proposal = result.proposal
+        result = engine.run_batch([VerifyCall("s", len(seq.history), proposal.tokens, [], proposal.parents,
+                                              propose=6)])[0]
+        assert isinstance(result, Proposed)
+    history = engine.sequences["s"].history
+    assert target.seq_len("s") == len(history) - 1 == drafter.length("s")
+
+    fresh = load(tiny_qwen2_dir, "float32")
+    fresh_drafter = drafter_for(drafter.head, fresh)
+    engine2 = TargetEngine(fresh, drafter=fresh_drafter)
+    engine2.run_batch([PrefillCall("s", history, greedy, prompt_len=12, propose=1)])  # a rebuild: every row fed
+    assert fresh_drafter.length("s") == drafter.length("s")
+    positions = list(range(len(history) - 1))
+    for ours, theirs in ((target.kv_cache, fresh.kv_cache), (drafter.cache, fresh_drafter.cache)):
+        mine, other = ours.slots("s", positions), theirs.slots("s", positions)
+        for layer in range(ours.key.shape[0]):
+            for pool, pool2 in ((ours.key, theirs.key), (ours.value, theirs.value)):
+                torch.testing.assert_close(pool[layer].flatten(0, 1)[mine], pool2[layer].flatten(0, 1)[other],
+                                           atol=2e-5, rtol=1e-4)
+
+
+def test_heads_for_another_target_are_refused(tiny_qwen2_dir, tiny_qwen2_other_dir):
+    target, other = load(tiny_qwen2_dir, "float32"), load(tiny_qwen2_other_dir, "float32")
+    with pytest.raises(Exception, match="belong to tiny"):
+        drafter_for(tiny_heads(other, "medusa"), target)
+
+
+def test_proposals_need_heads(tiny_qwen2_dir):
+    engine = TargetEngine(load(tiny_qwen2_dir, "float32"))
+    result = engine.run_batch([PrefillCall("s", [1, 2, 3], SamplingParams(), propose=4)])[0]
+    assert "serves no speculation heads" in str(result)
+    with pytest.raises(Exception, match="needs the target's heads"):
+        SpeculativeGenerator(engine.engine, None, SpecOptions("medusa", 4))
+
+
+def test_features_match_the_models_own_hidden_states(tiny_qwen2_dir):
+    target = load(tiny_qwen2_dir, "float32")
+    logits, features = target.forward_with_features([ForwardItem("a", [1, 2, 3, 4], num_logits=4, features=True),
+                                                     ForwardItem("b", [5, 6])], FeatureSpec((FINAL, 0)))
+    assert features[1] is None and features[0].shape == (4, 2 * target.config.hidden_size)
+    with torch.inference_mode():
+        embeds = target.model.embed_tokens(torch.tensor([1, 2, 3, 4]))
+        final_logits = target.model.logits(features[0][:, : target.config.hidden_size])
+    torch.testing.assert_close(features[0][:, target.config.hidden_size:], embeds)  # stream 0: the embeddings
+    torch.testing.assert_close(final_logits, logits[0])  # the final state is what lm_head reads
