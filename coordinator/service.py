@@ -207,7 +207,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # draft method needs one that is at least usable.
         method = spec.method or "auto"
         has_draft = self.drafts.has_healthy() if method == "auto" else self.drafts.has_routable()
-        method = _field("speculation.method", lambda: resolve_method(method, has_draft, REMOTE_METHODS))
+        heads = self.targets.heads_kind()
+        method = _field("speculation.method", lambda: resolve_method(method, has_draft, REMOTE_METHODS, heads))
         k = spec.k if spec.HasField("k") else self.cfg.default_k
         if not 0 <= k <= MAX_K:
             raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")

@@ -283,6 +283,12 @@ class WorkerPool:
     def has_routable(self) -> bool:
         return any(c.routable for c in self.clients)
 
+    def heads_kind(self) -> str:
+        """The speculation heads every routable replica serves ("" when none, or when they differ:
+        a heads request must find its heads wherever it is placed or moved)."""
+        kinds = {c.info.heads for c in self.clients if c.routable and c.info is not None}
+        return kinds.pop() if len(kinds) == 1 else ""
+
     def counts(self) -> dict[str, int]:
         """Replicas per state (every state present, zeros included)."""
         counts = dict.fromkeys(REPLICA_STATES, 0)

@@ -77,6 +77,7 @@ class ClusterSpec:
     pipelining: bool = False
     coordinator_args: tuple[str, ...] = ()
     draft_args: tuple[str, ...] = ()  # extra `tandem serve draft` flags (quantization, vocabulary)
+    target_args: tuple[str, ...] = ()  # extra `tandem serve target` flags (--heads)
     # The draft worker's command after the interpreter; tests swap in a fault-injecting wrapper that
     # takes the same flags.
     draft_command: tuple[str, ...] = ("-m", "tandem", "serve", "draft")
@@ -302,6 +303,8 @@ class LocalCluster:
         args += self.spec.worker_args
         if role == "target" and self.spec.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.spec.tensor_parallel_size)]
+        if role == "target":
+            args += self.spec.target_args
         if role == "draft":
             args += self.spec.draft_args
             return self._spawn(role, f"{role}-{index}", args, self.spec.draft_command)

@@ -316,8 +316,13 @@ class WorkerConfig:
     # its sequences here; any sequence idle for idle_ttl_s is freed too (0: never). tandem.rpc.leases.
     lease_s: float = DEFAULT_LEASE_S
     idle_ttl_s: float = DEFAULT_IDLE_TTL_S
+    heads: Path | None = None  # a target's speculation heads (tandem/heads): a directory in any known layout
 
     def __post_init__(self) -> None:
+        if self.heads is not None:
+            self.heads = Path(self.heads)
+            if not self.heads.exists():
+                raise InvalidRequestError(f"--heads {self.heads}: no such file or directory")
         if self.token_budget <= 0:
             raise InvalidRequestError(f"token budget must be positive, got {self.token_budget}")
         if self.gather_fraction is not None and not 0 <= self.gather_fraction <= 64:

@@ -16,6 +16,8 @@ from draft_worker.engine import early_exit_engine
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError
+from tandem.heads.drafters import HeadDrafter
+from tandem.heads.serving import load_drafter
 from tandem.inprocess import SpeculativeGenerator
 from tandem.spec.adaptive import CostModel
 from tandem.spec.options import SpecOptions, resolve_method
@@ -31,19 +33,27 @@ class LocalPipeline:
     tokenizer: Any
     stop_ids: frozenset[int]
     options: SpecOptions
+    heads: HeadDrafter | None = None  # the target's speculation heads (methods medusa, eagle)
 
     @property
     def method(self) -> str:
         return self.options.method
 
     def generator(self, costs: CostModel | None = None, options: SpecOptions | None = None) -> SpeculativeGenerator:
-        return SpeculativeGenerator(self.target, self.draft, options or self.options, costs)
+        return SpeculativeGenerator(self.target, self.draft, options or self.options, costs, heads=self.heads)
 
     @classmethod
     def load(cls, target_cfg: EngineConfig, method: str, options: SpecOptions | None = None,
-             draft_cfg: EngineConfig | None = None, early_exit_layers: int | None = None) -> LocalPipeline:
-        """Load what ``method`` (``auto`` resolved here) needs; ``options`` gives k and the rest."""
-        method = resolve_method(method, draft_cfg is not None)
+             draft_cfg: EngineConfig | None = None, early_exit_layers: int | None = None,
+             heads_path: Path | None = None) -> LocalPipeline:
+        """Load what ``method`` (``auto`` resolved here) needs; ``options`` gives k and the rest.
+
+        ``heads_path``: the target's speculation heads (any known layout), loaded and checked against it."""
+        target = heads = None
+        if heads_path is not None:  # the heads' kind decides what auto means: load them first
+            target = ModelEngine.load(target_cfg)
+            heads = load_drafter(heads_path, target)
+        method = resolve_method(method, draft_cfg is not None, heads=heads.kind if heads is not None else "")
         base = options or SpecOptions("none")
         options = dataclasses.replace(base, method=method)
         if early_exit_layers is not None and early_exit_layers < 1:
@@ -52,7 +62,7 @@ class LocalPipeline:
         if method in ("draft", "hybrid"):
             assert draft_cfg is not None
             check_same_tokenizer(tokenizer, target_cfg.model_dir, draft_cfg.model_dir)
-        target = ModelEngine.load(target_cfg)
+        target = target or ModelEngine.load(target_cfg)
         target.warmup()
         draft = None
         if options.uses_draft:
@@ -62,7 +72,8 @@ class LocalPipeline:
                 assert draft_cfg is not None
                 draft = ModelEngine.load(draft_cfg)
             draft.warmup()
-        return cls(target, draft, tokenizer, stop_token_ids(target_cfg.model_dir, tokenizer, target.config), options)
+        return cls(target, draft, tokenizer, stop_token_ids(target_cfg.model_dir, tokenizer, target.config), options,
+                   heads)
 
 
 def check_same_tokenizer(target_tokenizer: Any, target_dir: Path, draft_dir: Path) -> None:

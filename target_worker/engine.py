@@ -125,6 +125,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         super().__init__(engine, leases)
         self.drafter = drafter
 
+    @property
+    def heads_kind(self) -> str:
+        return "" if self.drafter is None else self.drafter.kind
+
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
         if isinstance(call, PrefillCall):
@@ -381,6 +385,15 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             results += self.run_batch([VerifyCall(seq, 5, drafts, probs)])
             committed = len(self.sequences[seq].history) if seq in self.sequences else 5
             results += self.run_batch([VerifyCall(seq, committed, drafts, probs, [-1, 0, -1, 2]), ReleaseCall(seq)])
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+        if self.drafter is not None:  # the heads' path: features, a proposal, their KV extended and freed
+            results = self.run_batch([PrefillCall(seq, [1, 2, 3, 4], greedy, propose=4)])
+            proposal = results[0].proposal if isinstance(results[0], Proposed) else None
+            if proposal is not None:
+                results += self.run_batch([VerifyCall(seq, 5, proposal.tokens, [], proposal.parents, propose=4)])
+            results += self.run_batch([ReleaseCall(seq)])
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from tandem.config import WorkerConfig
+from tandem.engine import ModelEngine
+from tandem.rpc.leases import Leases
 from tandem.rpc.worker_runner import WorkerRole, run_worker
 from tandem.v1 import target_pb2_grpc
 from target_worker.engine import TargetEngine
 from target_worker.service import TargetService
 
+
+def make_target_engine(engine: ModelEngine, leases: Leases, cfg: WorkerConfig) -> TargetEngine:
+    """The target's engine, with its speculation heads when the worker was given some (``--heads``)."""
+    drafter = None
+    if cfg.heads is not None:
+        from tandem.heads.serving import load_drafter  # checks the heads belong to this target
+
+        drafter = load_drafter(cfg.heads, engine)
+    return TargetEngine(engine, leases, drafter)
+
+
 TARGET_ROLE = WorkerRole(
     name="target",
-    make_engine=TargetEngine,
+    make_engine=make_target_engine,
     make_service=TargetService,
     add_to_server=target_pb2_grpc.add_TargetWorkerServicer_to_server,
     service_full_name="tandem.v1.TargetWorker",

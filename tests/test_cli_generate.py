@@ -66,9 +66,20 @@ def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypa
 
 def test_unknown_method_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["generate", "hi", "--method", "medusa"])
+        main(["generate", "hi", "--method", "lookahead"])
     assert info.value.code == 2
-    assert "invalid choice: 'medusa'" in capsys.readouterr().err
+    assert "invalid choice: 'lookahead'" in capsys.readouterr().err
+
+
+def test_a_heads_method_without_heads_is_refused_before_models_load(capsys, tmp_path):
+    assert main(["generate", "hi", "--method", "medusa", "--cache-dir", str(tmp_path)]) == 2
+    assert "needs the target's medusa heads; the target serves no heads (start it with --heads)" in \
+        capsys.readouterr().err
+
+
+def test_unknown_heads_name_is_refused_with_what_is_prepared(capsys, tmp_path):
+    assert main(["generate", "hi", "--heads", "nonesuch", "--cache-dir", str(tmp_path)]) == 2
+    assert "--heads 'nonesuch': no such path, and no prepared heads of that name" in capsys.readouterr().err
 
 
 @pytest.mark.slow

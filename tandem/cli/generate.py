@@ -37,7 +37,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="auto", choices=METHODS,
                    help="proposer: none (target only), draft (draft model), ngram (prompt lookup), hybrid "
                         "(n-gram when the text repeats, else the draft model), early-exit (the target's first "
-                        "layers; in process only), auto (hybrid if --draft is given, else ngram)")
+                        "layers; in process only), medusa / eagle (the target's own heads, --heads), auto (the "
+                        "target's heads if --heads is given, else hybrid if --draft is given, else ngram)")
+    p.add_argument("--heads", default=None, metavar="PATH|NAME",
+                   help="the target's speculation heads: a directory (Tandem's layout, the Medusa project's, or "
+                        "EAGLE-3 as vLLM's speculators library writes it) or the name of heads prepared with "
+                        "`tandem heads prepare`; they must have been trained for this target")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--fixed-k", action="store_true", help="always draft k tokens instead of adapting k per request")
@@ -104,9 +109,10 @@ def resolve_or_prepare(spec: str, root: os.PathLike[str]) -> os.PathLike[str]:
         raise
 
 
-def options_from_args(args: argparse.Namespace) -> tuple[str, SpecOptions]:
-    """The resolved method and the speculation options the flags ask for (validated, nothing loaded)."""
-    method = resolve_method(args.method, args.draft is not None)
+def options_from_args(args: argparse.Namespace, heads: str = "") -> tuple[str, SpecOptions]:
+    """The resolved method and the speculation options the flags ask for (validated, nothing loaded);
+    ``heads``: the kind of the target's heads (``--heads``), "" for none."""
+    method = resolve_method(args.method, args.draft is not None, heads=heads)
     if args.early_exit_layers is not None and args.early_exit_layers < 1:
         raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
     return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -118,14 +124,21 @@ def configs_from_args(
 ) -> tuple[SamplingParams, SpecOptions, EngineConfig, EngineConfig | None]:
     """Validate every flag, then resolve the models; nothing heavy is loaded yet."""
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    method, options = options_from_args(args)
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    heads_kind = ""
+    if getattr(args, "heads", None):
+        from tandem.heads.formats import heads_kind as read_heads_kind
+        from tandem.heads.locate import resolve_heads
+
+        args.heads = resolve_heads(args.heads, root)
+        heads_kind = read_heads_kind(args.heads)
+    method, options = options_from_args(args, heads_kind)
     if args.max_new_tokens <= 0:
         raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    root = model_store.cache_root_from(args.cache_dir, os.environ)
     target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device,
                           attention_backend=args.attention, packed_weights=args.packed_weights)
     draft = None
@@ -145,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
 
     sampling, options, target_cfg, draft_cfg = configs_from_args(args)
     t0 = time.perf_counter()
-    pipeline = LocalPipeline.load(target_cfg, options.method, options, draft_cfg, args.early_exit_layers)
+    pipeline = LocalPipeline.load(target_cfg, options.method, options, draft_cfg, args.early_exit_layers,
+                                  heads_path=args.heads)
     print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids)

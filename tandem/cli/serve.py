@@ -81,6 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     target = roles.add_parser("target", help="target worker: the large model, batched Prefill/Verify")
     _worker_flags(target)
+    target.add_argument("--heads", default=None, metavar="PATH|NAME",
+                        help="speculation heads trained for this target (Medusa or EAGLE-3: a directory in "
+                             "Tandem's, the Medusa project's or the speculators library's layout, or the name of "
+                             "heads prepared with `tandem heads prepare`): requests may then use method medusa or "
+                             "eagle, and auto chooses them")
     target.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
                              "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
@@ -171,13 +176,21 @@ def run_worker(args: argparse.Namespace) -> int:
                           packed_weights=args.packed_weights, **role_options)
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
-                       idle_ttl_s=args.sequence_idle_ttl)
+                       idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root))
     if args.role == "target":
         from target_worker.main import serve
     else:
         from draft_worker.main import serve
     asyncio.run(serve(cfg))
     return 0
+
+
+def _heads_path(args: argparse.Namespace, root: Path) -> Path | None:
+    if args.role != "target" or not args.heads:
+        return None
+    from tandem.heads.locate import resolve_heads
+
+    return resolve_heads(args.heads, root)
 
 
 def run_coordinator(args: argparse.Namespace) -> int:

@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL", help="target model (default: %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, metavar="MODEL",
                    help="draft model (default: %(default)s); 'none' for no draft workers (n-gram only)")
+    p.add_argument("--heads", default=None, metavar="PATH|NAME",
+                   help="speculation heads for every target worker (`tandem serve target --heads`): requests "
+                        "may use method medusa or eagle, and auto chooses them")
     p.add_argument("--port", type=int, default=50051, help="coordinator gRPC port (default: %(default)s)")
     p.add_argument("--target-replicas", type=int, default=1, help="target worker processes (default: 1)")
     p.add_argument("--draft-replicas", type=int, default=1, help="draft worker processes (default: 1)")
@@ -123,6 +126,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
+        target_args=("--heads", str(args.heads)) if args.heads else (),
         # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
         worker_args=("--host", "127.0.0.1"), log_dir=args.log_dir, cache_dir=args.cache_dir,
         coordinator_args=tuple(coordinator_args), discovery="file", server_tls=tls, client_tls=worker_tls,

@@ -53,6 +53,8 @@ class HeadStep:
 class MedusaDrafter:
     """K heads on the last new row; the tree is the best paths through each head's top ``width`` tokens."""
 
+    kind = "medusa"
+
     def __init__(self, heads: MedusaHeads, width: int = 4) -> None:
         self.heads = heads
         self.width = width
@@ -91,6 +93,8 @@ class _Node:
 
 class EagleDrafter:
     """EAGLE-3 drafting with EAGLE-2's dynamic tree: expand the ``width`` best nodes for ``depth`` steps."""
+
+    kind = "eagle"
 
     def __init__(self, head: EagleHead, embed: nn.Embedding, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", depth: int = 5, width: int = 4) -> None:

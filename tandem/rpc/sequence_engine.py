@@ -76,6 +76,11 @@ class SequenceEngine(Generic[Sequence, Plan]):
         return self.engine.config.max_position_embeddings
 
     @property
+    def heads_kind(self) -> str:
+        """The speculation heads this engine drafts with ("": none; only a target worker has them)."""
+        return ""
+
+    @property
     def num_sequences(self) -> int:
         return len(self.sequences)
 

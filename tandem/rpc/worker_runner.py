@@ -38,7 +38,7 @@ class WorkerRole:
     """How one role differs: its engine, its servicer and its gRPC service."""
 
     name: str  # "draft" or "target"
-    make_engine: Callable[..., RoleEngine]  # (engine, leases)
+    make_engine: Callable[..., RoleEngine]  # (engine, leases, worker config)
     make_service: Callable[..., Any]  # (engine, batcher, server, model_name, fingerprint, stop_ids)
     add_to_server: Callable[[Any, Any], None]
     service_full_name: str
@@ -55,7 +55,7 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
         loop = asyncio.get_running_loop()
         engine.ranks.on_failure = lambda reason: loop.call_soon_threadsafe(failed.set)
     tokenizer = load_tokenizer(cfg.engine.model_dir)
-    role_engine = role.make_engine(engine, Leases(cfg.lease_s, cfg.idle_ttl_s))
+    role_engine = role.make_engine(engine, Leases(cfg.lease_s, cfg.idle_ttl_s), cfg)
     server = ManagedServer(role.name, cfg.server)
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)

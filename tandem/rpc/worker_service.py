@@ -58,4 +58,5 @@ class WorkerServiceBase:
             active_sequences=self.engine.num_sequences, tokenizer_fingerprint=self.fingerprint,
             stop_token_ids=self.stop_token_ids, forward_base_s=model.cost_fit.base_s,
             forward_per_token_s=model.cost_fit.per_token_s, lease_s=self.engine.leases.lease_s,
+            heads=self.engine.heads_kind,
         )

@@ -61,6 +61,22 @@ def read_any_layout(path: Path, target_num_layers: int | None = None) -> tuple[H
     )
 
 
+def heads_kind(path: Path) -> str:
+    """"medusa" or "eagle": the kind of the heads at ``path``, read from their config alone (no weights)."""
+    from tandem.heads import store
+    from tandem.heads.formats import medusa, speculators
+
+    path = Path(path)
+    if store.is_tandem_layout(path):
+        return HeadsConfig.load(path / store.CONFIG_FILE).kind
+    config = read_config_json(path) if path.is_dir() else None
+    if config is not None and medusa.is_medusa_layout(path, config):
+        return "medusa"
+    if config is not None and speculators.is_eagle3_layout(config):
+        return "eagle"
+    return read_any_layout(path)[0].kind  # raises, naming what is there
+
+
 # ----- helpers the readers share ------------------------------------------------------------------------------
 def read_config_json(directory: Path) -> dict[str, Any] | None:
     """``directory/config.json`` as a dict, or None when there is none."""
