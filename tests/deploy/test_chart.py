@@ -37,7 +37,7 @@ def gpus(objects, component):
 
 
 def test_the_variants_the_issue_names_exist():
-    assert {"tp4-target", "external-redis", "servicemonitor", "keda", "hub-download", "tls-auth"} <= set(
+    assert {"tp4-target", "external-redis", "servicemonitor", "keda", "hub-download", "tls-auth", "heads"} <= set(
         variant_names())
 
 
@@ -326,6 +326,27 @@ def test_hub_download_fills_each_pods_volume_with_a_token_from_a_secret():
     coordinator_init = one(objects, "Deployment", name("coordinator"))["spec"]["template"]["spec"]["initContainers"][0]
     assert "--include '*.json'" in coordinator_init["args"][0]
     assert coordinator_init["image"].startswith("tandem/coordinator:")
+
+
+def test_heads_reach_the_target_workers_only_and_are_downloaded_beside_the_model():
+    objects = render("heads")
+    target_pod = one(objects, "Deployment", name("target"))["spec"]["template"]["spec"]
+    model_init, heads_init = target_pod["initContainers"]
+    env = {e["name"]: e.get("value") for e in heads_init["env"]}
+    assert heads_init["name"] == "download-heads-model"
+    assert env["MODEL_REPO"] == "example-org/qwen2.5-coder-1.5b-instruct-eagle3"
+    assert flag(container(objects, "target")["args"], "--heads") == env["MODEL_DIR"] == \
+        "/models/qwen2.5-coder-1.5b-eagle3"
+    for component in ("draft", "coordinator"):
+        assert "--heads" not in container(objects, component)["args"]
+        pod = one(objects, "Deployment", name(component))["spec"]["template"]["spec"]
+        assert len(pod["initContainers"]) == 1
+    assert "--heads" not in container(render(), "target")["args"]  # the default: no heads
+
+
+def test_heads_from_the_hub_need_their_repository():
+    error = render_error("models.source=download", "models.heads.dir=eagle")
+    assert "models.heads.repo" in error
 
 
 @pytest.mark.parametrize("source, key", [("pvc", "persistentVolumeClaim"), ("hostPath", "hostPath")])
