@@ -35,6 +35,7 @@ class RunOutput:
     seconds: float  # wall clock of the whole call, prefill included
     stats: GenerationStats | None = None  # ours only: transformers does not expose acceptance
     first_token_s: float | None = None  # transformers, when asked: seconds to the first new token (prefill)
+    draft_seconds: float | None = None  # heads methods: seconds the target's heads spent drafting in the run
 
 
 # ----- loading -----------------------------------------------------------

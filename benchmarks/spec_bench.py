@@ -51,6 +51,7 @@ Writes spec_bench.json / .md / .png into --out (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -92,16 +93,20 @@ BASELINE = "target-only"
 HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given over it too
 BASELINES = (BASELINE, HF_BASELINE)
 METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "spec-draft-tree",
-           "spec-hybrid-tree", "spec-ngram-tree", "hf-plain", "hf-assisted", "hf-prompt-lookup")
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree"))
+           "spec-hybrid-tree", "spec-ngram-tree", "spec-medusa", "spec-eagle", "hf-plain", "hf-assisted",
+           "hf-prompt-lookup")
+HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle"}  # the target's own heads (--medusa/--eagle-heads)
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree")
+                        and m not in HEADS_METHODS)
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
-             "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram"}
+             "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram",
+             **HEADS_METHODS}
 TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
 MIX, ALL = "spec-bench-mix", "all"
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "speedup_vs_hf_plain",
            "decode_speedup", "decode_speedup_vs_hf_plain", "mean_accepted_len", "acceptance_rate",
-           "accepted_per_drafted", "mean_k", "tree_rounds", "branch_tokens", "predicted_speedup", "efficiency",
-           "mismatches")
+           "accepted_per_drafted", "mean_k", "tree_rounds", "branch_tokens", "tokens_per_round",
+           "draft_ms_per_round", "depth_acceptance", "predicted_speedup", "efficiency", "mismatches")
 # The JSON keeps "speedup" (over target-only, as before); the markdown names both baselines.
 HEADERS = {"speedup": "x target-only", "speedup_vs_hf_plain": "x hf-plain",
            "decode_speedup": "decode x target-only", "decode_speedup_vs_hf_plain": "decode x hf-plain"}
@@ -152,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s, as transformers' docs suggest)")
     p.add_argument("--hf-pld-ngram", type=int, default=None,
                    help="hf-prompt-lookup: max_matching_ngram_size (default: transformers' own, 2)")
+    p.add_argument("--medusa-heads", default="qwen-coder-1.5b-medusa", metavar="PATH|NAME",
+                   help="spec-medusa: the target's Medusa heads (a directory, or heads prepared with `tandem heads "
+                        "prepare`; default: %(default)s)")
+    p.add_argument("--eagle-heads", default="qwen-coder-1.5b-eagle", metavar="PATH|NAME",
+                   help="spec-eagle: the target's EAGLE-3 head (default: %(default)s)")
+    p.add_argument("--heads-nodes", type=int, default=0,
+                   help="spec-medusa/eagle: most nodes of the heads' tree (default 0: chosen from the measured "
+                        "verification cost)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of every model (default: %(default)s)")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
@@ -222,6 +235,10 @@ def load_bench(args: argparse.Namespace) -> Bench:
     draft_engine = None
     for method in [m for m in args.methods if m in OURS_SPEC]:
         drafter = None  # the model that drafts (None: n-gram lookup)
+        if method in HEADS_METHODS:
+            bench.runners[method] = heads_runner(target, method, args, bench.stop_ids)
+            bench.cost_ratio[method] = 0.0  # the heads' cost is measured per round (draft_ms_per_round)
+            continue
         if OURS_SPEC[method] in ("draft", "hybrid"):
             assert draft_dir is not None
             if draft_engine is None:  # one draft model serves both methods
@@ -262,6 +279,30 @@ def ours_runner(target: Any, drafter: Any, options: Any, stop_ids: frozenset[int
 
     generator = SpeculativeGenerator(target, drafter, options)
     return lambda ids, n: run_ours(generator, ids, n, stop_ids)
+
+
+def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: frozenset[int]) -> Runner:
+    """A runner over the target with its heads; each run notes the seconds the heads spent drafting."""
+    from benchmarks.runners import run_ours
+    from tandem import model_store
+    from tandem.heads.locate import resolve_heads
+    from tandem.heads.serving import load_drafter
+    from tandem.inprocess import SpeculativeGenerator
+    from tandem.spec.options import SpecOptions
+
+    spec = args.medusa_heads if method == "spec-medusa" else args.eagle_heads
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    heads = load_drafter(resolve_heads(spec, root), target)
+    options = SpecOptions(HEADS_METHODS[method], args.k, not args.fixed_k, heads_nodes=args.heads_nodes)
+    generator = SpeculativeGenerator(target, None, options, heads=heads)
+
+    def run(ids: list[int], n: int) -> RunOutput:
+        before = heads.seconds
+        out = run_ours(generator, ids, n, stop_ids)
+        out.draft_seconds = heads.seconds - before
+        return out
+
+    return run
 
 
 def add_hf_runners(bench: Bench, args: argparse.Namespace, target_dir: Path, draft_dir: Path | None) -> None:
@@ -309,7 +350,9 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
             row.update(drafted=s.drafted, accepted=s.accepted, rejected=s.rejected, rounds=s.rounds,
                        spec_rounds=s.spec_rounds, ngram_rounds=s.ngram_rounds,
                        k_sum=sum(k * n for k, n in s.k_counts.items()), k_rounds=s.rounds,
-                       k_counts=dict(s.k_counts), tree_rounds=s.tree_rounds, branch_tokens=s.branch_tokens)
+                       k_counts=dict(s.k_counts), tree_rounds=s.tree_rounds, branch_tokens=s.branch_tokens,
+                       depth_offered=dict(s.depth_offered), depth_kept=dict(s.depth_kept),
+                       draft_seconds=out.draft_seconds)
         elif out.first_token_s is not None and out.token_ids:  # hf-plain: the same phase, by its streamer
             row.update(decode_tokens=len(out.token_ids) - 1, decode_seconds=out.seconds - out.first_token_s)
         rows.append(row)
@@ -371,7 +414,8 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baselines:
         "decode_tokens_per_s": decode_tps, "decode_speedup": decode_speedup,
         "decode_speedup_vs_hf_plain": ratio(decode_tps, hf_base, "decode_tokens_per_s"),
         "mean_accepted_len": None, "acceptance_rate": None, "mean_k": None, "cost_ratio": cost_ratio,
-        "tree_rounds": None, "branch_tokens": None, "predicted_speedup": None, "efficiency": None,
+        "tree_rounds": None, "branch_tokens": None, "tokens_per_round": None, "draft_ms_per_round": None,
+        "depth_acceptance": None, "predicted_speedup": None, "efficiency": None,
         "mismatches": sum(not r["matches_target_only"] for r in runs),
     }
     row["mismatch_rate"] = row["mismatches"] / len(runs) if runs else None
@@ -390,6 +434,19 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baselines:
                    accepted_per_drafted=accepted / drafted if drafted else None,
                    tree_rounds=sum(r.get("tree_rounds", 0) for r in runs),
                    branch_tokens=sum(r.get("branch_tokens", 0) for r in runs))
+        rounds = sum(r["rounds"] for r in runs)
+        row["tokens_per_round"] = (accepted + rounds) / rounds if rounds else None
+    if method in HEADS_METHODS:
+        rounds = sum(r["rounds"] for r in runs)
+        row["draft_ms_per_round"] = 1000 * sum(r.get("draft_seconds") or 0.0 for r in runs) / rounds if rounds \
+            else None
+        offered: Counter[int] = Counter()
+        kept: Counter[int] = Counter()
+        for r in runs:
+            offered.update({int(d): n for d, n in r.get("depth_offered", {}).items()})
+            kept.update({int(d): n for d, n in r.get("depth_kept", {}).items()})
+        # per head position (tree depth): the share of rounds reaching it that kept a token there
+        row["depth_acceptance"] = " ".join(f"{kept[d] / n:.2f}" for d, n in sorted(offered.items()))
         if a is not None and k_counts and cost_ratio is not None:
             row["predicted_speedup"] = predicted_speedup(a, k_counts, cost_ratio)
             # The formula models decoding; the target's prefill, the same for every method, is left out.

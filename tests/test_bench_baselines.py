@@ -68,3 +68,22 @@ def test_engine_speed_records_and_checks_forward_1_against_forward_5():
     assert fixed[0]["fwd1_le_fwd5"] is True
     assert all(line.startswith("  PASS") for line in engine_speed.thresholds(fixed))
     assert "1.300x transformers'" in engine_speed.summary(fixed)[0]
+
+
+def test_heads_rows_report_tokens_per_round_draft_cost_and_acceptance_per_head_position():
+    def heads_run(offered: dict[int, int], kept: dict[int, int], accepted: int, rounds: int) -> dict[str, Any]:
+        row = run("spec-eagle", "qa", accepted + rounds, 1.0, 0.9)
+        row.update(drafted=40, accepted=accepted, rejected=rounds, rounds=rounds, spec_rounds=rounds,
+                   ngram_rounds=0, k_sum=40, k_rounds=rounds, k_counts={8: rounds}, tree_rounds=rounds,
+                   branch_tokens=0, depth_offered=offered, depth_kept=kept, draft_seconds=0.05)
+        return row
+
+    runs = [run("target-only", "qa", 20, 2.0, 1.9),
+            heads_run({1: 5, 2: 5, 3: 5}, {1: 4, 2: 2}, 6, 5), heads_run({1: 5, 2: 5}, {1: 5, 2: 5}, 10, 5)]
+    rows = spec_bench.summarize(runs, ["target-only", "spec-eagle"], {"spec-eagle": 0.0})
+    row = next(r for r in rows if r["method"] == "spec-eagle" and r["category"] == "qa")
+    assert row["tokens_per_round"] == (16 + 10) / 10  # the accepted drafts plus the target's own token
+    assert row["draft_ms_per_round"] == 1000 * 0.1 / 10
+    assert row["depth_acceptance"] == "0.90 0.70 0.00"  # depth 1: 9 of 10 rounds, depth 2: 7/10, depth 3: 0/5
+    target = next(r for r in rows if r["method"] == "target-only" and r["category"] == "qa")
+    assert target["depth_acceptance"] is None and target["tokens_per_round"] is None

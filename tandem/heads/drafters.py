@@ -20,6 +20,7 @@ reads its top candidates back with one copy (the tree's shape is decided on the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,9 +60,17 @@ class MedusaDrafter:
         self.heads = heads
         self.width = width
         self.spec = FeatureSpec(heads.config.feature_streams)
+        self.seconds = 0.0  # wall time spent in ``step`` (what drafting costs a target worker)
+
+    def step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
+        started = time.perf_counter()
+        try:
+            return self._step(steps)
+        finally:
+            self.seconds += time.perf_counter() - started
 
     @torch.inference_mode()
-    def step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
+    def _step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
         asking = [i for i, s in enumerate(steps) if s.budget > 0]
         out = [HeadProposal() for _ in steps]
         if not asking:
@@ -108,6 +117,7 @@ class EagleDrafter:
         self.cache = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, weight.dtype,
                                   weight.device)
         self.backend = make_backend(attention_backend, weight.dtype, weight.device, block_size)
+        self.seconds = 0.0  # wall time spent in ``step`` (what drafting costs a target worker)
 
     # ----- state kept beside the target's KV -------------------------------------
     def length(self, seq_id: str) -> int:
@@ -122,8 +132,15 @@ class EagleDrafter:
             self.cache.release(seq_id)
 
     # ----- one batch step -----------------------------------------------------------
-    @torch.inference_mode()
     def step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
+        started = time.perf_counter()
+        try:
+            return self._step(steps)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    @torch.inference_mode()
+    def _step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
         out = [HeadProposal() for _ in steps]
         ready = []
         for i, s in enumerate(steps):
