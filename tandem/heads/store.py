@@ -16,6 +16,7 @@ from torch import nn
 from tandem.heads.config import HeadsConfig, HeadsConfigError
 from tandem.heads.eagle import EagleHead
 from tandem.heads.medusa import MedusaHeads
+from tandem.models.layers import RotaryEmbedding
 
 CONFIG_FILE = "heads.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -62,6 +63,8 @@ def instantiate(cfg: HeadsConfig, state: dict[str, torch.Tensor], where: str,
         raise HeadsConfigError(f"heads {where}: d2t maps draft ids outside the target's vocabulary")
     cast = {name: t.to(device, torch.int64 if name == "d2t" else dtype) for name, t in state.items()}
     heads.load_state_dict(cast, assign=True)
+    if isinstance(heads, EagleHead):  # buffers the file does not hold (rotary inverse frequencies): made for real
+        heads.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     heads.requires_grad_(False)
     return heads.eval()
 
