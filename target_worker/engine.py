@@ -397,3 +397,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
+            if not proposal or not isinstance(results[1], Proposed) or not results[1].proposal.tokens:
+                # A drafter logs and swallows its errors while serving (a round goes on without drafts);
+                # at start a broken set of heads must stop the worker instead of serving without them.
+                raise RuntimeError(f"the {self.drafter.kind} heads proposed nothing at warm-up: see the log above")

@@ -120,3 +120,17 @@ def test_features_match_the_models_own_hidden_states(tiny_qwen2_dir):
         final_logits = target.model.logits(features[0][:, : target.config.hidden_size])
     torch.testing.assert_close(features[0][:, target.config.hidden_size:], embeds)  # stream 0: the embeddings
     torch.testing.assert_close(final_logits, logits[0])  # the final state is what lm_head reads
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_loaded_from_a_file_draft_and_warm_up(tiny_qwen2_dir, tmp_path, kind):
+    """What a worker does with --heads: load the file, warm up (which refuses heads that propose nothing), draft."""
+    from tandem.heads.serving import load_drafter
+    from tandem.heads.store import save_heads
+
+    target = load(tiny_qwen2_dir, "float32")
+    save_heads(tiny_heads(target, kind), tmp_path / kind)
+    drafter = load_drafter(tmp_path / kind, target)
+    TargetEngine(target, drafter=drafter).warmup()
+    results = run(target, kind, drafter)
+    assert all(r.stats.drafted > 0 for r in results)
