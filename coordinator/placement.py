@@ -1,12 +1,13 @@
 """Which replicas one request runs on, and where it goes when one fails it.
 
 A ``Placement`` picks a target (and, when the method drafts, a draft) for a new
-request and is the speculation loop's ``ReplicaSource``: when the target
-replica fails the request (gone, hung, restarted), the loop asks for another
-one and rebuilds the request's KV there from its history; when the draft
-replica fails, another draft replica takes over, or the request goes on
-without one (n-gram proposals). A request moves at most ``max_moves`` times
-per role, so that a fault that follows it (a poison request) ends as an error.
+request and is the ``ReplicaSource`` of its failover channels
+(``tandem.spec.failover``): when the target replica fails the request (gone,
+hung, restarted), they ask for another one and rebuild the request's KV there
+from its history; when the draft replica fails, another draft replica takes
+over, or the request goes on without one (n-gram proposals). A request moves
+at most ``max_moves`` times per role, so that a fault that follows it (a poison
+request) ends as an error.
 It also keeps each replica's count of this coordinator's requests current.
 """
 

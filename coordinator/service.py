@@ -29,7 +29,8 @@ from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
 from tandem.spec.adaptive import MAX_K, MatchRates
-from tandem.spec.loop import SpeculationLoop
+from tandem.spec.failover import FailoverDraft, FailoverVerifier
+from tandem.spec.loop import SpeculationLoop, heads_budget
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, resolve_method
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
@@ -150,9 +151,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
         # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
         seq_id = f"{request_id}-{uuid.uuid4().hex}"
-        loop = SpeculationLoop(state, seq_id, options, placement.verifier(), placement.draft_channel(), costs,
-                               self.max_context, self.observer, self.cache, replicas=placement,
-                               match_rates=self.match_rates)
+        # The request's channels survive their replicas (moves, preemption) by the placement's pools.
+        verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
+            options, state, self.max_context, target.fitted_cost(), first=True))
+        channel = placement.draft_channel()
+        draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
+        loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
+                               self.cache, match_rates=self.match_rates)
         return _Request(request_id, state, options, placement, loop)
 
     async def _drive(self, run: _Request) -> AsyncIterator[None]:

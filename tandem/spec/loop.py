@@ -32,13 +32,10 @@ verifies it: one RPC a round, no draft model.
 Invariant: the target's KV holds every committed token but the last, which
 the next verification feeds; k = 0 is plain decoding through the same path.
 
-Faults (when the caller gives a ``ReplicaSource``, as the coordinator does): a
-target replica that fails the request is replaced and the new one rebuilt
-from the committed history (a prefill of all of it but the last token), and
-the call is repeated there; a full KV pool frees the request's KV (it is
-preempted), waits and rebuilds; a draft replica that fails is replaced, or
-the request goes on with n-gram proposals. The history lives here, so no
-token is lost or repeated, and greedy output is the same.
+Faults are not the loop's: the coordinator hands it channels that survive
+their replicas (``tandem.spec.failover``). A draft channel may give up on a
+call (no tokens), and say that no draft is left: the request goes on with
+n-gram proposals.
 
 n-gram rounds without a draft model (``match_rates``): k is chosen after the
 lookup, from the acceptance of the kind of match that proposes (its source and
@@ -50,12 +47,10 @@ one-token guess is cut or dropped where verification rows are dear.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeVar
 
-from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
 from tandem.spec.adaptive import (
     MAX_K,
     MAX_TREE_DEPTHS,
@@ -80,7 +75,7 @@ from tandem.spec.proposers import (
     ngram_proposal,
 )
 from tandem.spec.request import RequestState
-from tandem.spec.transport import DraftChannel, Drafted, ReplicaSource, TreeProposal, Verifier
+from tandem.spec.transport import DraftChannel, Drafted, FittedCost, TreeProposal, Verifier
 from tandem.spec.tree import ROOT, TokenTree, children_of, kept_on_chain
 from tandem.tree_rows import depths as _depths
 
@@ -90,18 +85,24 @@ RELEASE_WAIT_S = 60.0  # longest wait for calls still in flight before a sequenc
 # The continuation cache learns a prompt's last tokens only: learning costs ~20 us a token on the
 # coordinator's event loop, and a long prompt's distant tokens rarely predict its continuation.
 PROMPT_TOKENS_LEARNED = 256
-# A replica's failure of a request: it is gone or hung (UNAVAILABLE), or it refused a call the
-# coordinator made correctly (INTERNAL: e.g. it restarted and no longer knows the sequence).
-REPLICA_FAULTS = (WorkerUnavailableError, InternalError)
-# A full KV pool: the request frees its KV and waits, from KV_BACKOFF_S doubling to KV_BACKOFF_MAX_S
-# (jittered, so preempted requests do not return in lockstep), at most KV_WAIT_MAX_S in all.
-KV_BACKOFF_S = 0.05
-KV_BACKOFF_MAX_S = 2.0
-KV_WAIT_MAX_S = 300.0
 # Heads' tree size when the options leave it to the cost: as many nodes as verification prices at
 # HEADS_EXTRA_COST of a one-token step (MODELS.md: ~16 nodes cost ~1.2x a step on a CPU in bf16).
 HEADS_EXTRA_COST = 0.25
 HEADS_DEFAULT_NODES = 8  # before the target's forward cost has been fitted
+
+
+def heads_budget(options: SpecOptions, state: RequestState, max_context: int, fit: FittedCost | None,
+                 first: bool = False) -> int:
+    """Nodes to ask the heads for (0: no heads). Given, or as many as verification prices at
+    ``HEADS_EXTRA_COST`` of a one-token step by the target's fitted forward cost (``fit``). ``first``: a
+    Prefill's (a rebuild's too), at least one: the heads' KV is built along with the target's."""
+    if not options.uses_heads:
+        return 0
+    nodes = options.heads_nodes or HEADS_DEFAULT_NODES
+    if not options.heads_nodes and fit is not None and fit.per_token_s > 0:
+        nodes = int(HEADS_EXTRA_COST * (fit.base_s + fit.per_token_s) / fit.per_token_s)
+    room = min(max_context - len(state.history) - 2, state.remaining - 2)
+    return max(1 if first else 0, min(nodes, MAX_K, room))
 
 
 class RoundObserver(Protocol):
@@ -119,7 +120,7 @@ class SpeculationLoop:
     def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
                  draft: DraftChannel | None, costs: CostModel, max_context: int,
                  observer: RoundObserver | None = None, cache: ContinuationCache | None = None,
-                 replicas: ReplicaSource | None = None, match_rates: MatchRates | None = None) -> None:
+                 match_rates: MatchRates | None = None) -> None:
         if options.uses_draft and draft is None:
             raise ValueError(f"method {options.method!r} needs a draft channel")
         self.state = state
@@ -132,7 +133,6 @@ class SpeculationLoop:
         self.max_context = max_context
         self.observer = observer
         self.cache = cache if options.uses_ngram else None
-        self.replicas = replicas
         self.match_rates = match_rates  # acceptance per kind of n-gram match (see the module docstring)
         self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
         self._ngrams = NgramIndex()  # the history's n-grams, indexed as it grows: no rescan per round
@@ -163,8 +163,7 @@ class SpeculationLoop:
             # Draft while the target prefills: its first token is a guess of the target's first token.
             early = self._spawn(self._propose(s.prompt_ids, k + 2))
         propose = self._heads_budget(first=True)
-        prefilled = await self._on_target(lambda v: v.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose),
-                                          rebuild=False)
+        prefilled = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose)
         first = prefilled.next_token
         s.commit([first])
         self._learn()
@@ -195,7 +194,7 @@ class SpeculationLoop:
             drafts, probs, parents = tree.tokens, tree.chain_probs(), tree.parents
         else:
             drafts, probs, parents = chain, list(proposal.probs)[:k], []
-        verifying = self._spawn(self._on_target(lambda v: v.verify(self.seq_id, committed, drafts, probs, parents)))
+        verifying = self._spawn(self.verifier.verify(self.seq_id, committed, drafts, probs, parents))
         ahead: asyncio.Task | None = None
         if (self.draft is not None and self.options.pipelined and proposal.source == DRAFT and chain
                 and proposal.guess is not None and len(chain) == len(proposal.tokens)):
@@ -237,8 +236,7 @@ class SpeculationLoop:
         parents = tree.parents if tree is not None and not tree.is_chain else []
         propose = self._heads_budget()
         t0 = time.perf_counter()
-        verified = await self._on_target(
-            lambda v: v.verify(self.seq_id, committed, drafts, [], parents, propose=propose))
+        verified = await self.verifier.verify(self.seq_id, committed, drafts, [], parents, propose=propose)
         waited = time.perf_counter() - t0
         stats.verify_wait_s += waited
         self.costs.observe_verify(len(drafts) + 1, waited)
@@ -296,17 +294,7 @@ class SpeculationLoop:
         return tree if len(tree) else None
 
     def _heads_budget(self, first: bool = False) -> int:
-        """Nodes to ask the heads for (0: no heads). Given, or as many as verification prices at
-        ``HEADS_EXTRA_COST`` of a one-token step by the target's fitted forward cost."""
-        opts = self.options
-        if not opts.uses_heads:
-            return 0
-        nodes = opts.heads_nodes or HEADS_DEFAULT_NODES
-        fit = self.verifier.fitted_cost()
-        if not opts.heads_nodes and fit is not None and fit.per_token_s > 0:
-            nodes = int(HEADS_EXTRA_COST * (fit.base_s + fit.per_token_s) / fit.per_token_s)
-        room = min(self.max_context - len(self.state.history) - 2, self.state.remaining - 2)
-        return max(1 if first else 0, min(nodes, MAX_K, room))
+        return heads_budget(self.options, self.state, self.max_context, self.verifier.fitted_cost(), first)
 
     # ----- proposals -------------------------------------------------------
     async def _proposal(self, k: int, ready: Proposal | None, shape: TreeShape | None) -> Proposal:
@@ -411,73 +399,15 @@ class SpeculationLoop:
             if self.observer:
                 self.observer.on_draft(waited)
 
-    # ----- faults ----------------------------------------------------------
-    async def _on_target(self, call: Callable[[Verifier], Awaitable[T]], rebuild: bool = True) -> T:
-        """``call`` on this request's target, surviving the replica (see the module doc).
-
-        ``rebuild``: before repeating the call on a replica that does not hold the sequence,
-        rebuild it there: a Prefill of the whole committed history with ``prompt_len`` (the
-        worker takes the history as its own and builds the KV of all but the last token).
-        """
-        s = self.state
-        needs_rebuild = False
-        backoff, waited = KV_BACKOFF_S, 0.0
-        while True:
-            try:
-                if needs_rebuild:  # (a heads request asks for heads there too: its KV must follow)
-                    await self.verifier.prefill(self.seq_id, s.history, s.sampling, len(s.prompt_ids),
-                                                propose=self._heads_budget(first=True))
-                return await call(self.verifier)
-            except KVCacheExhaustedError:
-                if self.replicas is None or waited >= KV_WAIT_MAX_S:
-                    raise
-                await self.verifier.release(self.seq_id)  # preempted: others get its blocks meanwhile
-                s.stats.preemptions += 1
-                pause = backoff * random.uniform(0.5, 1.5)
-                await asyncio.sleep(pause)
-                waited += pause
-                backoff = min(2 * backoff, KV_BACKOFF_MAX_S)
-                replacement = await self.replicas.replace_target(faulty=False)
-                if replacement is None:
-                    raise
-            except REPLICA_FAULTS:
-                if self.replicas is None:
-                    raise
-                replacement = await self.replicas.replace_target(faulty=True)
-                if replacement is None:
-                    raise
-                self._spawn(self.verifier.release(self.seq_id))  # best effort: frees its KV if it is still there
-                s.stats.target_moves += 1
-            self.verifier = replacement
-            needs_rebuild = rebuild
-
     async def _propose(self, tokens: list[int], k: int) -> Drafted:
-        """The draft's proposal after ``tokens``; none when the draft failed (the request goes on)."""
-        draft = self.draft
-        if draft is None:
+        """The draft's proposal after ``tokens``; none without a draft. With none left, the request goes on
+        with n-gram proposals."""
+        if self.draft is None:
             return Drafted([])
-        alternatives = self.options.tree_width if self.options.tree != "off" else 0
-        try:
-            return await draft.propose(tokens, k, alternatives)
-        except KVCacheExhaustedError:
-            if self.replicas is None:
-                raise
-            return Drafted([])  # the draft is full: this round goes without it
-        except REPLICA_FAULTS:
-            if self.replicas is None:
-                raise
-            if self.draft is draft:  # not already replaced by a concurrent call's failure
-                await self._replace_draft(draft)
-            return Drafted([])
-
-    async def _replace_draft(self, lost: DraftProposer) -> None:
-        self.draft = None
-        self.state.stats.draft_moves += 1
-        self._spawn(lost.release())
-        assert self.replicas is not None
-        channel = await self.replicas.replace_draft()
-        if channel is not None and self.draft is None:
-            self.draft = DraftProposer(channel, self.seq_id, self.state.sampling, len(self.state.prompt_ids))
+        drafted = await self.draft.propose(tokens, k, self.options.tree_width if self.options.tree != "off" else 0)
+        if drafted.gone:
+            self.draft = None
+        return drafted
 
     # ----- adaptive k ------------------------------------------------------
     def _by_evidence(self) -> bool:

@@ -88,11 +88,14 @@ class DraftProposer:
         self.sent = list(tokens)
         self.opened = True
         try:
-            return await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling, alternatives,
-                                              self.prompt_len)
+            drafted = await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling, alternatives,
+                                                 self.prompt_len)
         except BaseException:
             self.sent = []  # unknown state on the draft side: the next call resends everything
             raise
+        if drafted.lost:
+            self.sent = []  # (a failover channel gave up on the call: as unknown)
+        return drafted
 
     async def release(self) -> None:
         if self.opened:

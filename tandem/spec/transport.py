@@ -24,6 +24,9 @@ class Drafted:
     tokens: list[int]
     probs: Sequence[Any] = ()  # one q per token (opaque wire messages), or empty: deterministic
     alternatives: Sequence[Sequence[int]] = ()  # per token when asked: the draft's next-best, best first
+    # A failover channel (``tandem.spec.failover``) that gave up on the call rather than fail it says so:
+    lost: bool = False  # what the draft side holds of the sequence is unknown: the next call sends all of it
+    gone: bool = False  # no draft replica is left: the request goes on without one
 
 
 @dataclass(slots=True)

@@ -73,7 +73,7 @@ class FakeTarget:
         self.histories[seq_id] = [*token_ids, token]
         return Prefilled(token)
 
-    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=(), propose=0):
         await asyncio.sleep(0)
         history = self.histories[seq_id]
         assert committed_len == len(history), "the loop must verify against the whole committed history"

@@ -1,8 +1,8 @@
-"""The loop survives its replicas: a target or draft that fails mid-request, and a full KV pool.
+"""The loop over failover channels survives its replicas: a target or draft that fails mid-request, a full KV pool.
 
 The fakes are those of test_loop.py (each side checks every committed_len it
-is sent against its own history), so a rebuilt replica that the loop fed
-wrongly fails loudly; the output must still be the target's own sequence.
+is sent against its own history), so a rebuilt replica that was fed wrongly
+fails loudly; the output must still be the target's own sequence.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
 from tandem.sampling_params import SamplingParams
-from tandem.spec import loop as loop_module
+from tandem.spec import failover
 from tandem.spec.adaptive import CostModel
+from tandem.spec.failover import FailoverDraft, FailoverVerifier
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import RequestState, StopConditions
@@ -38,7 +39,7 @@ class DyingTarget(FakeTarget):
             raise self.error
         return await super().prefill(seq_id, token_ids, sampling, prompt_len)
 
-    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=(), propose=0):
         self.calls_left -= 1
         if self.calls_left < 0:
             raise self.error
@@ -73,8 +74,12 @@ class Replicas:
 
 
 def run(options, target, draft, replicas, n=40):
+    """The loop as the coordinator builds it: its channels wrapped over ``replicas`` (None: in process)."""
     state = RequestState(list(PROMPT), SamplingParams(), StopConditions(n))
-    loop = SpeculationLoop(state, "s", options, target, draft, CostModel(), 10_000, replicas=replicas)
+    if replicas is not None:
+        target = FailoverVerifier(target, replicas, state, rebuild_propose=lambda _: 0)
+        draft = FailoverDraft(draft, replicas, state.stats) if draft is not None else None
+    loop = SpeculationLoop(state, "s", options, target, draft, CostModel(), 10_000)
     asyncio.run(loop.run_to_end())
     return state
 
@@ -159,7 +164,7 @@ class FullTarget(FakeTarget):
         assert prompt_len in (0, len(PROMPT))  # a rebuild says where the prompt ends
         return await super().prefill(seq_id, token_ids, sampling, prompt_len)
 
-    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=()):
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=(), propose=0):
         if self.after > 0:
             self.after -= 1
         elif self.refusals > 0:
@@ -169,7 +174,7 @@ class FullTarget(FakeTarget):
 
 
 def test_a_full_kv_pool_preempts_the_request_and_rebuilds_it_later(monkeypatch):
-    monkeypatch.setattr(loop_module, "KV_BACKOFF_S", 0.001)
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
     target = FullTarget(after=3, refusals=2)
     replicas = Replicas(targets=[target, target])  # capacity: the same replica may be chosen again
     state = run(SpecOptions("draft", 3, adaptive_k=False), target, FakeDraft(), replicas)
@@ -181,8 +186,8 @@ def test_a_full_kv_pool_preempts_the_request_and_rebuilds_it_later(monkeypatch):
 
 
 def test_a_pool_that_stays_full_ends_in_a_clear_error(monkeypatch):
-    monkeypatch.setattr(loop_module, "KV_BACKOFF_S", 0.001)
-    monkeypatch.setattr(loop_module, "KV_WAIT_MAX_S", 0.01)
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    monkeypatch.setattr(failover, "KV_WAIT_MAX_S", 0.01)
     target = FullTarget(after=1, refusals=10**6)
     with pytest.raises(KVCacheExhaustedError):
         run(SpecOptions("draft", 3, adaptive_k=False), target, FakeDraft(), Replicas(targets=[target] * 100))

@@ -1,0 +1,170 @@
+"""Channels that survive their replicas: the coordinator wraps a request's verifier and draft channel in them.
+
+The speculation loop runs one round after another against a ``Verifier`` and
+a ``DraftChannel`` and never sees a replica fail; these wrappers, built over
+the coordinator's ``ReplicaSource`` (``coordinator.placement``), do:
+
+- a target replica that fails the request (``REPLICA_FAULTS``) is replaced,
+  and the new one rebuilt from the committed history (a Prefill of all of it
+  with ``prompt_len``, which builds the KV of all but the last token); then
+  the call is repeated there;
+- a full KV pool preempts the request: its KV is freed, it waits (jittered
+  backoff) and is rebuilt on the replica that has room then, maybe the same;
+- a draft replica that fails is replaced, or the request goes on without
+  one; either way that call gives up (no tokens, ``Drafted.lost``), and with
+  no replica left it says so (``Drafted.gone``): the loop then goes on with
+  n-gram proposals. A full draft pool gives up on that call alone.
+
+The history lives in the request's ``RequestState``, so no token is lost or
+repeated and greedy output is the same. In process there are no replicas and
+nothing is wrapped: a failure there reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
+from tandem.sampling_params import SamplingParams
+from tandem.spec.request import GenerationStats, RequestState
+from tandem.spec.transport import DraftChannel, Drafted, FittedCost, Prefilled, ReplicaSource, Verified, Verifier
+
+T = TypeVar("T")
+
+# A replica's failure of a request: it is gone or hung (UNAVAILABLE), or it refused a call the
+# coordinator made correctly (INTERNAL: e.g. it restarted and no longer knows the sequence).
+REPLICA_FAULTS = (WorkerUnavailableError, InternalError)
+# A full KV pool: the request frees its KV and waits, from KV_BACKOFF_S doubling to KV_BACKOFF_MAX_S
+# (jittered, so preempted requests do not return in lockstep), at most KV_WAIT_MAX_S in all.
+KV_BACKOFF_S = 0.05
+KV_BACKOFF_MAX_S = 2.0
+KV_WAIT_MAX_S = 300.0
+
+
+def _in_background(call: Awaitable[Any], tasks: set[asyncio.Task]) -> None:
+    """Run a best-effort call (the release of a replica the request left) without waiting for it: a hung
+    replica must not hold the move up. ``tasks`` keeps it alive until done; its error is retrieved."""
+    task = asyncio.ensure_future(call)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+
+class FailoverVerifier:
+    """A ``Verifier`` on the request's current target replica, replacing it when it fails the request.
+
+    ``rebuild_propose(target)``: the heads' node budget a rebuild on ``target`` asks for (0: the request
+    has no heads; otherwise the heads' KV must be rebuilt along with the target's).
+    """
+
+    def __init__(self, target: Verifier, replicas: ReplicaSource, state: RequestState,
+                 rebuild_propose: Callable[[Verifier], int]) -> None:
+        self.target = target
+        self.replicas = replicas
+        self.state = state  # the committed history a rebuild feeds, and the stats moves count in
+        self.rebuild_propose = rebuild_propose
+        self._releases: set[asyncio.Task] = set()
+
+    @property
+    def streams(self) -> int:
+        return self.target.streams
+
+    def fitted_cost(self) -> FittedCost | None:
+        return self.target.fitted_cost()
+
+    async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
+                      propose: int = 0) -> Prefilled:
+        # A replacement gets this very Prefill: nothing to rebuild before it.
+        return await self._survive(seq_id, lambda v: v.prefill(seq_id, token_ids, sampling, prompt_len, propose),
+                                   rebuild=False)
+
+    async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int], draft_probs: Sequence[Any],
+                     draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
+        return await self._survive(seq_id, lambda v: v.verify(seq_id, committed_len, draft_tokens, draft_probs,
+                                                              draft_parents, propose))
+
+    async def release(self, seq_id: str) -> None:
+        await self.target.release(seq_id)
+
+    async def _survive(self, seq_id: str, call: Callable[[Verifier], Awaitable[T]], rebuild: bool = True) -> T:
+        """``call`` on the current target, moving or preempting the request as its replica requires.
+
+        ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
+        it there from the committed history.
+        """
+        s = self.state
+        needs_rebuild = False
+        backoff, waited = KV_BACKOFF_S, 0.0
+        while True:
+            try:
+                if needs_rebuild:
+                    await self.target.prefill(seq_id, s.history, s.sampling, len(s.prompt_ids),
+                                              propose=self.rebuild_propose(self.target))
+                return await call(self.target)
+            except KVCacheExhaustedError:
+                if waited >= KV_WAIT_MAX_S:
+                    raise
+                await self.target.release(seq_id)  # preempted: others get its blocks meanwhile
+                s.stats.preemptions += 1
+                pause = backoff * random.uniform(0.5, 1.5)
+                await asyncio.sleep(pause)
+                waited += pause
+                backoff = min(2 * backoff, KV_BACKOFF_MAX_S)
+                replacement = await self.replicas.replace_target(faulty=False)
+                if replacement is None:
+                    raise
+            except REPLICA_FAULTS:
+                replacement = await self.replicas.replace_target(faulty=True)
+                if replacement is None:
+                    raise
+                _in_background(self.target.release(seq_id), self._releases)  # frees its KV if it is still there
+                s.stats.target_moves += 1
+            self.target = replacement
+            needs_rebuild = rebuild
+
+
+class FailoverDraft:
+    """A ``DraftChannel`` on the request's current draft replica: one that fails is replaced, or the request
+    drafts no more. A call that fails gives up (``Drafted([], lost=True)``) rather than raise."""
+
+    def __init__(self, channel: DraftChannel, replicas: ReplicaSource, stats: GenerationStats) -> None:
+        self.channel: DraftChannel | None = channel  # None while replacing it, and once none is left
+        self.replicas = replicas
+        self.stats = stats  # draft_moves counts the faults, replaced or not
+        self.gone = False  # no draft replica is left for the request
+        self._opened = False  # whether the current replica may hold the sequence (then it must be released)
+        self._releases: set[asyncio.Task] = set()
+
+    def fitted_cost(self) -> FittedCost | None:
+        return self.channel.fitted_cost() if self.channel is not None else None
+
+    async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
+                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
+        channel = self.channel
+        if channel is None:  # (being replaced after a concurrent call's failure, or none left)
+            return Drafted([], lost=True, gone=self.gone)
+        self._opened = True
+        try:
+            return await channel.propose(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len)
+        except KVCacheExhaustedError:
+            return Drafted([], lost=True)  # the draft is full: this round goes without it
+        except REPLICA_FAULTS:
+            if self.channel is channel:  # not already replaced after a concurrent call's failure
+                await self._replace(seq_id)
+            return Drafted([], lost=True, gone=self.gone)
+
+    async def release(self, seq_id: str) -> None:
+        if self.channel is not None and self._opened:
+            self._opened = False
+            await self.channel.release(seq_id)
+
+    async def _replace(self, seq_id: str) -> None:
+        lost, self.channel, self._opened = self.channel, None, False
+        assert lost is not None
+        _in_background(lost.release(seq_id), self._releases)  # best effort: frees its KV if it is still there
+        self.stats.draft_moves += 1
+        self.channel = await self.replicas.replace_draft()
+        self.gone = self.channel is None

@@ -1,0 +1,227 @@
+"""The failover wrappers on their own: what each replica is asked, in what order, and what the stats count.
+
+Each fake replica records its calls and fails as scripted; the replica source
+(test_loop_faults.py's) hands out spares in order and records what it was asked. The loop over these
+wrappers is tests/spec/test_loop_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.errors import InternalError, InvalidRequestError, KVCacheExhaustedError, WorkerUnavailableError
+from tandem.sampling_params import SamplingParams
+from tandem.spec import failover
+from tandem.spec.adaptive import CostModel
+from tandem.spec.failover import FailoverDraft, FailoverVerifier
+from tandem.spec.loop import SpeculationLoop
+from tandem.spec.options import SpecOptions
+from tandem.spec.request import GenerationStats, RequestState, StopConditions
+from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
+from tests.spec.test_loop import FakeTarget, target_only
+from tests.spec.test_loop_faults import DyingDraft
+from tests.spec.test_loop_faults import Replicas as Spares
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+class Replica:
+    """A target or draft replica that raises the next of ``errors`` on each call (None: answers)."""
+
+    def __init__(self, name: str, errors=(), cost: float = 0.1, streams: int = 1) -> None:
+        self.name, self.errors = name, list(errors)
+        self.calls: list[tuple] = []
+        self.released: list[str] = []
+        self.cost, self.streams = cost, streams
+
+    def fitted_cost(self) -> FittedCost:
+        return FittedCost(self.cost, 0.001)
+
+    def _answer(self, call: tuple) -> None:
+        self.calls.append(call)
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+        self._answer(("prefill", list(token_ids), prompt_len, propose))
+        return Prefilled(token_ids[-1] if prompt_len else 9)
+
+    async def verify(self, seq_id, committed_len, draft_tokens, draft_probs, draft_parents=(), propose=0):
+        self._answer(("verify", committed_len, list(draft_tokens), propose))
+        return Verified([0], 8)
+
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0):
+        await asyncio.sleep(0)  # (calls overlap)
+        self._answer(("propose", committed_len, list(new_tokens), k))
+        return Drafted([7] * k)
+
+    async def release(self, seq_id):
+        self.released.append(seq_id)
+
+
+def request(generated=(6, 2)) -> RequestState:
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    state.commit(list(generated))
+    return state
+
+
+def verifier(first: Replica, spares: Spares, state: RequestState, budgets: list | None = None) -> FailoverVerifier:
+    """Over ``first``; a rebuild asks for 3 heads nodes and records the replica it asked for them on."""
+    def rebuild_propose(target):
+        if budgets is not None:
+            budgets.append(target)
+        return 3
+    return FailoverVerifier(first, spares, state, rebuild_propose)
+
+
+@pytest.mark.parametrize("error", [WorkerUnavailableError("gone"), InternalError("restarted")])
+def test_a_failed_verify_moves_to_a_spare_rebuilt_from_the_history_then_repeats_there(error):
+    state, budgets = request(), []
+    dying, spare = Replica("dying", [error]), Replica("spare")
+    spares = Spares(targets=[spare])
+    wrapped = verifier(dying, spares, state, budgets)
+
+    async def go():
+        verified = await wrapped.verify("s", len(state.history), [4, 4], [], (), propose=2)
+        await asyncio.sleep(0)  # the dying replica's release runs in the background
+        return verified
+
+    assert asyncio.run(go()) == Verified([0], 8)
+    assert spares.asked == [("target", True)]
+    assert spare.calls == [("prefill", [*PROMPT, 6, 2], len(PROMPT), 3),  # the rebuild, with the heads' budget
+                           ("verify", len(PROMPT) + 2, [4, 4], 2)]  # then the very call
+    assert budgets == [spare]  # the budget is the replacement's
+    assert dying.released == ["s"] and spare.released == []
+    assert wrapped.target is spare and wrapped.fitted_cost() == spare.fitted_cost()
+    assert state.stats.target_moves == 1 and state.stats.preemptions == 0
+
+
+def test_a_failed_prefill_is_repeated_on_the_spare_with_nothing_to_rebuild():
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    dying, spare = Replica("dying", [WorkerUnavailableError("gone")]), Replica("spare")
+    wrapped = verifier(dying, Spares(targets=[spare]), state)
+    assert asyncio.run(wrapped.prefill("s", PROMPT, state.sampling, propose=5)) == Prefilled(9)
+    assert spare.calls == [("prefill", PROMPT, 0, 5)]
+    assert state.stats.target_moves == 1
+
+
+def test_a_full_pool_preempts_waits_and_rebuilds_on_the_replica_with_room_which_may_be_the_same(monkeypatch):
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    state = request()
+    full = Replica("full", [KVCacheExhaustedError("full"), None, KVCacheExhaustedError("full")])
+    spares = Spares(targets=[full, full])
+    wrapped = verifier(full, spares, state)
+    asyncio.run(wrapped.verify("s", len(state.history), [4], []))
+    assert spares.asked == [("target", False), ("target", False)]  # capacity, not a fault
+    assert [c[0] for c in full.calls] == ["verify", "prefill", "verify", "prefill", "verify"]
+    assert full.released == ["s", "s"]  # freed before each wait
+    assert state.stats.preemptions == 2 and state.stats.target_moves == 0
+
+
+def test_without_a_spare_or_past_the_longest_wait_the_error_reaches_the_caller(monkeypatch):
+    state = request()
+    with pytest.raises(WorkerUnavailableError, match="gone"):
+        asyncio.run(verifier(Replica("t", [WorkerUnavailableError("gone")]), Spares(), state).verify("s", 7, [], []))
+    assert state.stats.target_moves == 0
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    monkeypatch.setattr(failover, "KV_WAIT_MAX_S", 0.005)
+    full = Replica("full", [KVCacheExhaustedError("full")] * 1000)
+    with pytest.raises(KVCacheExhaustedError):
+        asyncio.run(verifier(full, Spares(targets=[full] * 1000), state).verify("s", 7, [], []))
+    assert 0 < state.stats.preemptions < 1000
+
+
+def test_an_error_that_is_no_replica_fault_is_not_survived():
+    state = request()
+    spares = Spares(targets=[Replica("spare")])
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(verifier(Replica("t", [InvalidRequestError("bad")]), spares, state).verify("s", 7, [], []))
+    assert spares.asked == [] and state.stats.target_moves == 0
+
+
+def test_the_load_and_cost_are_the_current_replicas():
+    state = request()
+    first, spare = Replica("first", [WorkerUnavailableError("gone")], cost=0.1, streams=3), Replica("s", cost=0.5)
+    wrapped = verifier(first, Spares(targets=[spare]), state)
+    assert wrapped.streams == 3 and wrapped.fitted_cost() == FittedCost(0.1, 0.001)
+    asyncio.run(wrapped.verify("s", len(state.history), [], []))
+    assert wrapped.streams == 1 and wrapped.fitted_cost() == FittedCost(0.5, 0.001)
+
+
+# ----- the draft -------------------------------------------------------------------------------------------
+
+def propose(draft: FailoverDraft, committed_len: int = 0, k: int = 2) -> Drafted:
+    return asyncio.run(draft.propose("s", committed_len, [1, 2], k, SamplingParams()))
+
+
+def test_a_failed_draft_gives_up_on_the_call_and_the_next_goes_to_its_replacement():
+    stats = GenerationStats()
+    dying, spare = Replica("dying", [WorkerUnavailableError("gone")]), Replica("spare")
+    draft = FailoverDraft(dying, Spares(drafts=[spare]), stats)
+    assert propose(draft) == Drafted([], lost=True, gone=False)
+    assert stats.draft_moves == 1 and dying.released == ["s"]
+    assert propose(draft, committed_len=0) == Drafted([7, 7])
+    assert spare.calls == [("propose", 0, [1, 2], 2)] and draft.fitted_cost() == spare.fitted_cost()
+    asyncio.run(draft.release("s"))
+    assert spare.released == ["s"]
+
+
+def test_with_no_draft_left_every_call_says_so_and_nothing_is_asked_again():
+    stats = GenerationStats()
+    dying = Replica("dying", [InternalError("restarted")])
+    spares = Spares()
+    draft = FailoverDraft(dying, spares, stats)
+    assert propose(draft) == Drafted([], lost=True, gone=True)
+    assert propose(draft) == Drafted([], lost=True, gone=True)
+    assert len(dying.calls) == 1 and spares.asked == [("draft", True)] and stats.draft_moves == 1
+    assert draft.fitted_cost() is None
+    asyncio.run(draft.release("s"))
+    assert dying.released == ["s"]  # once, when it was left
+
+
+def test_a_full_draft_pool_skips_that_call_alone():
+    stats = GenerationStats()
+    full = Replica("full", [KVCacheExhaustedError("full")])
+    spares = Spares(drafts=[Replica("spare")])
+    draft = FailoverDraft(full, spares, stats)
+    assert propose(draft) == Drafted([], lost=True, gone=False)
+    assert propose(draft) == Drafted([7, 7])
+    assert spares.asked == [] and stats.draft_moves == 0 and len(full.calls) == 2
+
+
+def test_a_replacement_that_was_never_asked_is_not_released():
+    dying, spare = Replica("dying", [WorkerUnavailableError("gone")]), Replica("spare")
+    draft = FailoverDraft(dying, Spares(drafts=[spare]), GenerationStats())
+    propose(draft)
+    asyncio.run(draft.release("s"))
+    assert spare.released == [] and spare.calls == []
+
+
+def test_calls_that_fail_together_replace_the_draft_once():
+    stats = GenerationStats()
+    dying = Replica("dying", [WorkerUnavailableError("gone"), WorkerUnavailableError("gone")])
+    spares = Spares(drafts=[Replica("spare"), Replica("another")])
+    draft = FailoverDraft(dying, spares, stats)
+
+    async def both():
+        return await asyncio.gather(draft.propose("s", 0, [1], 2, SamplingParams()),
+                                    draft.propose("s", 1, [2], 2, SamplingParams()))
+
+    assert asyncio.run(both()) == [Drafted([], lost=True)] * 2
+    assert stats.draft_moves == 1 and spares.asked == [("draft", True)] and draft.channel.name == "spare"
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_a_request_whose_draft_is_gone_goes_on_with_ngram_proposals(method):
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(80))
+    dying = DyingDraft(calls=2)
+    draft = FailoverDraft(dying, Spares(), state.stats)
+    loop = SpeculationLoop(state, "s", SpecOptions(method, 3, adaptive_k=False), FakeTarget(), draft, CostModel(),
+                           10_000)
+    asyncio.run(loop.run_to_end())
+    assert state.generated == target_only(PROMPT, 80)
+    assert loop.draft is None and dying.calls_left == -1
+    assert state.stats.ngram_rounds > 0  # the n-gram lookup took over (a draft request has none otherwise)
