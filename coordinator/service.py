@@ -30,7 +30,8 @@ from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import sampling_from_proto
 from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
-from tandem.spec.loop import SpeculationLoop, heads_budget
+from tandem.spec.heads_trees import heads_budget
+from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, resolve_method
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions

@@ -62,6 +62,7 @@ from tandem.spec.adaptive import (
     choose_tree,
     expected_tokens,
 )
+from tandem.spec.heads_trees import heads_budget, heads_proposal, round_tree
 from tandem.spec.ngram import NgramIndex
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import (
@@ -75,7 +76,7 @@ from tandem.spec.proposers import (
     ngram_proposal,
 )
 from tandem.spec.request import RequestState
-from tandem.spec.transport import DraftChannel, Drafted, FittedCost, TreeProposal, Verifier
+from tandem.spec.transport import DraftChannel, Drafted, Verifier
 from tandem.spec.tree import ROOT, TokenTree, children_of, kept_on_chain
 from tandem.tree_rows import depths as _depths
 
@@ -85,25 +86,6 @@ RELEASE_WAIT_S = 60.0  # longest wait for calls still in flight before a sequenc
 # The continuation cache learns a prompt's last tokens only: learning costs ~20 us a token on the
 # coordinator's event loop, and a long prompt's distant tokens rarely predict its continuation.
 PROMPT_TOKENS_LEARNED = 256
-# Heads' tree size when the options leave it to the cost: as many nodes as verification prices at
-# HEADS_EXTRA_COST of a one-token step (MODELS.md: ~16 nodes cost ~1.2x a step on a CPU in bf16).
-HEADS_EXTRA_COST = 0.25
-HEADS_DEFAULT_NODES = 8  # before the target's forward cost has been fitted
-
-
-def heads_budget(options: SpecOptions, state: RequestState, max_context: int, fit: FittedCost | None,
-                 first: bool = False) -> int:
-    """Nodes to ask the heads for (0: no heads). Given, or as many as verification prices at
-    ``HEADS_EXTRA_COST`` of a one-token step by the target's fitted forward cost (``fit``). ``first``: a
-    Prefill's (a rebuild's too), at least one: the heads' KV is built along with the target's."""
-    if not options.uses_heads:
-        return 0
-    nodes = options.heads_nodes or HEADS_DEFAULT_NODES
-    if not options.heads_nodes and fit is not None and fit.per_token_s > 0:
-        nodes = int(HEADS_EXTRA_COST * (fit.base_s + fit.per_token_s) / fit.per_token_s)
-    room = min(max_context - len(state.history) - 2, state.remaining - 2)
-    return max(1 if first else 0, min(nodes, MAX_K, room))
-
 
 class RoundObserver(Protocol):
     """Where a loop reports what it does (the coordinator's Prometheus metrics)."""
@@ -168,7 +150,7 @@ class SpeculationLoop:
         s.commit([first])
         self._learn()
         if propose:
-            return self._heads_proposal(prefilled.proposal)
+            return heads_proposal(prefilled.proposal, len(s.history))
         if early is None:
             return None
         drafted = await self._timed_draft(early)
@@ -259,39 +241,16 @@ class SpeculationLoop:
                 stats.tree_rounds += 1
                 stats.tree_nodes += len(tree)
         stats.round_wall_s += time.perf_counter() - started
-        return self._heads_proposal(verified.proposal) if not s.finish_reason else None
-
-    def _heads_proposal(self, tree: TreeProposal | None) -> Proposal | None:
-        """The heads' tree from a reply, as the proposal for the history it was drafted after."""
-        if tree is None or not tree.tokens:
-            return None
-        proposal = Proposal(len(self.state.history), list(tree.tokens), source=HEADS)
-        proposal.tree = TokenTree()  # the heads' tokens are chosen, not sampled: deterministic nodes
-        node_of: dict[int, int] = {ROOT: ROOT}
-        for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-            if parent in node_of:
-                node_of[node] = proposal.tree.add_node(token, node_of[parent])
-        return proposal
+        return heads_proposal(verified.proposal, len(s.history)) if not s.finish_reason else None
 
     def _heads_tree(self, ready: Proposal | None) -> TokenTree | None:
-        """This round's tree: the heads' proposal (when it still fits the history), cut to the room left,
-        with the request's own n-gram continuation as a branch when the text repeats a long run."""
+        """The heads' last proposal, when it still fits the history, with the text's own repeat as a branch."""
         s, opts = self.state, self.options
-        committed = len(s.history)
-        room = min(MAX_K, self.max_context - committed - 1, max(0, s.remaining - 1))
-        if room <= 0 or opts.k_max == 0:
-            return None
-        tree = TokenTree()
-        if ready is not None and ready.base_len == committed and ready.tree is not None:
-            keep: dict[int, int] = {ROOT: ROOT}  # the proposal's nodes -> this tree's, within the room
-            for node, (token, parent) in enumerate(zip(ready.tree.tokens, ready.tree.parents)):
-                if len(tree) < room and parent in keep:
-                    keep[node] = tree.add_node(token, keep[parent])
-        ngram, matched = ngram_proposal(s.history, min(room, opts.k_max), opts.hybrid_min_match,
-                                        max(opts.hybrid_min_match, opts.ngram_max), self._ngrams)
-        if matched >= opts.hybrid_min_match and ngram.tokens:
-            tree.add_path(ngram.tokens, budget=room)
-        return tree if len(tree) else None
+        room = min(MAX_K, self.max_context - len(s.history) - 1, max(0, s.remaining - 1)) if opts.k_max else 0
+        repeat, matched = ngram_proposal(s.history, min(room, opts.k_max), opts.hybrid_min_match,
+                                         max(opts.hybrid_min_match, opts.ngram_max), self._ngrams)
+        fits = ready if ready is not None and ready.base_len == len(s.history) else None
+        return round_tree(fits, room, repeat.tokens if matched >= opts.hybrid_min_match else [])
 
     def _heads_budget(self, first: bool = False) -> int:
         return heads_budget(self.options, self.state, self.max_context, self.verifier.fitted_cost(), first)
