@@ -18,7 +18,7 @@ STUBS := $(foreach name,common draft target generation,tandem/v1/$(name)_pb2.py 
 SETUP_STAMP := $(VENV)/.tandem-setup
 SETUP_DEV_STAMP := $(VENV)/.tandem-setup-dev
 
-.PHONY: setup setup-dev models-ci models demo test test-unit test-long soak install-check deploy-check bench bench-quick gpu-check lint clean
+.PHONY: setup setup-dev models-ci models heads demo test test-unit test-long soak install-check deploy-check bench bench-quick gpu-check lint clean
 
 setup: $(SETUP_STAMP)  ## .venv with Tandem installed editable (CPU torch first; stubs generated)
 
@@ -45,6 +45,10 @@ models-ci: setup  ## the small real model the tests use (SmolLM2-135M, ~100 MB)
 
 models: setup  ## the benchmark pair (Qwen2.5-Coder 1.5B target, 0.5B draft; ~1.6 GB download)
 	$(PYTHON) -m tandem models prepare qwen-coder-0.5b qwen-coder-1.5b
+
+HEADS_KIND ?= eagle
+heads: setup models  ## train the target's default speculation heads (HEADS_KIND=eagle|medusa) into $TANDEM_HOME/heads (about 85 min on 2 cores)
+	$(PYTHON) -m tandem heads prepare --kind $(HEADS_KIND)
 
 demo: models  ## start the whole system locally (workers + coordinator), stream one answer over gRPC, stop
 	$(PYTHON) -m tandem demo "$(PROMPT)"

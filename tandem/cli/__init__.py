@@ -13,7 +13,7 @@ from tandem.errors import TandemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import bench, demo, generate, models, scale, serve, up
+    from tandem.cli import bench, demo, generate, heads, models, scale, serve, up
 
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     models.register(sub)
+    heads.register(sub)
     generate.register(sub)
     serve.register(sub)
     up.register(sub)
