@@ -23,6 +23,7 @@ from tandem.engine import ModelEngine
 from tandem.heads.config import HeadsConfig
 from tandem.heads.eagle import EagleHead
 from tandem.heads.fingerprint import target_fingerprint
+from tandem.heads.serving import load_drafter
 from tandem.heads.store import WEIGHTS_FILE, build_heads, load_heads, save_heads
 from tandem.heads.train.corpus import CorpusSettings, build_corpus
 from tandem.heads.train.eagle_train import dense_step, ttt_mask
@@ -66,10 +67,6 @@ def _request(tiny_served_dir: Path, corpus: Path, tmp_path: Path, name: str = "h
     return TrainRequest(**values)
 
 
-def _target_fingerprint(model_dir: Path) -> str:
-    return target_fingerprint(ModelEngine.load(EngineConfig(model_dir, kv_cache_tokens=64)).model)
-
-
 # ----- training ------------------------------------------------------------------------------
 
 
@@ -87,7 +84,9 @@ def test_training_beats_the_untrained_heads_and_writes_loadable_heads(kind, tiny
     heads = load_heads(result.out, torch.float32, torch.device("cpu"))
     cfg = heads.config
     assert cfg.kind == kind and cfg.draft_vocab_size == 60 and cfg.target_name == "tiny"
-    assert cfg.target_fingerprint == _target_fingerprint(tiny_served_dir)
+    target = ModelEngine.load(EngineConfig(tiny_served_dir, kv_cache_tokens=64))
+    assert cfg.target_fingerprint == target_fingerprint(target.model)
+    assert load_drafter(result.out, target).kind == kind  # what a target worker does with --heads
     assert heads.d2t.unique().numel() == 60  # a draft id per chosen target id
     training = cfg.training
     assert training["seed"] == 0 and training["corpus"]["source"] == "user"

@@ -100,7 +100,7 @@ def default_eagle_intermediate_size(target: ModelConfig) -> int:
 # with features runs 50-64 tokens/s (one 512-token sequence a forward: 2 took longer per token); training
 # runs 275 tokens/s for EAGLE (2048-wide MLP, 16000 draft ids, 3 TTT steps, fp32) and 403 for 4 Medusa heads
 # (16000 draft ids). So: 110k corpus tokens (~37 min of features), then EAGLE 350 steps x 4 x 512 tokens
-# (~44 min, about 7 passes over the data) or Medusa 500 steps (~42 min): about 82 minutes with loading,
+# (~44 min, about 7 passes over the data) or Medusa 450 steps (~38-43 min): 75-85 minutes with loading,
 # the corpus, two held-back measurements and checkpoints. 16000 draft ids: the 10.4k distinct tokens of 105k
 # training tokens, then the lowest ids (the tokenizer's earliest merges), at 1.5x the training speed of 32000.
 PREPARE_COMMON: dict[str, Any] = dict(tokens=110_000, seq_len=512, batch_size=4, draft_vocab=16000, seed=0,
@@ -110,7 +110,7 @@ PREPARE_COMMON: dict[str, Any] = dict(tokens=110_000, seq_len=512, batch_size=4,
 def prepare_options(kind: str) -> TrainOptions:
     """`tandem heads prepare`'s fixed settings for the catalog's target (see ``PREPARE_COMMON``)."""
     if kind == "medusa":
-        return TrainOptions(kind="medusa", steps=500, num_heads=4, **PREPARE_COMMON)
+        return TrainOptions(kind="medusa", steps=450, num_heads=4, **PREPARE_COMMON)
     return TrainOptions(kind="eagle", steps=350, eagle_intermediate_size=2048, ttt_steps=3, **PREPARE_COMMON)
 
 

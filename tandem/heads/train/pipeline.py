@@ -101,8 +101,8 @@ def _train(request: TrainRequest, options: TrainOptions, report: Progress, stop_
     engine = _load_engine(request, options)
     fingerprint = target_fingerprint(engine.model)
     report.stage("corpus")
-    settings = CorpusSettings(options.tokens, options.seq_len, options.seed, options.held_back)
-    corpus = build_corpus(sources, load_tokenizer(request.target_dir), settings)
+    corpus_settings = CorpusSettings(options.tokens, options.seq_len, options.seed, options.held_back)
+    corpus = build_corpus(sources, load_tokenizer(request.target_dir), corpus_settings)
     spec = FeatureSpec(feature_streams(options.kind, target))
     features_dir = request.work_dir / f"features-{features_key(corpus, fingerprint, spec)}"
     if not (features_dir / INDEX_FILE).is_file():

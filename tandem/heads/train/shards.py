@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tandem.errors import InvalidRequestError
@@ -84,7 +85,9 @@ class FeatureShards:
         """How often each id occurs as ``labels`` or ``tokens`` in the train split."""
         total = torch.zeros(vocab_size, dtype=torch.int64)
         for shard in self.train:
-            total += torch.bincount(load_file(str(shard.path))[name].long(), minlength=vocab_size)[:vocab_size]
+            with safe_open(str(shard.path), framework="pt") as f:  # that tensor only, not the features
+                ids = f.get_tensor(name).long()
+            total += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
         return total
 
     def batch(self, refs: Sequence[tuple[int, int]], split: str = "train") -> Batch:
