@@ -134,3 +134,34 @@ def test_heads_loaded_from_a_file_draft_and_warm_up(tiny_qwen2_dir, tmp_path, ki
     TargetEngine(target, drafter=drafter).warmup()
     results = run(target, kind, drafter)
     assert all(r.stats.drafted > 0 for r in results)
+
+
+@pytest.mark.parametrize("layout", ["medusa", "speculators"])
+def test_heads_in_a_public_layout_serve(tiny_qwen2_dir, tmp_path, layout):
+    """Heads written as the Medusa project or the speculators library writes them draft; output is the target's."""
+    from tandem.heads.serving import load_drafter
+    from tests.heads.public_layouts import (
+        EagleShape,
+        eagle3_public_tensors,
+        medusa_head_module,
+        write_medusa,
+        write_speculators_eagle3,
+    )
+
+    target = load(tiny_qwen2_dir, "float32")
+    cfg = target.config
+    if layout == "medusa":
+        module = medusa_head_module(3, 1, cfg.hidden_size, cfg.vocab_size)
+        write_medusa(tmp_path, module.state_dict(), num_heads=3, num_layers=1)
+    else:
+        shape = EagleShape(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                           head_dim=cfg.head_dim, vocab=cfg.vocab_size)
+        tensors, _ = eagle3_public_tensors(shape)
+        write_speculators_eagle3(tmp_path, tensors, shape, aux_layer_ids=None)  # vLLM's default layers
+    drafter = load_drafter(tmp_path, target)
+    assert drafter.kind == ("medusa" if layout == "medusa" else "eagle")
+    TargetEngine(target, drafter=drafter).warmup()
+    plain = [r.token_ids for r in run(target, "none")]
+    results = run(target, drafter.kind, drafter)
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.drafted > 0 for r in results)
