@@ -130,7 +130,8 @@ class CoordinatorMetrics:
                              ["role"], registry=registry)
         self.preemptions = Counter(f"{p}_preemptions", "times a request's target KV was freed for a full pool "
                                    "and rebuilt later", registry=registry)
-        # Per proposal source: "ngram" (the request's own text), "cache" (what all requests generated), "draft".
+        # Per proposal source: "ngram" (the request's own text), "cache" (what all requests generated), "draft",
+        # "medusa" / "eagle" (the target's heads).
         self.proposals = Counter(f"{p}_proposals", "speculative rounds by proposal source", ["source"],
                                  registry=registry)
         self.proposed_tokens = Counter(f"{p}_proposed_tokens", "draft tokens verified, by source", ["source"],

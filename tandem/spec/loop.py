@@ -68,7 +68,6 @@ from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import (
     CACHE,
     DRAFT,
-    HEADS,
     NGRAM,
     ContinuationCache,
     DraftProposer,
@@ -230,7 +229,7 @@ class SpeculationLoop:
         stats.rounds += 1
         stats.k_counts[len(drafts)] += 1
         if self.observer:
-            self.observer.on_round(len(drafts), len(drafts), len(kept), HEADS)
+            self.observer.on_round(len(drafts), len(drafts), len(kept), self.options.method)  # medusa / eagle
         if tree is not None:
             stats.spec_rounds += 1
             stats.drafted += len(drafts)
