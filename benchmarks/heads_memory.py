@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,19 @@ def rss_mb() -> float:
 def tensor_mb(tensors: Any) -> float:
     seen, total = set(), 0
     for t in tensors:
-        if t.data_ptr() not in seen:  # tied weights count once
-            seen.add(t.data_ptr())
+        if id(t) not in seen:  # tied weights count once
+            seen.add(id(t))
             total += t.numel() * t.element_size()
     return total / 2**20
 
 
-def default_heads(target: Any) -> list[tuple[str, Any]]:
+def module_tensors(module: Any) -> list[Any]:
+    """Parameters, buffers, and the packed copies that replace a packed layer's weight (tandem.models.packed)."""
+    packed = [m.packed_weight for m in module.modules() if getattr(m, "packed_weight", None) is not None]
+    return [*module.parameters(), *module.buffers(), *packed]
+
+
+def default_heads(target: Any) -> list[tuple[str, Callable[[], Any]]]:
     """Random heads of the shapes `tandem heads prepare` trains by default (memory depends on shapes only)."""
     from tandem.heads.fingerprint import target_fingerprint
     from tandem.heads.store import build_heads
@@ -85,7 +92,7 @@ def default_heads(target: Any) -> list[tuple[str, Any]]:
         options = TrainOptions(kind)
         cfg = heads_config(options, target.config, options.draft_vocab_for(target.config),
                            feature_streams(kind, target.config), target_fingerprint(target.model), "target")
-        out.append((f"default {kind} (random)", build_heads(cfg).to(target.dtype)))
+        out.append((f"default {kind} (random)", lambda cfg=cfg: build_heads(cfg).to(target.dtype)))
     return out
 
 
@@ -101,18 +108,17 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     target = ModelEngine.load(engine_config(resolve_model_dir(args.target, args.cache_dir), args.dtype, "auto"))
     target.warmup()
     cache = target.kv_cache
-    target_mb = tensor_mb([*target.model.parameters(), *target.model.buffers(), cache.key, cache.value])
+    target_mb = tensor_mb([*module_tensors(target.model), cache.key, cache.value])
     root = model_store.cache_root_from(args.cache_dir, os.environ)
-    if args.heads:
-        sets = [(spec, load_heads(resolve_heads(spec, root), target.dtype, target.device,
-                                  target_num_layers=target.config.num_layers)) for spec in args.heads]
-    else:
-        sets = default_heads(target)
+    loaders = [(spec, lambda spec=spec: load_heads(resolve_heads(spec, root), target.dtype, target.device,
+                                                    target_num_layers=target.config.num_layers))
+               for spec in args.heads] if args.heads else default_heads(target)
     rows = []
-    for name, heads in sets:
-        before = rss_mb()
+    for name, load in loaders:
+        before = rss_mb()  # the heads are read from disk after this
+        heads = load()
         drafter = drafter_for(heads, target, name)
-        weights = tensor_mb([*heads.parameters(), *heads.buffers()])
+        weights = tensor_mb(module_tensors(heads))
         kv = tensor_mb([drafter.cache.key, drafter.cache.value]) if isinstance(drafter, EagleDrafter) else 0.0
         after = rss_mb()
         rows.append({"heads": name, "kind": heads.config.kind, "target_mb": target_mb, "heads_weights_mb": weights,
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, NAME, {"settings": vars(args), "machine": info, "rows": rows, "verdicts": verdicts})
     body = f"{machine_line(info)}\n\n{markdown_table(rows, COLUMNS)}\n\n" + "\n".join(verdicts) + "\n"
     write_markdown(args.out, NAME, "Speculation heads: memory of a target worker with and without", body)
-    fig, ax = new_figure()
+    fig, (ax,) = new_figure()
     grouped_bars(ax, [r["heads"] for r in rows], {"held (weights + KV)": [100 * r["held_ratio"] for r in rows],
                                                    "resident (RSS)": [100 * r["rss_ratio"] for r in rows]},
                  "% over the target worker alone")
