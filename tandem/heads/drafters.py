@@ -51,7 +51,24 @@ class HeadStep:
     budget: int  # nodes to propose; 0: only keep up (EAGLE's KV), no proposal
 
 
-class MedusaDrafter:
+class TimedDrafter:
+    """``step`` timed: ``seconds`` is the wall time drafting has cost the target worker so far."""
+
+    seconds: float
+
+    def step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
+        """One batch step: each ``HeadStep``'s rows in, its proposal out (empty where it asks for none)."""
+        started = time.perf_counter()
+        try:
+            return self._step(steps)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
+        raise NotImplementedError
+
+
+class MedusaDrafter(TimedDrafter):
     """K heads on the last new row; the tree is the best paths through each head's top ``width`` tokens."""
 
     kind = "medusa"
@@ -61,13 +78,6 @@ class MedusaDrafter:
         self.width = width
         self.spec = FeatureSpec(heads.config.feature_streams)
         self.seconds = 0.0  # wall time spent in ``step`` (what drafting costs a target worker)
-
-    def step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
-        started = time.perf_counter()
-        try:
-            return self._step(steps)
-        finally:
-            self.seconds += time.perf_counter() - started
 
     @torch.inference_mode()
     def _step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
@@ -100,7 +110,7 @@ class _Node:
     hidden: torch.Tensor  # [H] the pair's hidden input: the parent's output (the root's for depth 1)
 
 
-class EagleDrafter:
+class EagleDrafter(TimedDrafter):
     """EAGLE-3 drafting with EAGLE-2's dynamic tree: expand the ``width`` best nodes for ``depth`` steps."""
 
     kind = "eagle"
@@ -132,13 +142,6 @@ class EagleDrafter:
             self.cache.release(seq_id)
 
     # ----- one batch step -----------------------------------------------------------
-    def step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
-        started = time.perf_counter()
-        try:
-            return self._step(steps)
-        finally:
-            self.seconds += time.perf_counter() - started
-
     @torch.inference_mode()
     def _step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
         out = [HeadProposal() for _ in steps]
