@@ -21,6 +21,7 @@ def resolve_heads(spec: str, cache_root: Path) -> Path:
     named = heads_root(cache_root) / spec
     if named.exists():
         return named
-    prepared = sorted(p.name for p in heads_root(cache_root).glob("*") if p.is_dir())
+    # Hidden directories are training work directories (.<name>.work), not heads.
+    prepared = sorted(p.name for p in heads_root(cache_root).glob("*") if p.is_dir() and not p.name.startswith("."))
     known = f"prepared heads: {', '.join(prepared)}" if prepared else "none are prepared (`tandem heads prepare`)"
     raise HeadsConfigError(f"--heads {spec!r}: no such path, and no prepared heads of that name; {known}")
