@@ -33,6 +33,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 DTYPES = ("bfloat16", "float32", "float16")
 DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtypes
+# How the coordinator picks a new request's replicas (coordinator/prefix_routing.py): prefix (the replica likely to
+# hold the prompt's first blocks, within a bound on load) or load (most free KV, shortest queue).
+PLACEMENT_MODES = ("prefix", "load")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
 QUANTIZATIONS = ("auto", "none", "int8")
 # Linear weights reordered once for oneDNN (tandem/models/packed.py): row-invariant and cheap per extra
@@ -195,6 +198,9 @@ class EngineConfig:
     # Processes (ranks) the model is split over, one device each (tandem/parallel): targets only.
     tensor_parallel_size: int = 1
     packed_weights: str = "auto"  # auto | on | off (see PACKED_WEIGHTS)
+    # Keep the KV of committed full blocks after their sequence ends and reuse it for prompts that
+    # start the same way (tandem/block_pool.py); off: every prompt is computed from its first token.
+    prefix_caching: bool = True
     resolved_dtype: torch.dtype = field(init=False)
     pack_weights: bool = field(init=False)  # packed_weights resolved for this dtype and device
 
@@ -228,6 +234,11 @@ class EngineConfig:
             self.quantization = "none" if self.resolved_dtype == torch.float32 else "int8"
         self.pack_weights = self._resolve_packing(device)
         self._check_tensor_parallel(device)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What besides the tokens decides a KV block's content: the root of the prefix cache's hash chains."""
+        return f"{self.model_dir.resolve()}|{self.resolved_dtype}|{self.quantization}|{self.vocab_limit}".encode()
 
     def _resolve_dtype(self, device: torch.device) -> torch.dtype:
         import torch
@@ -366,6 +377,7 @@ class CoordinatorConfig:
     continuation_cache: bool = True  # False: n-gram proposals from the request's own text only
     max_moves: int = 3  # times one request may move to another replica of a role after a fault
     move_wait_s: float = 30.0  # how long a moving request waits for a healthy target replica
+    placement: str = "prefix"  # PLACEMENT_MODES
     # Security and limits (README "Security", "Bad input"). TLS files and tokens are validated where
     # they are read (ClientTLS, BearerAuth), before this is built.
     worker_tls: ClientTLS | None = None  # TLS (mutual with a client certificate) to every worker; None: plaintext
@@ -398,6 +410,9 @@ class CoordinatorConfig:
             raise InvalidRequestError(f"default k must be >= 0, got {self.default_k}")
         if self.max_moves < 0:
             raise InvalidRequestError(f"--max-moves must be >= 0, got {self.max_moves}")
+        if self.placement not in PLACEMENT_MODES:
+            raise InvalidRequestError(f"--placement must be one of {', '.join(PLACEMENT_MODES)}, "
+                                      f"got {self.placement!r}")
         if self.call_timeout_s <= 0 or self.info_poll_s <= 0 or self.move_wait_s < 0:
             raise InvalidRequestError("timeouts and poll intervals must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -167,7 +167,8 @@ class ModelEngine:
         shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)  # a no-op unless the config asks for it
         if cfg.pack_weights:  # after shrinking: int8 layers are not packed, a cut head is packed as cut
             pack_linear_weights(model, PaddingTuner())  # small calls: the row count measured cheapest
-        return cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
+        return cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend,
+                                  prefix_caching=cfg.prefix_caching, salt=cfg.cache_salt)
 
     @classmethod
     def with_new_cache(
@@ -177,13 +178,15 @@ class ModelEngine:
         block_size: int,
         attention_backend: str = "auto",
         num_layers: int | None = None,
+        prefix_caching: bool = False,
+        salt: bytes = b"",
     ) -> ModelEngine:
         """An engine over ``model`` with a fresh KV pool (several engines may share one model)."""
         cfg = model.config
         weight = model.embed_tokens.weight
         cache = PagedKVCache(  # a tensor-parallel rank holds the KV of its own heads only
             num_layers or cfg.num_layers, num_blocks, block_size, local_kv_heads(model), cfg.head_dim,
-            weight.dtype, weight.device,
+            weight.dtype, weight.device, prefix_caching, salt,
         )
         backend = make_backend(attention_backend, weight.dtype, weight.device, block_size)
         return cls(model, cache, backend, num_layers)
@@ -213,7 +216,15 @@ class ModelEngine:
         return self.kv_cache.length(seq_id) if self.kv_cache.has_sequence(seq_id) else 0
 
     def rollback(self, seq_id: SeqId, length: int) -> None:
-        self.kv_cache.rollback(seq_id, length)
+        self.kv_cache.rollback(seq_id, length, move=self.move_kv)  # a copy on write reaches every rank
+
+    def reuse_prefix(self, seq_id: SeqId, tokens: Sequence[int], limit: int) -> int:
+        """Start ``seq_id`` on the cached blocks ``tokens`` begins with (at most ``limit`` tokens); how many."""
+        return self.kv_cache.reuse_prefix(seq_id, tokens, limit)
+
+    def commit(self, seq_id: SeqId, tokens: Sequence[int], upto: int) -> None:
+        """``tokens[:upto]`` are verified and in the KV: their full blocks may be reused by later prompts."""
+        self.kv_cache.commit(seq_id, tokens, upto)
 
     def release(self, seq_id: SeqId) -> None:
         self.kv_cache.release(seq_id)
@@ -280,7 +291,7 @@ class ModelEngine:
         except BaseException:
             for seq_id, length, had in zip(seq_ids, context_lens, existed):
                 if had:
-                    self.kv_cache.rollback(seq_id, length)
+                    self.kv_cache.rollback(seq_id, length, move=self.move_kv)
                 else:
                     self.kv_cache.release(seq_id)
             raise

@@ -79,8 +79,9 @@ class LocalTarget:
                       propose: int = 0) -> Prefilled:
         result = await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len, propose=propose))
         if isinstance(result, Proposed):
-            return Prefilled(result.result, TreeProposal(result.proposal.tokens, result.proposal.parents))
-        return Prefilled(result)
+            return Prefilled(result.result.next_token, TreeProposal(result.proposal.tokens, result.proposal.parents),
+                             result.result.reused_tokens)
+        return Prefilled(result.next_token, reused_tokens=result.reused_tokens)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:

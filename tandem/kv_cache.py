@@ -6,15 +6,25 @@ admission control is a matter of counting free blocks. A sequence's KV is
 ``length`` back and returning whole blocks past the new end to the pool, the
 same trick as a preallocated buffer written by position (gpt-fast), which is
 why rollback is exact: a slot past ``length`` is never read.
+
+Prefix caching (``prefix_caching``, see ``tandem.block_pool``): a full block of
+committed tokens is registered under the hash of its content once the caller
+``commit``s it, stays cached after its sequence ends, and a new sequence whose
+prompt starts with the same blocks takes them back (``reuse_prefix``) instead of
+computing them. Shared blocks are never written: a sequence only appends after
+its end, and a rollback that ends inside a shared block first gives the
+sequence a private copy of it (copy on write), so a rejected draft token can
+never reach a block another sequence reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from tandem.block_pool import BlockPool, PrefixCacheStats, block_hash
 from tandem.errors import KVCacheExhaustedError, UnknownSequenceError
 
 SeqId = Hashable
@@ -26,6 +36,8 @@ class SequenceBlocks:
 
     block_ids: list[int] = field(default_factory=list)
     length: int = 0
+    # Content hashes of its first len(hashes) blocks: full blocks of committed tokens (a chain, see block_hash).
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class PagedKVCache:
@@ -44,20 +56,30 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        prefix_caching: bool = False,
+        salt: bytes = b"",
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.salt = salt  # the root of every hash chain: what else makes the KV (model, dtype, ...)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, Hkv, D]
         self.value = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, Hkv, D]
-        # Lowest ids handed out first so that a fresh pool's layout is predictable in tests.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.pool = BlockPool(num_blocks, prefix_caching)
         self._seqs: dict[SeqId, SequenceBlocks] = {}
 
     # ----- bookkeeping -------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks new KV can take: free ones, and cached ones no sequence holds (evicted when taken)."""
+        return self.pool.available
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.prefix_caching
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.pool.snapshot()
 
     def blocks_needed(self, length: int) -> int:
         return -(-length // self.block_size)
@@ -105,7 +127,7 @@ class PagedKVCache:
         return refused
 
     def can_append(self, appends: dict[SeqId, int]) -> bool:
-        return sum(self.extra_blocks_for(s, n) for s, n in appends.items()) <= len(self._free)
+        return sum(self.extra_blocks_for(s, n) for s, n in appends.items()) <= self.pool.available
 
     # ----- mutation ----------------------------------------------------
     def append_slots(self, appends: dict[SeqId, int]) -> dict[SeqId, torch.Tensor]:
@@ -117,37 +139,103 @@ class PagedKVCache:
         (``block_id * block_size + offset``) for the new tokens.
         """
         needed = sum(self.extra_blocks_for(s, n) for s, n in appends.items())
-        if needed > len(self._free):
+        if needed > self.pool.available:
             raise KVCacheExhaustedError(
                 f"KV cache exhausted: the batch needs {needed} more blocks of {self.block_size} tokens, "
-                f"{len(self._free)} of {self.num_blocks} are free"
+                f"{self.pool.available} of {self.num_blocks} are free"
             )
         slots: dict[SeqId, torch.Tensor] = {}
         for seq_id, num_new in appends.items():
             seq = self._seqs.setdefault(seq_id, SequenceBlocks())
             for _ in range(self.blocks_needed(seq.length + num_new) - len(seq.block_ids)):
-                seq.block_ids.append(self._free.pop())
+                seq.block_ids.append(self.pool.allocate())
             positions = torch.arange(seq.length, seq.length + num_new)
             blocks = torch.tensor(seq.block_ids, dtype=torch.int64)
             slots[seq_id] = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
             seq.length += num_new
         return slots
 
-    def rollback(self, seq_id: SeqId, length: int) -> None:
-        """Shorten a sequence to ``length`` slots, returning blocks past the end to the pool."""
+    def rollback(self, seq_id: SeqId, length: int, move: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 ) -> None:
+        """Shorten a sequence to ``length`` slots, returning blocks past the end to the pool.
+
+        When the new end falls inside a block that is cached (registered), the sequence will write
+        into it next: a block only it holds leaves the index; a block others hold too is replaced
+        by a private copy (``move``: how slots are copied, ``self.move`` unless the caller copies
+        on every tensor-parallel rank), so no other sequence ever sees the change.
+        """
         seq = self.sequence(seq_id)
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot roll sequence {seq_id!r} back to {length}: it holds {seq.length} tokens")
         keep = self.blocks_needed(length)
-        self._free.extend(reversed(seq.block_ids[keep:]))
+        full = length // self.block_size
+        shared = keep > full and self.pool.refcount(seq.block_ids[full]) > 1  # the end lands in a shared block
+        if shared and self.pool.available + len(seq.block_ids) - keep == 0:
+            raise KVCacheExhaustedError(f"KV cache exhausted: rolling {seq_id!r} back into a shared block needs a "
+                                        "free block for its private copy")
+        for block in reversed(seq.block_ids[keep:]):
+            self.pool.release(block)
         del seq.block_ids[keep:]
+        del seq.hashes[full:]
         seq.length = length
+        if keep == full:
+            return
+        block = seq.block_ids[full]
+        if shared:
+            copy = self.pool.allocate()
+            offsets = torch.arange(length - full * self.block_size)
+            (move or self.move)(block * self.block_size + offsets, copy * self.block_size + offsets)
+            self.pool.release(block)
+            seq.block_ids[full] = copy
+        elif self.pool.is_registered(block):
+            self.pool.unregister(block)
 
     def release(self, seq_id: SeqId) -> None:
-        """Free every block of a sequence; unknown ids raise UnknownSequenceError."""
+        """Free every block of a sequence (cached ones stay cached); unknown ids raise UnknownSequenceError."""
         seq = self.sequence(seq_id)
-        self._free.extend(reversed(seq.block_ids))
+        for block in reversed(seq.block_ids):
+            self.pool.release(block)
         del self._seqs[seq_id]
+
+    # ----- the prefix cache ----------------------------------------------
+    def reuse_prefix(self, seq_id: SeqId, tokens: Sequence[int], limit: int) -> int:
+        """Start a new sequence on the longest run of cached blocks that ``tokens`` begins with, at most
+        ``limit`` tokens of it; the tokens reused (a multiple of the block size, 0 on a miss or with
+        prefix caching off). Counts the lookup in the hit rate."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} exists: only a new sequence starts on a cached prefix")
+        if not self.prefix_caching:
+            return 0
+        bs, parent = self.block_size, self.salt
+        seq = SequenceBlocks()
+        for i in range(min(limit, len(tokens)) // bs):
+            content = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            block = self.pool.lookup(content)
+            if block is None:
+                break
+            self.pool.hold(block)
+            seq.block_ids.append(block)
+            seq.hashes.append(content)
+            parent = content
+        seq.length = len(seq.block_ids) * bs
+        self._seqs[seq_id] = seq
+        self.pool.count_lookup(len(tokens), seq.length)
+        return seq.length
+
+    def commit(self, seq_id: SeqId, tokens: Sequence[int], upto: int) -> None:
+        """``tokens[:upto]`` are committed (verified) and their KV is in place: register the full blocks
+        among them that are not yet, so that later prompts may reuse them. ``tokens`` holds at least
+        the sequence's tokens up to ``upto``; only the new full blocks are hashed."""
+        if not self.prefix_caching:
+            return
+        seq = self.sequence(seq_id)
+        full = min(upto, seq.length, len(tokens)) // self.block_size
+        parent = seq.hashes[-1] if seq.hashes else self.salt
+        for i in range(len(seq.hashes), full):
+            content = block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            self.pool.register(seq.block_ids[i], content)
+            seq.hashes.append(content)
+            parent = content
 
     def block_table(self, seq_ids: list[SeqId], device: torch.device | str = "cpu") -> torch.Tensor:
         """``[num_seqs, max_blocks]`` int32 block ids, padded with 0 (never read past a sequence's length)."""

@@ -56,7 +56,8 @@ from tandem.spec.rejection import PendingVerdict, Verdict, fetch, verify, verify
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
 
-__all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Proposed"]
+__all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Prefilled",
+           "Proposed"]
 
 
 @dataclass(slots=True)
@@ -84,11 +85,19 @@ class VerifyCall:
 Call = PrefillCall | VerifyCall | ReleaseCall
 
 
+@dataclass(slots=True, frozen=True)
+class Prefilled:
+    """A Prefill's result: the target's first token (a rebuild: the history's last, echoed)."""
+
+    next_token: int
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not from this pass
+
+
 @dataclass(slots=True)
 class Proposed:
     """A call's result with the heads' proposal for the next round (the calls that asked, ``propose`` > 0)."""
 
-    result: int | Verdict
+    result: Prefilled | Verdict
     proposal: HeadProposal
 
 
@@ -113,6 +122,7 @@ class _Plan:
     before: list[list[int]] = field(default_factory=list)
     q: distributions.DecodedRows | None = None  # decoded draft_probs (host, sparse), sampled Verify only
     children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
+    reused: int = 0  # a Prefill: prompt tokens taken from the prefix cache (their KV was not computed)
     features: list[torch.Tensor] = field(default_factory=list)  # heads: [rows, feature] per forward, in order
 
 
@@ -138,8 +148,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         return 0
 
     # ----- one batch -----------------------------------------------------
-    def run_batch(self, calls: list[Call]) -> list[int | Verdict | bool | BaseException]:
-        results: list[int | Verdict | bool | BaseException | None] = [None] * len(calls)
+    def run_batch(self, calls: list[Call]) -> list[Prefilled | Verdict | Proposed | bool | BaseException]:
+        results: list[Prefilled | Verdict | Proposed | bool | BaseException | None] = [None] * len(calls)
         admitted, late = self._plan_batch(calls, results)  # phases 1-2 (tandem/rpc/sequence_engine.py)
 
         if admitted:  # phase 3
@@ -247,11 +257,29 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             generator = None if call.sampling.is_greedy else call.sampling.make_generator(self.engine.device)
             self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator,
                                                          heads=call.propose > 0)
+            if not plan.item.features:  # heads need every row's feature: their prompt is computed whole
+                self._reuse_prefix(plan)
         else:
             del self.sequences[call.seq_id].history[call.committed_len:]
             self.engine.rollback(call.seq_id, call.committed_len - 1)
             if self.drafter is not None:
                 self.drafter.rollback(call.seq_id, call.committed_len - 1)
+
+    def _reuse_prefix(self, plan: _Plan) -> None:
+        """Start the Prefill's sequence on the prompt's cached blocks, and feed only the rest.
+
+        At least one token is computed: a new prompt's last (its logits give the first token), a
+        rebuild's last KV row. A rebuild's remaining runs keep the shapes its first computation had.
+        """
+        call = plan.call
+        plan.reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=plan.kv_len - 1)
+        if not plan.reused:
+            return
+        if not call.prompt_len:
+            plan.item.token_ids = call.token_ids[plan.reused:]
+            return
+        *plan.before, last = history_runs(call.token_ids[:-1], plan.reused, call.prompt_len)
+        plan.item.token_ids = last
 
     def _rebuild(self, plans: list[_Plan], results: list) -> list[_Plan]:
         """Feed each rebuild's earlier runs, one sequence at a time; the plans still to run."""
@@ -357,20 +385,23 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             self.drafter.release(seq_id)
         return super()._free(seq_id)
 
-    def _commit(self, plan: _Plan, verdict: Verdict) -> int | Verdict:
-        """Apply a read verdict: the history, and the KV cut (or moved) to what was kept."""
+    def _commit(self, plan: _Plan, verdict: Verdict) -> Prefilled | Verdict:
+        """Apply a read verdict: the history, the KV cut (or moved) to what was kept, and the kept
+        KV's full blocks offered to the prefix cache (all of the target's KV is committed now)."""
         call = plan.call
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall):
             if not call.prompt_len:
                 seq.history.append(verdict.next_token)
-            return verdict.next_token
+            self.engine.commit(call.seq_id, seq.history, len(seq.history) - 1)
+            return Prefilled(verdict.next_token, plan.reused)
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         else:
             # The root's row (at committed_len - 1) stays; the kept nodes' KV moves to the positions a chain had.
             self.engine.keep_path(call.seq_id, call.committed_len - 1, [0, *(n + 1 for n in verdict.accepted_nodes)])
         seq.history.extend([*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token])
+        self.engine.commit(call.seq_id, seq.history, len(seq.history) - 1)
         return verdict
 
     def warmup(self) -> None:

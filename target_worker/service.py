@@ -12,7 +12,7 @@ from tandem.rpc.wire import proposal_to_proto, sampling_from_proto
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.spec.rejection import Verdict
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_worker.engine import PrefillCall, Proposed, VerifyCall
+from target_worker.engine import PrefillCall, Prefilled, Proposed, VerifyCall
 
 
 class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
@@ -22,11 +22,12 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         self.server.check_accepting()
         call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling),
                            request.prompt_len, request.owner, request.replace, request.propose)
-        result: int | Proposed = await self.batcher.submit(call)
+        result: Prefilled | Proposed = await self.batcher.submit(call)
+        prefilled = result.result if isinstance(result, Proposed) else result
+        reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens)
         if isinstance(result, Proposed):
-            return target_pb2.PrefillResponse(next_token=result.result, proposal=proposal_to_proto(
-                result.proposal.tokens, result.proposal.parents))
-        return target_pb2.PrefillResponse(next_token=result)
+            reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
+        return reply
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         self.server.check_accepting()

@@ -38,7 +38,8 @@ class TensorParallelEngine(ModelEngine):
             model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)
             if cfg.pack_weights:  # each rank packs its own shard
                 pack_linear_weights(model, PaddingTuner())
-            engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend)
+            engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend,
+                                        prefix_caching=cfg.prefix_caching, salt=cfg.cache_salt)
             engine.ranks, engine.parallel = ranks, parallel
             torch.distributed.barrier(group=context.control)  # every rank has loaded its shard
         except BaseException:

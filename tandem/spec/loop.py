@@ -146,6 +146,7 @@ class SpeculationLoop:
         propose = self._heads_budget(first=True)
         prefilled = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose)
         first = prefilled.next_token
+        s.stats.prompt_tokens_reused = prefilled.reused_tokens
         s.commit([first])
         self._learn()
         if propose:

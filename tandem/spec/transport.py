@@ -11,7 +11,7 @@ it (the acceptance test must see exactly the q the draft sampled from).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tandem.sampling_params import SamplingParams
@@ -38,9 +38,20 @@ class TreeProposal:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token, and of its most likely tokens there (when asked)."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)  # most likely first
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Prefilled:
     next_token: int  # the target's first token (a rebuild: the history's last, echoed)
     proposal: TreeProposal | None = None  # asked with ``propose``: the first round's drafts
+    reused_tokens: int = 0  # prompt tokens the target took from its prefix cache
+    logprobs: list[TokenLogprob] | None = None  # asked with ``sampling.logprobs``: next_token's
 
 
 @dataclass(slots=True)
@@ -48,6 +59,7 @@ class Verified:
     kept: list[int]  # the kept drafts' indices, root to leaf
     next_token: int  # the target's own token after them
     proposal: TreeProposal | None = None  # asked with ``propose``: the next round's drafts, after next_token
+    logprobs: list[TokenLogprob] | None = None  # asked with ``sampling.logprobs``: the kept drafts', next_token's
 
 
 @dataclass(slots=True, frozen=True)

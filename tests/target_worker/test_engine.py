@@ -18,7 +18,7 @@ from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSeque
 from tandem.rpc.distributions import decode_distributions, encode_distributions
 from tandem.sampling import SamplingParams
 from target_worker import engine as engine_module
-from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, Verdict, VerifyCall
+from target_worker.engine import PrefillCall, Prefilled, ReleaseCall, TargetEngine, Verdict, VerifyCall
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89]
 GREEDY = SamplingParams()
@@ -98,7 +98,7 @@ def assert_unchanged(target: TargetEngine, seq_id: str, before: Snapshot) -> Non
 def test_prefill_verify_release_through_run_batch(target):
     expected = greedy_continuation(target.engine, PROMPT, 6)
     (first,) = ok(target.run_batch([PrefillCall("a", PROMPT, GREEDY)]))
-    assert first == expected[0]
+    assert first == Prefilled(expected[0])
     assert target.engine.seq_len("a") == len(PROMPT)  # the KV holds every committed token but the last
     # Drafts equal to the target's own continuation: all accepted, plus the bonus token.
     (verdict,) = ok(target.run_batch([VerifyCall("a", len(PROMPT) + 1, expected[1:5], [])]))
@@ -231,7 +231,7 @@ def test_a_full_pool_refuses_the_call_that_does_not_fit_and_corrupts_nothing(tin
 
     # A verify that gives blocks back makes room in the same batch: a rolls back to its first 4 tokens.
     results = target.run_batch([PrefillCall("c", prompt[:4], GREEDY), VerifyCall("a", 5, [], [])])
-    assert isinstance(results[0], int) and isinstance(results[1], Verdict), results
+    assert isinstance(results[0], Prefilled) and isinstance(results[1], Verdict), results
     assert target.engine.seq_len("a") == 5 and cache.num_free_blocks == 0  # a: 2 blocks, b: 3, c: 1
 
     ok(target.run_batch([ReleaseCall("b")]))
@@ -246,7 +246,7 @@ def test_release_applies_in_queue_order_within_a_batch(target):
         ReleaseCall("x"), PrefillCall("x", PROMPT, GREEDY),  # released (not held), then prefilled
     ])
     assert isinstance(results[0], Verdict) and results[1] is True
-    assert results[2] is False and isinstance(results[3], int)
+    assert results[2] is False and isinstance(results[3], Prefilled)
     assert "a" not in target.sequences and not target.engine.kv_cache.has_sequence("a")
     assert "x" in target.sequences
 
@@ -283,8 +283,8 @@ def test_a_rebuild_from_the_history_restores_the_kv_bit_for_bit(target):
         ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), drafts, [])]))
     history = list(target.sequences["a"].history)
     assert len(history) - len(PROMPT) > engine_module.ROWWISE_MAX_QUERY // 4  # several runs of generated tokens
-    (next_token,) = ok(target.run_batch([PrefillCall("b", history, GREEDY, prompt_len=len(PROMPT))]))
-    assert next_token == history[-1]
+    (rebuilt,) = ok(target.run_batch([PrefillCall("b", history, GREEDY, prompt_len=len(PROMPT))]))
+    assert rebuilt.next_token == history[-1]
     assert target.sequences["b"].history == history
     assert torch.equal(kv_of(target.engine, "b"), kv_of(target.engine, "a"))
     # and the rebuilt sequence verifies on exactly as the original does
