@@ -9,6 +9,12 @@ over, or the request goes on without one (n-gram proposals). A request moves
 at most ``max_moves`` times per role, so that a fault that follows it (a poison
 request) ends as an error.
 It also keeps each replica's count of this coordinator's requests current.
+
+With a routing ``key`` (``coordinator.prefix_routing``: the prompt's first
+blocks) every choice, the first and a move after a fault, goes to the replica
+of each role likely to hold the prompt's prefix, within the bound on load; a
+move for capacity (a full KV pool) goes by free KV instead, since the replica
+the key favours is the one that just ran out.
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ from coordinator.workers import RequestChannel, WorkerClient, WorkerPool
 
 class Placement:
     def __init__(self, targets: WorkerPool, drafts: WorkerPool, uses_draft: bool, deadline: float | None,
-                 max_moves: int, move_wait_s: float, on_move=None) -> None:
+                 max_moves: int, move_wait_s: float, on_move=None, key: bytes | None = None) -> None:
         self.targets, self.drafts = targets, drafts
+        self.key = key  # the prompt's routing key; None: load alone decides
         self.deadline = deadline  # the client's deadline (event-loop time), bounding every call
         self.max_moves = max_moves
         self.move_wait_s = move_wait_s  # how long a moving request waits for a healthy target
         self.on_move = on_move  # on_move(role): metrics
-        self.target: WorkerClient = targets.pick()
-        self.draft: WorkerClient | None = drafts.pick() if uses_draft else None
+        self.target: WorkerClient = targets.pick(key=key)
+        self.draft: WorkerClient | None = drafts.pick(key=key) if uses_draft else None
         self.target_moves = self.draft_moves = 0
         self._entered = False
 
@@ -57,7 +64,7 @@ class Placement:
         if self.target_moves >= self.max_moves:
             return None
         self.target_moves += 1
-        replacement = await self.targets.replacement(self.target, self.move_wait_s)
+        replacement = await self.targets.replacement(self.target, self.move_wait_s, key=self.key)
         if replacement is None:
             return None
         if self.on_move:
@@ -74,7 +81,7 @@ class Placement:
         if self.on_move:
             self.on_move("draft")
         # No waiting for a draft: n-gram proposals carry the request meanwhile.
-        replacement = await self.drafts.replacement(old, wait_s=0.0)
+        replacement = await self.drafts.replacement(old, wait_s=0.0, key=self.key)
         if replacement is None:
             return None
         self.draft = replacement

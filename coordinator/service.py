@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from coordinator.placement import Placement
+from coordinator.prefix_routing import DEFAULT_BLOCK_SIZE, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
@@ -146,7 +147,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
-                              self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc())
+                              self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
+                              key=self._routing_key(state.prompt_ids))
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
@@ -266,6 +268,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
         return ids
 
+    def _routing_key(self, prompt_ids: list[int]) -> bytes | None:
+        """The prompt's prefix key at the target replicas' block size (None with --placement load)."""
+        if self.cfg.placement != "prefix":
+            return None
+        sizes = (c.info.block_size for c in self.targets.clients if c.routable and c.info and c.info.block_size)
+        return routing_key(prompt_ids, next(sizes, DEFAULT_BLOCK_SIZE))
+
     def _present(self) -> set[tuple[str, str]]:
         """(role, address) of every replica the pools hold now, leaving ones included."""
         return {(c.role, c.address) for pool in (self.targets, self.drafts) for c in pool.clients}
@@ -279,7 +288,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             time_to_first_token_s=st.first_token_s, elapsed_s=st.elapsed_s, method=run.options.method,
             draft_worker=self.public_name(run.placement.draft), target_worker=self.public_name(run.placement.target),
             target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions,
-            tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens)
+            tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused)
 
 
 def _field(name: str, make: Any) -> Any:

@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from coordinator import prefix_routing
 from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
@@ -203,7 +204,8 @@ class RequestChannel:
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose))
-        return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None)
+        return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
+                         reply.reused_tokens)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution],
@@ -250,25 +252,29 @@ class WorkerPool:
         self.call_timeout_s = call_timeout_s
         self._tasks: set[asyncio.Task] = set()  # first Info calls and closes, held until done
 
-    def pick(self, avoid: WorkerClient | None = None) -> WorkerClient:
-        """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort."""
+    def pick(self, avoid: WorkerClient | None = None, key: bytes | None = None) -> WorkerClient:
+        """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort.
+        With a prompt's routing ``key``: the one likely to hold its prefix, within a bound on load
+        (``coordinator.prefix_routing``); without: the best load score."""
         routable = [c for c in self.clients if c.routable]
         if not routable:
             raise WorkerUnavailableError(f"no {self.role} workers available")
         healthy = [c for c in routable if c.healthy]
         candidates = [c for c in healthy if c is not avoid] or healthy or routable
-        best = max(candidates, key=lambda c: c.score())
+        best = prefix_routing.choose(key, candidates) if key is not None else max(candidates, key=lambda c: c.score())
         best.placed_since_poll += 1
         return best
 
-    async def replacement(self, failed: WorkerClient | None, wait_s: float) -> WorkerClient | None:
+    async def replacement(self, failed: WorkerClient | None, wait_s: float,
+                          key: bytes | None = None) -> WorkerClient | None:
         """A healthy replica other than ``failed``, waiting up to ``wait_s`` for one (a restarting
-        replica, ``failed`` itself included once it answers again); None if none turns up."""
+        replica, ``failed`` itself included once it answers again); None if none turns up. ``key``: as for
+        ``pick`` (a moved request's next choice for its prefix)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
             if any(c.routable and c.healthy and c is not failed for c in self.clients):
-                return self.pick(avoid=failed)
+                return self.pick(avoid=failed, key=key)
             if loop.time() >= deadline:
                 return None
             await asyncio.sleep(REPLACEMENT_POLL_S)

@@ -21,6 +21,7 @@ from tandem.config import (
     DTYPES,
     PACKED_WEIGHTS,
     PACKED_WEIGHTS_HELP,
+    PLACEMENT_MODES,
     CoordinatorConfig,
     EngineConfig,
     ServerOptions,
@@ -144,6 +145,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "the coordinator's token history (default: %(default)s)")
     coord.add_argument("--move-wait", type=float, default=30.0,
                        help="seconds a moving request waits for a healthy target replica (default: %(default)s)")
+    coord.add_argument("--placement", choices=PLACEMENT_MODES, default="prefix",
+                       help="how a new request's target and draft replicas are chosen (default: %(default)s): prefix "
+                            "(the replica that most likely holds the prompt's first blocks in its prefix cache, by "
+                            "rendezvous hashing, unless it carries 1.25x the mean load: then the next; prompts under "
+                            "one KV block go by load) or load (most free KV, then the shortest queue)")
     coord.add_argument("--ngram-min", type=int, default=1)
     coord.add_argument("--ngram-max", type=int, default=4)
     coord.add_argument("--no-continuation-cache", action="store_true",
@@ -206,7 +212,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
-        max_moves=args.max_moves, move_wait_s=args.move_wait, **coordinator_options(args),
+        max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement, **coordinator_options(args),
     )
     from coordinator.main import serve
 

@@ -42,7 +42,7 @@ from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
 from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.cluster import ClusterSpec, LocalCluster
-from tandem.config import DTYPES
+from tandem.config import DTYPES, PLACEMENT_MODES
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
 from tandem.supervisor import RestartPolicy, Supervisor
@@ -75,6 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="the coordinator shares its continuation cache through this Redis (see `tandem serve "
                         "coordinator --help`); default: in-process")
+    p.add_argument("--placement", choices=PLACEMENT_MODES, default="prefix",
+                   help="how the coordinator picks each request's replicas: prefix (the one likely to hold the "
+                        "prompt's prefix, within a bound on load) or load (see `tandem serve coordinator --help`) "
+                        "(default: %(default)s)")
     add_draft_flags(p)
     p.add_argument("--admin-port", type=int, default=0,
                    help="port of the local control endpoint `tandem scale` calls, on 127.0.0.1 only "
@@ -116,6 +120,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
                                   "require the coordinator's client certificate")
     coordinator_args = ["--redis-url", args.redis_url] if args.redis_url else []
+    coordinator_args += ["--placement", args.placement]
     if args.auth_token_file:
         coordinator_args += ["--auth-token-file", str(args.auth_token_file)]
     for name in LIMIT_FLAGS:
