@@ -46,7 +46,7 @@ from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableE
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
 from tandem.rpc.tls import ClientTLS, open_channel
-from tandem.rpc.wire import proposal_from_proto, sampling_to_proto
+from tandem.rpc.wire import logprobs_from_proto, proposal_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -205,7 +205,7 @@ class RequestChannel:
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
-                         reply.reused_tokens)
+                         reply.reused_tokens, logprobs_from_proto(reply.logprobs))
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution],
@@ -217,7 +217,8 @@ class RequestChannel:
         accepted = list(reply.accepted_nodes)
         if len(accepted) != reply.num_accepted or any(not 0 <= n < len(draft_tokens) for n in accepted):
             raise InternalError("a target worker answered an inconsistent verdict")
-        return Verified(accepted, reply.next_token, proposal_from_proto(reply.proposal) if propose else None)
+        return Verified(accepted, reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
+                        logprobs_from_proto(reply.logprobs))
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:

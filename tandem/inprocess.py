@@ -33,7 +33,7 @@ from tandem.spec.adaptive import CostModel, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import GenerationStats, RequestState, StopConditions
-from tandem.spec.transport import Drafted, FittedCost, Prefilled, TreeProposal, Verified
+from tandem.spec.transport import Drafted, FittedCost, Prefilled, TokenLogprob, TreeProposal, Verified
 from target_worker.engine import PrefillCall, Proposed, TargetEngine, VerifyCall
 
 TOKEN_BUDGET = 4096  # most tokens in one batched forward pass, as a worker's default
@@ -54,6 +54,7 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only (a stop token that ended the run included)
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # asked (``sampling.logprobs``): the target's, one per token
 
 
 def _fitted(engine: ModelEngine) -> FittedCost | None:
@@ -80,8 +81,8 @@ class LocalTarget:
         result = await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len, propose=propose))
         if isinstance(result, Proposed):
             return Prefilled(result.result.next_token, TreeProposal(result.proposal.tokens, result.proposal.parents),
-                             result.result.reused_tokens)
-        return Prefilled(result.next_token, reused_tokens=result.reused_tokens)
+                             result.result.reused_tokens, result.result.logprobs)
+        return Prefilled(result.next_token, reused_tokens=result.reused_tokens, logprobs=result.logprobs)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
@@ -90,7 +91,7 @@ class LocalTarget:
         proposal = None
         if isinstance(result, Proposed):
             result, proposal = result.result, TreeProposal(result.proposal.tokens, result.proposal.parents)
-        return Verified(result.accepted_nodes, result.next_token, proposal)
+        return Verified(result.accepted_nodes, result.next_token, proposal, result.logprobs)
 
     async def release(self, seq_id: str) -> None:
         await self.batcher.submit(ReleaseCall(seq_id))
@@ -150,7 +151,7 @@ class SpeculativeGenerator:
         states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids))
                   for r in requests]
         asyncio.run(self._run(requests, states))
-        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in states]
+        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats, s.logprobs) for s in states]
 
     async def _run(self, requests: list[GenerationRequest], states: list[RequestState]) -> None:
         target_batcher = Batcher(self.target.run_batch, self.target.call_cost, TOKEN_BUDGET,

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from tandem.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # most alternatives per position a request may ask the target's log-probabilities of
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,6 +24,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     seed: int | None = None
+    # The target's log-probabilities of the emitted tokens, with this many top alternatives each; None: none.
+    # Reported only: it changes no token.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # also rejects NaN; inf would divide logits into NaN
@@ -30,6 +35,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in 0..{MAX_LOGPROBS} alternatives, got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

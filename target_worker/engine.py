@@ -51,8 +51,9 @@ from tandem.heads.proposal import HeadProposal
 from tandem.rpc import distributions
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.sequence_engine import SequenceEngine, SequenceOwnedError, history_runs
-from tandem.sampling import SamplingParams, pick_tokens
-from tandem.spec.rejection import PendingVerdict, Verdict, fetch, verify, verify_tree
+from tandem.sampling import SamplingParams
+from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, verify, verify_tree
+from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
 
@@ -91,6 +92,7 @@ class Prefilled:
 
     next_token: int
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not from this pass
+    logprobs: list[TokenLogprob] | None = None  # asked (``sampling.logprobs``): next_token's
 
 
 @dataclass(slots=True)
@@ -374,7 +376,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if seq.generator is not None:  # seeded: this position's draws, wherever the sequence was rebuilt
             seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
         if isinstance(call, PrefillCall):
-            return PendingVerdict(pick_tokens(logits, seq.sampling, seq.generator), 0, tree=False)
+            return first_token(logits, seq.sampling, seq.generator)
         q = None if plan.q is None else plan.q.dense(logits.device)
         if plan.children is None:
             return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
@@ -394,7 +396,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             if not call.prompt_len:
                 seq.history.append(verdict.next_token)
             self.engine.commit(call.seq_id, seq.history, len(seq.history) - 1)
-            return Prefilled(verdict.next_token, plan.reused)
+            return Prefilled(verdict.next_token, plan.reused, verdict.logprobs)
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.rpc.wire import proposal_to_proto, sampling_from_proto
+from tandem.rpc.wire import logprobs_to_proto, proposal_to_proto, sampling_from_proto
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.spec.rejection import Verdict
 from tandem.v1 import target_pb2, target_pb2_grpc
@@ -24,7 +24,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
                            request.prompt_len, request.owner, request.replace, request.propose)
         result: Prefilled | Proposed = await self.batcher.submit(call)
         prefilled = result.result if isinstance(result, Proposed) else result
-        reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens)
+        reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens,
+                                           logprobs=logprobs_to_proto(prefilled.logprobs))
         if isinstance(result, Proposed):
             reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
         return reply
@@ -36,7 +37,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         result: Verdict | Proposed = await self.batcher.submit(call)
         verdict = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
-                                          accepted_nodes=verdict.accepted_nodes)
+                                          accepted_nodes=verdict.accepted_nodes,
+                                          logprobs=logprobs_to_proto(verdict.logprobs))
         if isinstance(result, Proposed):
             reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
         return reply

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from tandem.errors import InternalError
 from tandem.sampling_params import SamplingParams
-from tandem.spec.transport import TreeProposal
+from tandem.spec.transport import TokenLogprob, TreeProposal
 from tandem.v1 import common_pb2, target_pb2
 
 
@@ -22,6 +22,7 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -29,7 +30,18 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
     msg = common_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(scores: Sequence[TokenLogprob] | None) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(logprob=s.logprob, top_ids=s.top_ids, top_logprobs=s.top_logprobs)
+            for s in scores or ()]
+
+
+def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[TokenLogprob]:
+    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in msgs]
 
 
 def proposal_to_proto(tokens: Sequence[int], parents: Sequence[int]) -> target_pb2.TokenTree:

@@ -147,7 +147,7 @@ class SpeculationLoop:
         prefilled = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose)
         first = prefilled.next_token
         s.stats.prompt_tokens_reused = prefilled.reused_tokens
-        s.commit([first])
+        s.commit([first], prefilled.logprobs)
         self._learn()
         if propose:
             return heads_proposal(prefilled.proposal, len(s.history))
@@ -191,7 +191,7 @@ class SpeculationLoop:
         if self.observer:
             self.observer.on_verify(waited)
         accepted = [drafts[n] for n in kept]
-        s.commit([*accepted, next_token])
+        s.commit([*accepted, next_token], verified.logprobs)
         self._learn()
         along = kept_on_chain(kept, len(chain))
         self._record(k, len(drafts), len(kept), proposal, len(chain), along)
@@ -225,7 +225,7 @@ class SpeculationLoop:
         if self.observer:
             self.observer.on_verify(waited)
         kept = verified.kept
-        s.commit([*(drafts[n] for n in kept), verified.next_token])
+        s.commit([*(drafts[n] for n in kept), verified.next_token], verified.logprobs)
         self._learn()
         stats.rounds += 1
         stats.k_counts[len(drafts)] += 1

@@ -36,6 +36,13 @@ once, sibling rank by rank), and the kept path follows from two small matrix
 products (a node is kept when it is its parent's first accepted child and so
 are all its ancestors). The verifiers return a ``PendingVerdict``; ``fetch``
 reads a whole batch's verdicts with one device-to-host copy.
+
+Log-probabilities (``params.logprobs`` set): the target's own, the log-softmax of
+its logits (before temperature, top-k and top-p), at the rows that decided the
+emitted tokens: each kept node's token at its parent's row, the next token at
+the last kept row, and the most likely tokens of those rows. They are computed
+beside the verdict for every node (which are kept is not known yet) and read
+with one more copy, of the requests that asked only.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.sampling import SamplingParams, probabilities, sample
+from tandem.sampling import SamplingParams, pick_tokens, probabilities, sample
+from tandem.spec.transport import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -53,6 +61,7 @@ class Verdict:
     num_accepted: int  # draft tokens kept, 0..k
     next_token: int  # the recovered token (after a rejection) or the bonus token (all kept)
     path: list[int] | None = None  # a tree's kept nodes, root to leaf (None: a chain's first num_accepted)
+    logprobs: list[TokenLogprob] | None = None  # asked (``params.logprobs``): one per emitted token, in order
 
     @property
     def accepted_nodes(self) -> list[int]:
@@ -65,21 +74,37 @@ class PendingVerdict:
     ``packed`` ``[N + 1]`` int64 on the device: per draft node 1 if it is kept (kept nodes form a
     root-to-node path, so their indices in increasing order are the path), then the next token.
     Reading a field (or comparing) fetches this verdict alone: one host sync.
+    ``scores`` (asked for log-probabilities, ``_scores``): float32 on the device, read with a copy of its own.
     """
 
-    __slots__ = ("packed", "num_nodes", "tree", "_verdict")
+    __slots__ = ("packed", "num_nodes", "tree", "scores", "top", "_verdict")
 
-    def __init__(self, packed: torch.Tensor, num_nodes: int, tree: bool) -> None:
+    def __init__(self, packed: torch.Tensor, num_nodes: int, tree: bool, scores: torch.Tensor | None = None,
+                 top: int = 0) -> None:
         self.packed = packed
         self.num_nodes = num_nodes
         self.tree = tree
+        self.scores = scores
+        self.top = top
         self._verdict: Verdict | None = None
 
-    def resolve(self, values: Sequence[int]) -> Verdict:
-        """The verdict from ``packed`` as read on the host."""
+    def resolve(self, values: Sequence[int], scores: Sequence[float] = ()) -> Verdict:
+        """The verdict from ``packed`` (and ``scores``, when asked) as read on the host."""
         path = [node for node in range(self.num_nodes) if values[node]]
         self._verdict = Verdict(len(path), int(values[self.num_nodes]), path if self.tree else None)
+        if self.scores is not None:
+            self._verdict.logprobs = self._logprobs(path, scores)
         return self._verdict
+
+    def _logprobs(self, path: list[int], scores: Sequence[float]) -> list[TokenLogprob]:
+        """Per emitted token (the kept nodes, then the next token), from ``_scores``'s layout."""
+        n, top = self.num_nodes, self.top
+        values, ids = n + 1, n + 1 + (n + 1) * top  # where the rows' top values and their ids start
+        rows = [0, *(node + 1 for node in path)]  # the row that scored each emitted token
+        emitted = [scores[node] for node in path] + [scores[n]]
+        return [TokenLogprob(lp, [int(i) for i in scores[ids + row * top: ids + (row + 1) * top]],
+                             list(scores[values + row * top: values + (row + 1) * top]))
+                for lp, row in zip(emitted, rows)]
 
     def result(self) -> Verdict:
         return self._verdict if self._verdict is not None else fetch([self])[0]
@@ -123,16 +148,29 @@ def fetch(verdicts: Sequence[Verdict | PendingVerdict]) -> list[Verdict]:
             by_device.setdefault(v.packed.device, []).append(v)
         for group in by_device.values():
             values = torch.cat([v.packed for v in group]).tolist()  # the one copy (per device)
-            start = 0
+            asked = [v.scores for v in group if v.scores is not None]
+            scores = torch.cat(asked).tolist() if asked else []  # log-probabilities: only when asked
+            start = at = 0
             for v in group:
-                v.resolve(values[start : start + v.num_nodes + 1])
+                size = 0 if v.scores is None else v.scores.numel()
+                v.resolve(values[start : start + v.num_nodes + 1], scores[at : at + size])
                 start += v.num_nodes + 1
+                at += size
     return [v if isinstance(v, Verdict) else v.result() for v in verdicts]
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> PendingVerdict:
+def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> PendingVerdict:
+    """A prefill's first token from its ``[1, vocab]`` logits (and its log-probabilities when asked)."""
+    token = pick_tokens(logits, params, generator)  # [1]
+    root = torch.zeros(1, dtype=torch.int64, device=logits.device)  # the one row
+    return PendingVerdict(token, 0, tree=False, **_asked(logits, params, _Shape.chain(0, logits.device), None, token,
+                                                         root))
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int],
+                  params: SamplingParams | None = None) -> PendingVerdict:
     """``target_logits`` ``[k+1, vocab]``: keep draft tokens while they equal the target's argmax."""
-    return _greedy(target_logits, draft_tokens, _Shape.chain(len(draft_tokens), target_logits.device))
+    return _greedy(target_logits, draft_tokens, _Shape.chain(len(draft_tokens), target_logits.device), params)
 
 
 def verify_sampled(
@@ -156,7 +194,7 @@ def verify(
 ) -> PendingVerdict:
     """Greedy fast path (no softmax at all) or rejection sampling."""
     if params.is_greedy:
-        return verify_greedy(target_logits, draft_tokens)
+        return verify_greedy(target_logits, draft_tokens, params)
     assert generator is not None, "sampling needs the request's generator"
     return verify_sampled(target_logits, draft_tokens, draft_probs, params, generator)
 
@@ -172,7 +210,7 @@ def verify_tree(
     """The path a token tree keeps and the target's token after it (see the module doc)."""
     shape = _Shape.tree(children, len(tokens), target_logits.device)
     if params.is_greedy:
-        return _greedy(target_logits, tokens, shape)
+        return _greedy(target_logits, tokens, shape, params)
     assert generator is not None, "sampling needs the request's generator"
     return _sampled(target_logits, tokens, shape, draft_probs, params, generator)
 
@@ -245,12 +283,38 @@ def _node_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(tokens, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
 
 
-def _greedy(target_logits: torch.Tensor, tokens: list[int], shape: _Shape) -> PendingVerdict:
+def _asked(logits: torch.Tensor, params: SamplingParams | None, shape: _Shape, drafted: torch.Tensor | None,
+           next_token: torch.Tensor, last_row: torch.Tensor) -> dict:
+    """``PendingVerdict``'s scores when the request asked for log-probabilities (else nothing)."""
+    if params is None or params.logprobs is None:
+        return {}
+    return {"scores": _scores(logits, shape, drafted, next_token, last_row, params.logprobs), "top": params.logprobs}
+
+
+def _scores(logits: torch.Tensor, shape: _Shape, drafted: torch.Tensor | None, next_token: torch.Tensor,
+            last_row: torch.Tensor, top: int) -> torch.Tensor:
+    """The target's log-probabilities, packed: ``[N]`` each node's token at its parent's row, ``[1]`` the next
+    token at ``last_row``, then every row's ``top`` most likely: ``[(N+1) * top]`` values, ``[(N+1) * top]`` ids
+    (as float32: exact below 2**24, far above any vocabulary)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [N+1, vocab]: raw, before temperature, top-k, top-p
+    parts = [logp[shape.parent_row_of, drafted]] if drafted is not None and shape.num_nodes else []
+    parts.append(logp[last_row, next_token])  # [1]
+    if top:
+        values, ids = logp.topk(top, dim=-1)  # [N+1, top]
+        parts += [values.flatten(), ids.flatten().float()]
+    return torch.cat(parts)
+
+
+def _greedy(target_logits: torch.Tensor, tokens: list[int], shape: _Shape,
+            params: SamplingParams | None = None) -> PendingVerdict:
     choices = target_logits.argmax(-1)  # [N+1]
-    ok = _node_tokens(tokens, choices.device) == choices[shape.parent_row_of]  # [N]
+    drafted = _node_tokens(tokens, choices.device)  # [N]
+    ok = drafted == choices[shape.parent_row_of]  # [N]
     kept = shape.kept(ok)
-    next_token = choices[shape.last_row(kept)]
-    return PendingVerdict(torch.cat([kept.long(), next_token]), shape.num_nodes, shape.ancestors is not None)
+    last = shape.last_row(kept)  # [1]
+    next_token = choices[last]
+    return PendingVerdict(torch.cat([kept.long(), next_token]), shape.num_nodes, shape.ancestors is not None,
+                          **_asked(target_logits, params, shape, drafted, next_token, last))
 
 
 def _sampled(
@@ -264,7 +328,10 @@ def _sampled(
     p = probabilities(target_logits, params)  # [N+1, vocab]
     n, device = shape.num_nodes, p.device
     if n == 0:
-        return PendingVerdict(sample(p, generator), 0, shape.ancestors is not None)
+        token = sample(p, generator)  # [1]
+        root = torch.zeros(1, dtype=torch.int64, device=device)
+        return PendingVerdict(token, 0, shape.ancestors is not None,
+                              **_asked(target_logits, params, shape, None, token, root))
     drafted = _node_tokens(tokens, device)  # [N]
     nodes = torch.arange(n, device=device)
     uniforms = torch.rand(n, generator=generator, device=device)  # one per node, always N: seeded runs repeat
@@ -276,7 +343,9 @@ def _sampled(
         row = p.index_select(0, first)  # [1, vocab]: the row of the rejected node's parent, or the bonus row
         residual = _without(row, drafted[at], None if draft_probs is None else draft_probs.index_select(0, at))
         final = torch.where(first[:, None] < n, residual, row)
-        return PendingVerdict(torch.cat([kept.long(), sample(final, generator)]), n, tree=False)
+        token = sample(final, generator)  # [1]
+        return PendingVerdict(torch.cat([kept.long(), token]), n, tree=False,
+                              **_asked(target_logits, params, shape, drafted, token, first))
     ok = torch.zeros(n, dtype=torch.bool, device=device)
     residual = p[shape.parent_rows]  # [P, vocab]: each parent's residual before its first child
     ends = torch.empty_like(residual)  # each parent's residual once all its children are rejected
@@ -291,7 +360,9 @@ def _sampled(
     last = shape.last_row(kept)  # [1]
     at = shape.position[last]  # [1]: where the last row is among the parents (-1: a leaf)
     final = torch.where(at[:, None] >= 0, ends.index_select(0, at.clamp(min=0)), p.index_select(0, last))
-    return PendingVerdict(torch.cat([kept.long(), sample(final, generator)]), n, tree=True)
+    token = sample(final, generator)  # [1]
+    return PendingVerdict(torch.cat([kept.long(), token]), n, tree=True,
+                          **_asked(target_logits, params, shape, drafted, token, last))
 
 
 def _without(residual: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.errors import InvalidRequestError
+from tandem.errors import InternalError, InvalidRequestError
 from tandem.sampling_params import SamplingParams
 from tandem.spec.adaptive import AcceptanceTracker
 
@@ -142,6 +142,8 @@ class RequestState:
         self.tracker = AcceptanceTracker()
         self.stats = GenerationStats()
         self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
+        # Asked (``sampling.logprobs``): the target's log-probabilities, one per generated token.
+        self.logprobs: list[Any] | None = [] if sampling.logprobs is not None else None
 
     @property
     def generated(self) -> list[int]:
@@ -155,13 +157,18 @@ class RequestState:
     def remaining(self) -> int:
         return self.stop.max_new_tokens - self.num_generated
 
-    def commit(self, tokens: list[int]) -> None:
-        """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""
+    def commit(self, tokens: list[int], logprobs: list[Any] | None = None) -> None:
+        """Append tokens one by one, stopping at a stop token, a stop string or the length limit; ``logprobs``
+        (one per token, when the request asked for them) are kept for the tokens committed."""
+        if self.logprobs is not None and (logprobs is None or len(logprobs) != len(tokens)):
+            raise InternalError("a target worker answered no log-probabilities for tokens the request asked them of")
         now = time.perf_counter()
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if self.finish_reason:
                 break
             self.history.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if self.stats.first_token_at is None:
                 self.stats.first_token_at = now
             self.stats.last_token_at = now
