@@ -287,8 +287,8 @@ def grouped_bars(ax: Any, groups: Sequence[str], series: dict[str, Sequence[floa
 
 
 def threshold_line(name: str, value: float | None, op: str, bound: float) -> str:
-    """``PASS``/``FAIL``/``n/a`` line for one Done-when threshold (``op`` is ``>=`` or ``<``)."""
+    """``PASS``/``FAIL``/``n/a`` line for one Done-when threshold (``op`` is ``>=``, ``<=`` or ``<``)."""
     if value is None:
         return f"  n/a   {name}: not measured in this run (needs {op} {bound:g})"
-    ok = value >= bound if op == ">=" else value < bound
+    ok = {">=": value >= bound, "<=": value <= bound, "<": value < bound}[op]
     return f"  {'PASS' if ok else 'FAIL'}  {name}: {value:.3f} (needs {op} {bound:g})"
