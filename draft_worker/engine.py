@@ -24,6 +24,12 @@ Sampled drafts: each step's q rows are encoded for the wire once
 what those messages decode to, and the reply carries those very messages,
 so the target's acceptance test uses the q each token was drawn from.
 
+Prefix caching: a new sequence's first Propose starts on the KV blocks its
+prompt shares with earlier prompts (``ModelEngine.reuse_prefix``) and feeds the
+rest; once drafted, its prompt's full blocks are offered to the cache. Only the
+prompt: the tokens after it may be pipelined guesses the target has not
+verified, and a cached block must hold committed tokens only.
+
 A batch first checks every call and admits it to the KV pool (counting the
 blocks its whole k-step run will hold) without changing anything; a refused
 call leaves its sequence exactly as it was. Releases apply in queue order
@@ -145,6 +151,11 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             for plan in drafting:
                 if len(plan.drafted) < plan.call.k:
                     results[plan.index] = exc
+        for plan in drafting:
+            if results[plan.index] is None:
+                # The prompt is the only part a draft knows to be committed (later tokens may be pipelined
+                # guesses): its full blocks go to the prefix cache.
+                self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
         for plan in admitted:
             if results[plan.index] is None:
                 results[plan.index] = DraftReply(plan.drafted, plan.probs, plan.alternatives)
@@ -199,6 +210,9 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         seq.tokens = plan.tokens
         if self.engine.seq_len(call.seq_id) > plan.keep:
             self.engine.rollback(call.seq_id, plan.keep)
+        elif call.k and not self.engine.kv_cache.has_sequence(call.seq_id):
+            # A new sequence starts on the cached blocks its prompt begins with; its last token is fed.
+            plan.keep = self.engine.reuse_prefix(call.seq_id, plan.tokens, limit=len(plan.tokens) - 1)
         if not call.sampling.is_greedy and seq.generator is None:
             seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
             # On the host, whatever the engine's device: it draws from the decoded wire rows (``_sample_step``).

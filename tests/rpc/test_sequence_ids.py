@@ -66,7 +66,7 @@ def test_a_rebuild_that_says_so_replaces_a_live_sequence(target):
     # The coordinator rebuilds s from the history it committed (a preemption, or a replica that came back).
     (echo,) = ok(target.run_batch([PrefillCall("s", history, GREEDY, prompt_len=len(PROMPT), owner="c",
                                                replace=True)]))
-    assert echo == history[-1] and target.sequences["s"].history == history
+    assert echo.next_token == history[-1] and target.sequences["s"].history == history
     assert torch.equal(kv_of(target.engine, "s"), kv)
 
 

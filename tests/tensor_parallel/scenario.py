@@ -78,7 +78,7 @@ def _record_tree(engine, out: dict) -> None:
 
 def _greedy(target: TargetEngine, prompt: list[int], num_tokens: int) -> list[int]:
     [first] = target.run_batch([PrefillCall("g", list(prompt), SamplingParams())])
-    tokens = [first]
+    tokens = [first.next_token]
     while len(tokens) < num_tokens:
         history = target.sequences["g"].history
         drafts = [tokens[-1], 3, tokens[-1]]  # mostly wrong: exercises rollback of rejected KV
