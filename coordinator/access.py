@@ -14,6 +14,10 @@ refused RESOURCE_EXHAUSTED. The client is the bearer token's identity when auth 
 (every holder of one token counts as one client), else the peer's host as
 gRPC reports it (``context.peer()``: every connection from one address counts
 as one client, so clients behind one NAT or proxy share a budget).
+
+The HTTP API (coordinator/http) asks the same object: ``identify`` for its
+``Authorization`` header and ``hold`` for its slots, so a client's budget is one
+across both APIs.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class AccessControl(grpc.aio.ServerInterceptor):
         identity = None
         if self.auth is not None:
             metadata = {k.lower(): v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-            identity = self.auth.identify(metadata)
+            identity = self.identify(metadata.get(METADATA_KEY))
             if identity is None:
                 return _refusing(handler, _refusal(metadata))
         if self.max_concurrent <= 0:
@@ -67,22 +71,35 @@ class AccessControl(grpc.aio.ServerInterceptor):
         return rewrap(handler, lambda behavior: self._guard_unary(behavior, identity),
                       lambda behavior: self._guard_stream(behavior, identity))
 
+    def identify(self, authorization: str | None) -> str | None:
+        """The client identity (``token-N``) of an ``authorization`` value, None if it presents no known token
+        (or auth is off: call only with ``auth`` set)."""
+        assert self.auth is not None
+        return self.auth.identify({METADATA_KEY: authorization or ""})
+
     @contextlib.contextmanager
-    def _slot(self, identity: str | None, context: grpc.aio.ServicerContext) -> Any:
-        client = identity or peer_host(context.peer() or "")
+    def hold(self, client: str, count: int = 1) -> Any:
+        """``count`` of ``client``'s concurrent requests while in the block (no limit: nothing held);
+        ``ClientLimitError`` if they do not fit its budget."""
+        if self.max_concurrent <= 0:
+            yield
+            return
         held = self.in_flight.get(client, 0)
-        if held >= self.max_concurrent:
+        if held + count > self.max_concurrent:
             raise ClientLimitError(f"too many concurrent requests from this client: at most {self.max_concurrent} "
                                    "at once (--max-concurrent-per-client); retry when one has finished")
-        self.in_flight[client] = held + 1
+        self.in_flight[client] = held + count
         try:
             yield
         finally:
-            left = self.in_flight[client] - 1
+            left = self.in_flight[client] - count
             if left:
                 self.in_flight[client] = left
             else:
                 del self.in_flight[client]
+
+    def _slot(self, identity: str | None, context: grpc.aio.ServicerContext) -> Any:
+        return self.hold(identity or peer_host(context.peer() or ""))
 
     def _guard_unary(self, behavior: Behavior, identity: str | None) -> Behavior:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -25,10 +25,10 @@ from coordinator.prefix_routing import DEFAULT_BLOCK_SIZE, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
-from tandem.errors import InvalidRequestError, check_token_ids
+from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_ids
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
-from tandem.rpc.wire import sampling_from_proto
+from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
 from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
 from tandem.spec.heads_trees import heads_budget
@@ -37,13 +37,14 @@ from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, re
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
 from tandem.text_stream import TextStream
-from tandem.tokenizer import encode_prompt
+from tandem.tokenizer import encode_messages, encode_prompt
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # A client's request id is echoed in every reply chunk and carried in every worker call's sequence id and log line.
 MAX_REQUEST_ID_CHARS = 128
+CHAT_ROLES = ("system", "user", "assistant")  # the turns of a conversation (``messages``) a chat template takes
 
 
 @dataclass(slots=True)
@@ -104,27 +105,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        run = self._start(request, context)
+        run = self.start(request, context.time_remaining())
         async for _ in self._drive(run):
             pass
         return generation_pb2.GenerateResponse(
             request_id=run.request_id, text=run.state.text.text, token_ids=run.state.generated,
-            finish_reason=run.state.finish_reason or "length", stats=self._stats(run))
+            finish_reason=run.state.finish_reason or "length", stats=self._stats(run),
+            logprobs=logprobs_to_proto(run.state.logprobs))
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        run = self._start(request, context)
-        async for _ in self._drive(run):
-            state = run.state
-            text = state.text.take()
-            tokens = state.generated[run.emitted_tokens:]
-            run.emitted_tokens = state.num_generated
-            done = state.finish_reason is not None
-            if not (text or tokens or done):
-                continue
-            msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens)
-            if done:
-                msg.finish_reason = state.finish_reason
-                msg.stats.CopyFrom(self._stats(run))
+        async for msg in self.stream(self.start(request, context.time_remaining())):
             yield msg
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
@@ -133,19 +123,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         def status(pool: WorkerPool) -> list[generation_pb2.WorkerStatus]:
             return [generation_pb2.WorkerStatus(address=self.public_name(c), healthy=c.healthy, info=c.info,
                                                 state=c.state, active_requests=c.active) for c in pool.clients]
-        target_info = next((c.info for c in self.targets.clients if c.verified), None)
         draft_info = next((c.info for c in self.drafts.clients if c.verified), None)
         return generation_pb2.InfoResponse(
-            target_model=target_info.model if target_info else "", draft_model=draft_info.model if draft_info else "",
+            target_model=self.target_model(), draft_model=draft_info.model if draft_info else "",
             vocab_size=self.vocab_size, max_context=self.max_context,
             target_workers=status(self.targets), draft_workers=status(self.drafts))
 
-    # ----- the request ---------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> _Request:
+    def target_model(self) -> str:
+        """The served model, as its target workers name it (empty before one has answered)."""
+        return next((c.info.model for c in self.targets.clients if c.verified), "")
+
+    # ----- the request path, written once for both APIs (gRPC here, HTTP in coordinator/http) -----------
+    def start(self, request: generation_pb2.GenerateRequest, remaining_s: float | None) -> _Request:
+        """The request validated and placed on its replicas, ready to ``stream``; nothing is sent to a worker yet.
+        Raises ``InvalidRequestError`` naming a bad field, ``ShuttingDownError`` while draining. ``remaining_s``:
+        the client's deadline, passed on to every worker call (None: none)."""
         self.server.check_accepting()
         state, options = self._validate(request)
-        remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
-        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
                               key=self._routing_key(state.prompt_ids))
@@ -162,6 +157,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
                                self.cache, match_rates=self.match_rates)
         return _Request(request_id, state, options, placement, loop)
+
+    async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """Run a started request: a message per round with what it added; the last has finish_reason and stats.
+        Closing the iterator early (the client went away) cancels the request and frees its KV."""
+        async for _ in self._drive(run):
+            state = run.state
+            text = state.text.take()
+            start, run.emitted_tokens = run.emitted_tokens, state.num_generated
+            tokens = state.generated[start:]
+            done = state.finish_reason is not None
+            if not (text or tokens or done):
+                continue
+            msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens)
+            if state.logprobs is not None:
+                msg.logprobs.extend(logprobs_to_proto(state.logprobs[start:run.emitted_tokens]))
+            if done:
+                msg.finish_reason = state.finish_reason
+                msg.stats.CopyFrom(self._stats(run))
+            yield msg
 
     async def _drive(self, run: _Request) -> AsyncIterator[None]:
         state, metrics = run.state, self.metrics
@@ -252,6 +266,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not ids:
                 raise InvalidRequestError("token_ids.ids: prompt is empty")
             check_token_ids("token_ids.ids", ids, self.vocab_size)
+        elif which == "messages":
+            field = "messages"
+            turns = _conversation(request.messages.messages)
+            ids = _field("messages", lambda: _chat_template_refusals(lambda: encode_messages(self.tokenizer, turns)))
         else:
             field = "text"
             if not request.text:
@@ -262,9 +280,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError("text: the prompt has no tokens")
         limit = self.cfg.max_prompt_tokens
         if limit is not None and len(ids) > limit:
-            raise InvalidRequestError(f"{field}: the prompt is {len(ids)} tokens; this server takes at most {limit}")
+            raise PromptTooLongError(f"{field}: the prompt is {len(ids)} tokens; this server takes at most {limit}")
         if len(ids) >= self.max_context:
-            raise InvalidRequestError(
+            raise PromptTooLongError(
                 f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
         return ids
 
@@ -289,6 +307,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             draft_worker=self.public_name(run.placement.draft), target_worker=self.public_name(run.placement.target),
             target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions,
             tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused)
+
+
+def _conversation(messages: Any) -> list[dict[str, str]]:
+    """The request's turns as a chat template takes them; a role no template knows is refused, naming it."""
+    if not messages:
+        raise InvalidRequestError("messages: the conversation is empty")
+    turns = []
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role: one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+        turns.append({"role": message.role, "content": message.content, **({"name": message.name}
+                                                                           if message.name else {})})
+    return turns
 
 
 def _field(name: str, make: Any) -> Any:

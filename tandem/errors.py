@@ -17,6 +17,10 @@ class InvalidRequestError(TandemError, ValueError):
     """The caller sent something we cannot serve (maps to INVALID_ARGUMENT)."""
 
 
+class PromptTooLongError(InvalidRequestError):
+    """A prompt longer than the server takes or the model's context (INVALID_ARGUMENT; HTTP 413)."""
+
+
 class UnsupportedArchitectureError(InvalidRequestError):
     """A checkpoint's architecture is not one our engine implements."""
 
