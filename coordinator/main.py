@@ -7,6 +7,7 @@ import logging
 
 from coordinator.access import AccessControl
 from coordinator.discovery import follow, make_source
+from coordinator.http import HttpApi
 from coordinator.service import GenerationService
 from coordinator.workers import WorkerPool, new_owner_id
 from tandem.config import CoordinatorConfig
@@ -58,6 +59,11 @@ async def serve(cfg: CoordinatorConfig) -> None:
                                  match_rates=match_rates.snapshot)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache, match_rates)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
+    # The OpenAI-compatible API on this event loop, into the same service; bound now so that the READY line names
+    # its port, answering 503 until the warm-up is done.
+    http = HttpApi(service, access, cfg, tokenizer) if cfg.http_port is not None else None
+    if http is not None:
+        server.more_ports["http_port"] = await http.start()
     background: list[asyncio.Task] = []
 
     async def warmup() -> None:
@@ -81,6 +87,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
     try:
         await serve_until_signalled(server, warmup)
     finally:
+        if http is not None:  # draining: it refuses new requests (503) and lets those in flight finish
+            await http.stop()
         for task in background:
             task.cancel()
         if cache is not None:

@@ -34,7 +34,8 @@ from tandem.parent_watch import LAUNCHER_ENV
 from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
 from tandem.workers_file import write_workers
 
-READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)")
+# A coordinator with its HTTP API on adds http_port=; lines without it (every worker's) match too.
+READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)(?: http_port=(\d+))?")
 DISCOVERY = ("static", "file", "given")
 DRAIN_TIMEOUT_S = 60.0  # a removed worker gets this long to finish its requests before SIGTERM
 JOIN_TIMEOUT_S = 30.0  # a coordinator reads the workers file twice a second and asks a new worker's Info at once
@@ -47,12 +48,18 @@ class Service:
     log_path: Path
     port: int = 0
     metrics_port: int = 0
+    http_port: int = 0  # a coordinator's OpenAI-compatible HTTP API (--http-port); 0: off
     ready: threading.Event = field(default_factory=threading.Event)
     argv: list[str] = field(default_factory=list)  # its command line: what a replacement runs again
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """A coordinator's OpenAI-compatible API (its base URL for OpenAI clients); "" when it has none."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port else ""
 
     @property
     def name(self) -> str:
@@ -199,6 +206,8 @@ class LocalCluster:
         argv = list(dead.argv)
         if dead.role == "coordinator":  # its clients know its port: the same again (it was 0 if picked)
             argv[argv.index("--port") + 1] = str(dead.port)
+            if dead.http_port:  # and so do its HTTP clients
+                argv[argv.index("--http-port") + 1] = str(dead.http_port)
         name = f"{dead.role}-{self._spawned[dead.role]}"
         [new] = self._start_serving([self._launch(dead.role, name, argv)], timeout_s)
         self.services[self.services.index(dead)] = new
@@ -338,6 +347,7 @@ class LocalCluster:
             match = READY.search(line)
             if match:
                 service.port, service.metrics_port = int(match.group(2)), int(match.group(3))
+                service.http_port = int(match.group(4) or 0)
                 service.ready.set()
 
     def _wait(self, services: list[Service], timeout_s: float) -> None:

@@ -387,6 +387,7 @@ class CoordinatorConfig:
     max_new_tokens_limit: int | None = None  # None: whatever fits the context
     max_concurrent_per_client: int = 0  # 0: unlimited
     expose_worker_addresses: bool = False  # False: replies name replicas target-0, draft-1...
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (coordinator/http); None: off, 0: any free port
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
@@ -403,6 +404,10 @@ class CoordinatorConfig:
         if self.max_concurrent_per_client < 0:
             raise InvalidRequestError(f"--max-concurrent-per-client must be >= 0 (0: unlimited), "
                                       f"got {self.max_concurrent_per_client}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise InvalidRequestError(f"--http-port must be in 0..65535 (0: any free port), got {self.http_port}")
+        if self.http_port and self.http_port == self.server.port:
+            raise InvalidRequestError(f"--http-port {self.http_port} is the gRPC --port too: give each its own")
         self._check_discovery()
         if self.default_max_new_tokens <= 0:
             raise InvalidRequestError("default max new tokens must be positive")

@@ -158,6 +158,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="share the continuation cache with every coordinator through Redis: redis://HOST:PORT/DB "
                             "or rediss:// (TLS); a password in the URL or in $TANDEM_REDIS_PASSWORD. Default: an "
                             "in-process cache. Redis trouble never fails a request: the local tier answers alone.")
+    coord.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                       help="also serve the OpenAI-compatible HTTP API (POST /v1/chat/completions, /v1/completions, "
+                            "GET /v1/models, /health) on this port, 0 for any free one; same host, TLS, tokens and "
+                            "limits as gRPC (default: off)")
     add_coordinator_flags(coord)
     _server_flags(coord, 50051)
     coord.set_defaults(func=run_coordinator)
@@ -212,7 +216,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
-        max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement, **coordinator_options(args),
+        max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement, http_port=args.http_port,
+        **coordinator_options(args),
     )
     from coordinator.main import serve
 

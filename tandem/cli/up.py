@@ -2,7 +2,9 @@
 
 Workers load in parallel; the coordinator starts once they are all serving
 and is health-checked before this prints "ready". Ctrl-C (or SIGTERM) stops
-every process, coordinator first. Logs go to --log-dir.
+every process, coordinator first. Logs go to --log-dir. Besides gRPC the
+coordinator serves the OpenAI-compatible HTTP API (--http-port, default 8000;
+--no-http for gRPC only), printed with the other ports.
 
 A process that exits on its own is restarted (a worker on a new port, the
 coordinator on its own), after a backoff that doubles from 1 s to at most
@@ -41,7 +43,7 @@ from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
 from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
-from tandem.cluster import ClusterSpec, LocalCluster
+from tandem.cluster import ClusterSpec, LocalCluster, Service
 from tandem.config import DTYPES, PLACEMENT_MODES
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
@@ -49,6 +51,7 @@ from tandem.supervisor import RestartPolicy, Supervisor
 from tandem.up_admin import MAX_REPLICAS, AdminServer, state_file
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port, where such servers usually listen
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,6 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="speculation heads for every target worker (`tandem serve target --heads`): requests "
                         "may use method medusa or eagle, and auto chooses them")
     p.add_argument("--port", type=int, default=50051, help="coordinator gRPC port (default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help=f"the coordinator's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT}; any free port "
+                        "when --port is 0); --no-http turns it off")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only")
     p.add_argument("--target-replicas", type=int, default=1, help="target worker processes (default: 1)")
     p.add_argument("--draft-replicas", type=int, default=1, help="draft worker processes (default: 1)")
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
@@ -120,6 +127,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
                                   "require the coordinator's client certificate")
     coordinator_args = ["--redis-url", args.redis_url] if args.redis_url else []
+    if not args.no_http:
+        http_port = args.http_port if args.http_port is not None else (DEFAULT_HTTP_PORT if args.port else 0)
+        coordinator_args += ["--http-port", str(http_port)]
     coordinator_args += ["--placement", args.placement]
     if args.auth_token_file:
         coordinator_args += ["--auth-token-file", str(args.auth_token_file)]
@@ -158,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     for service in cluster.services:
         print(f"  {service.role:<12} {service.address}  metrics :{service.metrics_port}  pid {service.process.pid}")
     print(f"  {'admin':<12} {admin.address}  (tandem scale --port {cluster.coordinator.port} --target-replicas N)")
+    if cluster.coordinator.http_port:
+        print(f"  {'http':<12} {_http_base(cluster.coordinator, spec)}  (OpenAI-compatible: /chat/completions, "
+              "/completions, /models)")
     print(f"ready: tandem generate \"...\" --addr {address}{_client_flags(args)}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -172,6 +185,12 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         supervisor.join(timeout_s=30)
     return 1 if supervisor.gave_up else 0
+
+
+def _http_base(coordinator: Service, spec: ClusterSpec) -> str:
+    """The base URL OpenAI clients take for the coordinator's HTTP API (https with TLS)."""
+    url = coordinator.http_url
+    return url.replace("http://", "https://", 1) if spec.server_tls else url
 
 
 def _client_flags(args: argparse.Namespace) -> str:

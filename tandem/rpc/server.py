@@ -65,6 +65,7 @@ class ManagedServer:
         self.draining = False
         self.port = 0
         self.metrics_port: int | None = None
+        self.more_ports: dict[str, int] = {}  # named in the TANDEM_READY line after the others (http_port=...)
 
     def add_service(self, add_to_server: Callable[[object, grpc.aio.Server], None], servicer: object,
                     full_name: str) -> None:
@@ -100,7 +101,8 @@ class ManagedServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         # One machine-readable line: `tandem up` and the tests wait for it.
-        print(f"TANDEM_READY role={self.role} port={self.port} metrics_port={self.metrics_port or 0}",
+        more = "".join(f" {name}={port}" for name, port in self.more_ports.items())
+        print(f"TANDEM_READY role={self.role} port={self.port} metrics_port={self.metrics_port or 0}{more}",
               flush=True)
 
     async def fail_and_stop(self) -> None:

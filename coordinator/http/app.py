@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP API: aiohttp on the coordinator's own event loop, beside grpc.aio.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole or streamed
+as server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``.
+
+Only the edges are HTTP's. A request goes the gRPC API's way, in process: the
+same bearer tokens and per-client budget (``AccessControl``: ``identify``,
+``hold``; a client's budget is one across both APIs, ``n`` choices take n of
+it), then ``GenerationService.start`` (the one validation, the operator's
+limits, placement, the client's deadline) and ``GenerationService.stream`` (the
+speculation loop). ``n`` choices are n requests of the same prompt, run
+concurrently. A client that goes away cancels its requests (aiohttp cancels the
+handler, ``handler_cancellation``), which frees their KV on the workers as a
+cancelled gRPC call does.
+
+Errors are OpenAI's JSON (``coordinator.http.errors``), also for routes and
+methods that do not exist; 503 while the coordinator is starting or draining.
+With ``--tls-cert`` the port speaks TLS too (mutual with ``--tls-client-ca``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from coordinator.access import AccessControl
+from coordinator.http.errors import ApiError, from_domain
+from coordinator.http.responses import Choice, Shapes
+from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
+from coordinator.service import GenerationService
+from tandem.config import CoordinatorConfig
+from tandem.rpc.tls import ServerTLS
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"  # told to clients refused for load or while starting: when to try again
+Parse = Callable[[dict[str, Any], str], ParsedRequest]
+
+
+class HttpApi:
+    """The HTTP server of one coordinator; ``start`` binds it (``port`` then holds the port), ``stop`` drains it."""
+
+    def __init__(self, service: GenerationService, access: AccessControl, cfg: CoordinatorConfig,
+                 tokenizer: Any) -> None:
+        self.service = service
+        self.access = access
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.port = 0
+        self.started = int(time.time())  # /v1/models' "created"
+        self.runner: web.AppRunner | None = None
+
+    # ----- lifecycle -------------------------------------------------------------------
+    async def start(self) -> int:
+        app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_get("/health", self.health)
+        # handler_cancellation: a client that disconnects cancels its handler, hence its requests and their KV.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=self.cfg.server.drain_grace_s)
+        await self.runner.setup()
+        tls = self.cfg.server.tls
+        host = self.cfg.server.host
+        site = web.TCPSite(self.runner, host, self.cfg.http_port, ssl_context=ssl_context(tls) if tls else None)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.runner.cleanup()
+            raise OSError(f"HTTP API: cannot listen on {host}:{self.cfg.http_port} (--http-port): "
+                          f"{exc.strerror or exc}") from None
+        self.port = self.runner.addresses[0][1]
+        log.info("HTTP API (OpenAI-compatible) listening on port %d%s", self.port, " (TLS)" if tls else "")
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop taking connections; requests in flight get the drain grace to finish."""
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # ----- routes -------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_completion)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._check_serving()
+        self._client(request)
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_serving()
+        self._client(request)
+        self._served(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while serving; 503 while starting (no target worker yet) or draining. No token needed."""
+        self._check_serving()
+        return web.json_response({"status": "serving"})
+
+    # ----- a completion -------------------------------------------------------------------------
+    async def _complete(self, request: web.Request, parse: Parse) -> web.StreamResponse:
+        self._check_serving()
+        client = self._client(request)
+        parsed = parse(parse_json(await self._body(request)), request.headers.get("X-Request-Id", ""))
+        model = self._served(parsed.model)
+        with self.access.hold(client, parsed.n):
+            parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
+            try:  # all n validated and placed before anything runs or is sent
+                runs = [self.service.start(parsed.for_choice(i), parsed.timeout_s) for i in range(parsed.n)]
+            except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
+                raise from_domain(exc, parsed.params) from None
+            shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs)
+            choices = [Choice(i) for i in range(parsed.n)]
+            if parsed.stream:
+                return await self._stream(request, runs, choices, shapes, parsed)
+            try:
+                await _together([self._collect(run, choice) for run, choice in zip(runs, choices)])
+            except Exception as exc:  # noqa: BLE001
+                raise from_domain(exc, parsed.params) from None
+            return web.json_response(shapes.completion(choices), headers={"X-Request-Id": shapes.id})
+
+    async def _collect(self, run: Any, choice: Choice, queue: asyncio.Queue | None = None) -> None:
+        """Run one choice's request into ``choice``; streaming, each message also goes to ``queue``."""
+        async for msg in self.service.stream(run):
+            choice.add(msg)
+            if queue is not None:
+                queue.put_nowait((choice, msg))
+
+    async def _stream(self, request: web.Request, runs: list[Any], choices: list[Choice], shapes: Shapes,
+                      parsed: ParsedRequest) -> web.StreamResponse:
+        """Server-sent events: each choice's chunks as its rounds finish, the usage if asked, then ``[DONE]``.
+        A failure after the first byte is an ``error`` event (OpenAI's shape), then ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": shapes.id})
+        await response.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run_one(run: Any, choice: Choice) -> None:
+            try:
+                await self._collect(run, choice, queue)
+                queue.put_nowait((choice, None))
+            except Exception as exc:  # noqa: BLE001 - passed to the writer, which reports it in the stream
+                queue.put_nowait((choice, exc))
+
+        tasks = [asyncio.ensure_future(run_one(run, choice)) for run, choice in zip(runs, choices)]
+        try:
+            for choice in choices:
+                await _send(response, shapes.opening(choice.index))
+            finished = 0
+            while finished < len(tasks):
+                choice, item = await queue.get()
+                if item is None:
+                    finished += 1
+                elif isinstance(item, BaseException):
+                    await _send(response, from_domain(item, parsed.params).body())
+                    break
+                else:
+                    for chunk in shapes.chunks(choice, item):
+                        await _send(response, chunk)
+            else:
+                if parsed.include_usage:
+                    await _send(response, shapes.usage_chunk(choices))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        finally:  # a client gone (cancelled handler, failed write) or a failed choice: stop the rest
+            await _cancel(tasks)
+        return response
+
+    # ----- checks ---------------------------------------------------------------------------
+    def _check_serving(self) -> None:
+        server = self.service.server
+        if server.draining:
+            raise ApiError(503, "the coordinator is shutting down and takes no new work",
+                           kind="service_unavailable_error", code="draining")
+        if not server.serving:
+            raise ApiError(503, "the coordinator is starting (waiting for a target worker); retry shortly",
+                           kind="service_unavailable_error", code="starting")
+
+    def _client(self, request: web.Request) -> str:
+        """Who is calling, for the per-client budget: the bearer token's identity with auth on (else 401), or
+        the peer's address, as gRPC counts it."""
+        if self.access.auth is None:
+            return request.remote or ""
+        header = request.headers.get("Authorization")
+        identity = self.access.identify(header)
+        if identity is None:
+            message = ("this API needs a bearer token: send the header 'Authorization: Bearer <token>' (the openai "
+                       "client's api_key)" if not header else "the bearer token in 'Authorization' is not valid here")
+            raise ApiError(401, message, kind="authentication_error", code="invalid_api_key")
+        return identity
+
+    async def _body(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the request body is larger than this server takes ({self.cfg.max_request_bytes} "
+                                "bytes, --max-request-bytes)", code="request_too_large") from None
+
+    def _served(self, model: str | None) -> str:
+        """The served model's id; a request naming another is 404."""
+        served = self.service.target_model()
+        if model is not None and model != served:
+            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {served!r}",
+                           param="model", code="model_not_found")
+        return served
+
+    def _model_card(self) -> dict[str, Any]:
+        context = self.service.max_context
+        return {"id": self.service.target_model(), "object": "model", "created": self.started, "owned_by": "tandem",
+                "max_model_len": context, "context_length": context}
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+        """Every refusal in OpenAI's shape: ours, aiohttp's own (no such route, method), anything unexpected."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            error = exc
+        except web.HTTPException as exc:  # routing: 404 no such path, 405 method
+            if exc.status < 400:
+                raise
+            error = ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower()
+                             .replace(" ", "_"))
+        except Exception as exc:  # noqa: BLE001 - from_domain maps it; an unexpected one is a 500, logged with its id
+            error = from_domain(exc, where=request.path)
+        headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
+        return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def ssl_context(tls: ServerTLS) -> ssl.SSLContext:
+    """The coordinator's certificate (its gRPC port's); with a client CA, clients must present one it signed."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca is not None:
+        context.load_verify_locations(tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+async def _send(response: web.StreamResponse, event: dict[str, Any] | None) -> None:
+    if event is not None:
+        await response.write(b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
+                             + b"\n\n")
+
+
+async def _together(coros: list[Coroutine[Any, Any, None]]) -> None:
+    """Run all; the first failure cancels the others and is raised (as is a cancellation of the caller)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    """Cancel what still runs and wait for it (each request's loop releases its KV on the way out)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,152 @@
+"""OpenAI's response shapes, built from the service's stream messages (``GenerateStreamResponse``).
+
+A whole completion (``chat.completion`` / ``text_completion``) or its stream of
+chunks (``chat.completion.chunk``; completions stream ``text_completion``
+objects too), the usage, the log-probabilities in each endpoint's format, and
+Tandem's extension: each choice's ``tandem`` field holds its request's
+statistics (``GenerationStats``: drafted, accepted, rounds, method, ...) plus
+``acceptance`` (accepted / drafted).
+
+A token's text in log-probabilities is the token decoded alone (a byte-level
+token that ends inside a character shows U+FFFD there), and ``bytes`` its UTF-8.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from google.protobuf import json_format
+
+from tandem.v1 import common_pb2, generation_pb2
+
+
+class Choice:
+    """One choice's output as its messages arrive."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[common_pb2.TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stats: generation_pb2.GenerationStats | None = None
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts in this choice's text
+
+    def add(self, msg: generation_pb2.GenerateStreamResponse) -> None:
+        self.texts.append(msg.text)
+        self.token_ids.extend(msg.token_ids)
+        self.logprobs.extend(msg.logprobs)
+        if msg.finish_reason:
+            self.finish_reason = msg.finish_reason
+            self.stats = msg.stats
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class Shapes:
+    """The JSON objects of one request's reply (``chat``: the chat endpoint's; else the completions')."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, tokenizer: Any, logprobs: int | None) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs  # None: not asked
+        self._texts: dict[int, str] = {}  # token id -> its text alone, decoded once per request
+
+    # ----- whole -------------------------------------------------------------------
+    def completion(self, choices: list[Choice]) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            item: dict[str, Any] = {"index": c.index}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.text, "refusal": None}
+            else:
+                item["text"] = c.text
+            item["logprobs"] = self._logprobs(c, c.token_ids, c.logprobs)
+            item["finish_reason"] = c.finish_reason or "length"
+            item["tandem"] = tandem_stats(c.stats)
+            out.append(item)
+        return {**self._head(chat_object="chat.completion"), "choices": out, "usage": usage(choices)}
+
+    # ----- streamed ------------------------------------------------------------------
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """A chat choice's first chunk (the assistant's role, as OpenAI sends it first); None for completions."""
+        if not self.chat:
+            return None
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def chunks(self, choice: Choice, msg: generation_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
+        """The chunks of one stream message of ``choice`` (added to it already): its text, then its end."""
+        out = []
+        asked = self.logprobs is not None
+        if msg.text or (asked and msg.token_ids):  # tokens with no text yet still bring their logprobs
+            logprobs = self._logprobs(choice, list(msg.token_ids), list(msg.logprobs)) if asked else None
+            body = {"delta": {"content": msg.text}} if self.chat else {"text": msg.text}
+            out.append(self._chunk({"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}))
+        if msg.finish_reason:
+            body = {"delta": {}} if self.chat else {"text": ""}
+            out.append(self._chunk({"index": choice.index, **body, "logprobs": None,
+                                    "finish_reason": msg.finish_reason, "tandem": tandem_stats(msg.stats)}))
+        return out
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        """``stream_options.include_usage``: the last chunk, with no choices."""
+        return {**self._head(), "choices": [], "usage": usage(choices)}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head(), "choices": [choice]}
+
+    def _head(self, chat_object: str = "chat.completion.chunk") -> dict[str, Any]:
+        kind = chat_object if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    # ----- log-probabilities ---------------------------------------------------------------
+    def _logprobs(self, choice: Choice, token_ids: list[int],
+                  scores: list[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._token(t, s.logprob),
+                                 "top_logprobs": [self._token(i, lp) for i, lp in zip(s.top_ids, s.top_logprobs)]}
+                                for t, s in zip(token_ids, scores)], "refusal": None}
+        offsets = []
+        for t in token_ids:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(self._text(t))
+        return {"tokens": [self._text(t) for t in token_ids], "token_logprobs": [s.logprob for s in scores],
+                "top_logprobs": [{self._text(i): lp for i, lp in zip(s.top_ids, s.top_logprobs)} for s in scores]
+                if self.logprobs else None,
+                "text_offset": offsets}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def usage(choices: list[Choice]) -> dict[str, int]:
+    """OpenAI's usage: the prompt once (every choice has the same), the completions of all choices."""
+    prompt = next((c.stats.prompt_tokens for c in choices if c.stats is not None), 0)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def tandem_stats(stats: generation_pb2.GenerationStats | None) -> dict[str, Any] | None:
+    """Tandem's extension field: a choice's speculation statistics (``acceptance``: accepted / drafted)."""
+    if stats is None:
+        return None
+    out = json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    out["acceptance"] = stats.acceptance_rate
+    return out

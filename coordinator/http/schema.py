@@ -1,0 +1,359 @@
+"""An OpenAI request body, checked and turned into the service's own request (``tandem.v1.GenerateRequest``).
+
+Only what is about JSON is checked here: types, the shape of ``messages`` and
+``prompt``, ranges a proto field cannot hold, and which fields Tandem honours.
+Everything else (sampling values, token ids, lengths against the model's
+context, the server's limits, speculation options) is the service's own
+validation, the one the gRPC API runs (coordinator/service.py); its messages
+are renamed to these fields by ``errors.from_domain``.
+
+A field Tandem cannot honour is refused with a 400 that names it, never
+ignored: tools, response formats, penalties, logit biases, ``echo``... A
+neutral value (``presence_penalty: 0``, ``tools: []``, ``response_format:
+{"type": "text"}``, ``null`` for any optional field) asks for nothing and is
+taken, since SDKs send some of them by default. An unknown field is refused
+too: the official clients send only what their user set.
+
+Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
+1 (sampling), ``top_p`` 1. ``max_tokens`` left out is the coordinator's
+``--max-new-tokens``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.http.errors import ApiError, bad_field, unsupported
+from tandem.v1 import generation_pb2
+
+MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
+MAX_STOP_STRINGS = 4  # as OpenAI
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling (the gRPC API's default is greedy)
+
+
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == v for v in values)
+
+
+# Fields Tandem cannot honour, and the values that ask for nothing (taken as if absent).
+UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": _neutral(0),
+    "frequency_penalty": _neutral(0),
+    "logit_bias": _neutral({}),
+}
+UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "tools": _neutral([]),
+    "tool_choice": _neutral("none"),
+    "functions": _neutral([]),
+    "function_call": _neutral("none"),
+    "parallel_tool_calls": _neutral(),
+    "response_format": _neutral({"type": "text"}),
+    "audio": _neutral(),
+    "modalities": _neutral(["text"]),
+    "prediction": _neutral(),
+    "reasoning_effort": _neutral(),
+    "web_search_options": _neutral(),
+    "store": _neutral(False),
+    "metadata": _neutral({}),
+    "service_tier": _neutral("auto", "default"),
+}
+UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    "echo": _neutral(False),
+    "suffix": _neutral(""),
+}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A checked request: the service's request for its first choice, and what the HTTP edge does around it."""
+
+    chat: bool
+    request: generation_pb2.GenerateRequest
+    model: str | None  # None: the served model
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    logprobs: int | None = None  # alternatives per token asked (0: the tokens' own only); None: no logprobs
+    timeout_s: float | None = None  # tandem.timeout_s: the deadline of every worker call made for it
+    params: dict[str, str] = field(default_factory=dict)  # the service's field names -> this request's
+
+    def for_choice(self, index: int) -> generation_pb2.GenerateRequest:
+        """Choice ``index``'s request: seeded requests take seed + index, so their samples differ and repeat."""
+        if index == 0 or not self.request.sampling.HasField("seed"):
+            return self.request
+        request = generation_pb2.GenerateRequest()
+        request.CopyFrom(self.request)
+        request.sampling.seed = (self.request.sampling.seed + index) % 2**64
+        return request
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object: UTF-8 only, no NaN or Infinity literals (not JSON), else 400."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting a RecursionError
+        raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_kind(data)}")
+    return data
+
+
+def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
+    body = _Fields(data)
+    parsed = _common(body, chat=True, request_id=request_id)
+    request = parsed.request
+    for role, content, name in _messages(body.take("messages")):
+        request.messages.messages.add(role=role, content=content, name=name)
+    max_tokens, max_completion = body.integer("max_tokens", 1, INT32_MAX), body.integer(
+        "max_completion_tokens", 1, INT32_MAX)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise bad_field("max_completion_tokens", f"{max_completion} differs from max_tokens {max_tokens}: give one")
+    request.stopping.max_new_tokens = max_completion or max_tokens or 0
+    parsed.params.update({"prompt": "messages", "text": "messages", "logprobs": "top_logprobs",
+                          "stopping.max_new_tokens": "max_tokens" if max_completion is None else
+                          "max_completion_tokens"})
+    wanted, top = body.boolean("logprobs"), body.integer("top_logprobs", 0, INT32_MAX)
+    if top is not None and not wanted:
+        raise bad_field("top_logprobs", "needs logprobs: true")
+    if wanted:
+        parsed.logprobs = request.sampling.logprobs = top or 0
+    body.refuse(UNSUPPORTED_CHAT)
+    body.finish()
+    return parsed
+
+
+def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
+    body = _Fields(data)
+    parsed = _common(body, chat=False, request_id=request_id)
+    request = parsed.request
+    prompt = _prompt(body.take("prompt"))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    request.stopping.max_new_tokens = body.integer("max_tokens", 1, INT32_MAX) or 0
+    logprobs = body.integer("logprobs", 0, INT32_MAX)
+    if logprobs is not None:
+        parsed.logprobs = request.sampling.logprobs = logprobs
+    best_of = body.integer("best_of", 1, INT32_MAX)
+    if best_of is not None and best_of != parsed.n:
+        raise unsupported("best_of", " unless it equals n (each choice is one sample)")
+    body.refuse(UNSUPPORTED_COMPLETION)
+    body.finish()
+    return parsed
+
+
+# ----- the parts --------------------------------------------------------------------------
+def _common(body: _Fields, chat: bool, request_id: str) -> ParsedRequest:
+    """The fields both endpoints take."""
+    request = generation_pb2.GenerateRequest(request_id=request_id)
+    parsed = ParsedRequest(chat, request, body.string("model"))
+    parsed.n = body.integer("n", 1, MAX_CHOICES) or 1
+    parsed.stream = bool(body.boolean("stream"))
+    options = body.take("stream_options")
+    if options is not None:
+        if not parsed.stream:
+            raise bad_field("stream_options", "only with stream: true")
+        options = _Fields(_object("stream_options", options), "stream_options.")
+        parsed.include_usage = bool(options.boolean("include_usage"))
+        options.finish()
+    sampling = request.sampling
+    temperature = body.number("temperature")
+    sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    top_p = body.number("top_p")
+    if top_p is not None:
+        # On the wire 0 means "unset" (1): a top_p that is or rounds to 0 must not become 1 in silence.
+        if not ctypes.c_float(top_p).value > 0:
+            raise bad_field("top_p", f"must be in (0, 1], got {top_p}")
+        sampling.top_p = top_p
+    seed = body.integer("seed", *SEED_RANGE)
+    if seed is not None:
+        sampling.seed = seed % 2**64
+    stop = body.take("stop")
+    strings = [stop] if isinstance(stop, str) else stop
+    if strings is not None:
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise bad_field("stop", f"a string or a list of strings, got {_kind(stop)}")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise bad_field("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        request.stopping.stop_strings.extend(strings)
+    body.string("user")  # an end user's id for the caller's own records: taken, used for nothing
+    _extension(body.take("tandem"), request, parsed)
+    body.refuse(UNSUPPORTED_COMMON)
+    return parsed
+
+
+def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:
+    """``tandem``: the gRPC API's own options (speculation, top_k, stop token ids, ignore_eos, a deadline)."""
+    if value is None:
+        return
+    ext = _Fields(_object("tandem", value), "tandem.")
+    spec = request.speculation
+    spec.method = ext.string("method") or ""
+    k = ext.integer("k", 0, INT32_MAX)
+    if k is not None:
+        spec.k = k
+    spec.fixed_k = bool(ext.boolean("fixed_k"))
+    spec.disable_pipelining = ext.boolean("pipelining") is False
+    spec.tree = ext.string("tree") or ""
+    request.sampling.top_k = ext.integer("top_k", 0, INT32_MAX) or 0
+    request.stopping.ignore_eos = bool(ext.boolean("ignore_eos"))
+    ids = ext.take("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids):
+            raise bad_field("tandem.stop_token_ids", "a list of token ids (integers >= 0)")
+        request.stopping.stop_token_ids.extend(ids)
+    timeout = ext.number("timeout_s")
+    if timeout is not None and timeout <= 0:
+        raise bad_field("tandem.timeout_s", f"must be a positive number of seconds, got {timeout}")
+    parsed.timeout_s = timeout
+    ext.finish()
+
+
+def _messages(value: Any) -> list[tuple[str, str, str]]:
+    """(role, content, name) per turn; content given as text parts is joined with newlines."""
+    if value is None:
+        raise bad_field("messages", "required: the conversation, a list of {role, content} objects")
+    if not isinstance(value, list) or not value:
+        raise bad_field("messages", f"a non-empty list of {{role, content}} objects, got {_kind(value)}")
+    turns = []
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        turn = _Fields(_object(where, item), f"{where}.")
+        role = turn.string("role")
+        if role is None:
+            raise bad_field(f"{where}.role", "required")
+        if role not in ROLE_NAMES:
+            if role in ("tool", "function"):
+                raise unsupported(f"{where}.role", f" ({role!r}: Tandem has no tool calls)")
+            raise bad_field(f"{where}.role", f"one of {', '.join(ROLE_NAMES)}, got {role!r}")
+        content = _content(where, turn.take("content"))
+        name = turn.string("name") or ""
+        turn.refuse({"tool_calls": _neutral([]), "function_call": _neutral(), "refusal": _neutral(),
+                     "audio": _neutral()})
+        turn.finish()
+        turns.append((ROLE_NAMES[role], content, name))
+    return turns
+
+
+def _content(where: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_field(f"{where}.content", f"a string or a list of text parts, got {_kind(value)}")
+    texts = []
+    for j, item in enumerate(value):
+        part = _Fields(_object(f"{where}.content[{j}]", item), f"{where}.content[{j}].")
+        kind = part.string("type")
+        if kind != "text":
+            raise unsupported(f"{where}.content[{j}].type", f" ({kind!r}: text parts only)")
+        text = part.string("text")
+        if text is None:
+            raise bad_field(f"{where}.content[{j}].text", "required")
+        part.finish()
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string, or token ids, or a list holding one of either."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        if not all(0 <= t <= INT32_MAX for t in value):
+            raise bad_field("prompt", "token ids must be integers >= 0")
+        return value
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise bad_field("prompt", f"one prompt per request, got {len(value)}; send one request per prompt")
+    if value is None:
+        raise bad_field("prompt", "required: a string, or a list of token ids")
+    raise bad_field("prompt", f"a string, or a list of token ids, got {_kind(value)}")
+
+
+# ----- JSON values ---------------------------------------------------------------------
+class _Fields:
+    """An object's fields, taken one by one with their types checked; ``finish`` refuses what is left."""
+
+    def __init__(self, data: dict[str, Any], prefix: str = "") -> None:
+        self.data = dict(data)
+        self.prefix = prefix
+
+    def take(self, key: str) -> Any:
+        return self.data.pop(key, None)  # null is absent: the default
+
+    def string(self, key: str) -> str | None:
+        value = self.take(key)
+        if value is not None and not isinstance(value, str):
+            raise bad_field(self.prefix + key, f"a string, got {_kind(value)}")
+        return value
+
+    def boolean(self, key: str) -> bool | None:
+        value = self.take(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_field(self.prefix + key, f"true or false, got {_kind(value)}")
+        return value
+
+    def integer(self, key: str, low: int, high: int) -> int | None:
+        """An integer in ``low..high``."""
+        value = self.take(key)
+        if value is None:
+            return None
+        if not _is_int(value):
+            raise bad_field(self.prefix + key, f"an integer, got {_kind(value)}")
+        if not low <= value <= high:
+            raise bad_field(self.prefix + key, f"must be in {low}..{high}, got {value}")
+        return value
+
+    def number(self, key: str) -> float | None:
+        value = self.take(key)
+        if value is None:
+            return None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad_field(self.prefix + key, f"a number, got {_kind(value)}")
+        if not math.isfinite(value) or abs(value) > 3.4e38:  # beyond float32 (the wire's) is not a value
+            raise bad_field(self.prefix + key, f"must be a finite number, got {value}")
+        return float(value)
+
+    def refuse(self, fields: dict[str, Callable[[Any], bool]]) -> None:
+        """Fields Tandem cannot honour: refused unless they ask for nothing."""
+        for key, neutral in fields.items():
+            if key in self.data and not neutral(self.data.pop(key)):
+                raise unsupported(self.prefix + key)
+
+    def finish(self) -> None:
+        if self.data:
+            key = next(iter(self.data))
+            raise ApiError(400, f"{self.prefix}{key}: unknown field", self.prefix + key, code="unknown_parameter")
+
+
+def _object(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise bad_field(where, f"an object, got {_kind(value)}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")

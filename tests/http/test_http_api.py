@@ -1,0 +1,412 @@
+"""The OpenAI-compatible HTTP API over a scripted target (tests/http/harness.py): shapes, the wire, the guards.
+
+The official ``openai`` client where it applies (it parses what OpenAI sends), raw HTTP where the bytes
+matter. Everything runs in one event loop: the coordinator, its HTTP server and the clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tests.coordinator.inprocess import tiny_tokenizer
+from tests.http.harness import LOGPROB, MODEL, TOKENS, http_coordinator
+
+TEXT = "&(*,"  # TOKENS as the tiny tokenizer spells them: one character each
+TOKEN = "tok-a-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def client(running, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=running.url, api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+async def post(url: str, body, headers=None, raw: bool = False) -> tuple[int, dict]:
+    data = body if raw else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session, session.post(url, data=data, headers=headers) as reply:
+        return reply.status, await reply.json(content_type=None)
+
+
+# ----- completions, whole and streamed -------------------------------------------------------------------------
+
+def test_chat_completion_through_the_openai_client(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            reply = await client(running).chat.completions.create(
+                model=MODEL, messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                max_tokens=4, temperature=0)
+            choice = reply.choices[0]
+            assert choice.message.content == TEXT and choice.message.role == "assistant"
+            assert choice.finish_reason == "length" and reply.model == MODEL and reply.object == "chat.completion"
+            # the whole conversation went through the chat template: system turn, user turn, generation prompt
+            prompt = list(tokenizer.apply_chat_template(
+                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                add_generation_prompt=True, tokenize=True)["input_ids"])
+            assert running.target.prompts[-1] == prompt
+            usage = reply.usage
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(prompt), 4,
+                                                                                          len(prompt) + 4)
+            stats = choice.model_extra["tandem"]  # the extension field, per choice
+            assert stats["generated_tokens"] == 4 and stats["rounds"] == 3 and "acceptance" in stats
+            assert not running.target.live  # every sequence released
+    run(go())
+
+
+def test_completions_take_text_token_ids_and_a_list_of_one(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            for prompt in ("hello", [5, 6, 7], ["hello"], [[5, 6, 7]]):
+                reply = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+                assert reply.choices[0].text == TEXT[:3] and reply.object == "text_completion"
+            assert running.target.prompts[-1] == [5, 6, 7] and running.target.prompts[0] == tokenizer.encode("hello")
+    run(go())
+
+
+def test_streamed_chat_reassembles_and_ends_with_usage(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            stream = await client(running).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+                stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == TEXT
+            ends = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert len(ends) == 1 and ends[0].choices[0].finish_reason == "length"
+            assert ends[0].choices[0].model_extra["tandem"]["generated_tokens"] == 4
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+            assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+    run(go())
+
+
+def test_sse_wire_format_line_by_line(tokenizer):
+    """The bytes: each event one ``data: <json>`` line and a blank line; [DONE] last; OpenAI's chunk fields."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            async with aiohttp.ClientSession() as session, session.post(
+                    running.url + "/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True}) as reply:
+                assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/event-stream")
+                raw = (await reply.read()).decode()
+        assert raw.endswith("data: [DONE]\n\n")
+        events = raw.split("\n\n")
+        assert events[-1] == "" and events[-2] == "data: [DONE]"
+        chunks = []
+        for event in events[:-2]:
+            assert event.startswith("data: ") and "\n" not in event, event
+            chunks.append(json.loads(event[len("data: "):]))
+        text = ""
+        for chunk in chunks:
+            assert set(chunk) == {"id", "object", "created", "model", "system_fingerprint", "choices"}
+            assert chunk["object"] == "text_completion" and chunk["id"].startswith("cmpl-")
+            [choice] = chunk["choices"]
+            text += choice["text"]
+        assert text == TEXT and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    run(go())
+
+
+def test_n_choices_are_indexed_and_counted(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            reply = await api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=3, n=3)
+            assert [c.index for c in reply.choices] == [0, 1, 2]
+            assert all(c.message.content == TEXT[:3] for c in reply.choices)
+            assert reply.usage.completion_tokens == 9 and running.target.calls["Prefill"] == 3
+            stream = await api.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2, stream=True)
+            texts = {0: "", 1: ""}
+            async for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+            assert texts == {0: TEXT[:2], 1: TEXT[:2]}
+    run(go())
+
+
+def test_logprobs_in_each_endpoints_format(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            reply = await api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=3, logprobs=True, top_logprobs=2)
+            content = reply.choices[0].logprobs.content
+            assert [c.token for c in content] == list(TEXT[:3]) and all(c.logprob == LOGPROB for c in content)
+            assert [t.token for t in content[0].top_logprobs] == ["&", '"'] and content[0].bytes == [ord("&")]
+            reply = await api.completions.create(model=MODEL, prompt="hi", max_tokens=3, logprobs=1)
+            lp = reply.choices[0].logprobs
+            assert lp.tokens == list(TEXT[:3]) and lp.token_logprobs == [LOGPROB] * 3
+            assert lp.top_logprobs == [{"&": LOGPROB}, {"(": LOGPROB}, {"*": LOGPROB}] and lp.text_offset == [0, 1, 2]
+            stream = await api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=3, logprobs=True, stream=True)
+            streamed = [t.token async for chunk in stream for c in chunk.choices if c.logprobs
+                        for t in c.logprobs.content]
+            assert streamed == list(TEXT[:3])
+            plain = await api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2)
+            assert plain.choices[0].logprobs is None
+    run(go())
+
+
+def test_models_and_health(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            models = await client(running).models.list()
+            assert [m.id for m in models.data] == [MODEL] and models.data[0].model_extra["max_model_len"] == 64
+            async with aiohttp.ClientSession() as session:
+                async with session.get(running.root + "/health") as reply:
+                    assert reply.status == 200
+                async with session.get(running.url + "/models/" + MODEL) as reply:
+                    assert reply.status == 200 and (await reply.json())["id"] == MODEL
+    run(go())
+
+
+def test_messages_reach_grpc_too(tokenizer):
+    """The gRPC API takes a conversation (ChatMessages) through the same template."""
+    from tandem.rpc.tls import open_channel
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            async with open_channel(running.grpc_address, None, aio=True) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                request = generation_pb2.GenerateRequest(stopping=generation_pb2.StoppingOptions(max_new_tokens=2))
+                request.messages.messages.add(role="system", content="a")
+                request.messages.messages.add(role="user", content="b")
+                reply = await stub.Generate(request)
+                assert reply.text == TEXT[:2] and running.target.prompts[-1] == [0, 39, 0, 39, 4]
+    run(go())
+
+
+# ----- refusals ----------------------------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("change,param,status", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
+    ({"response_format": {"type": "json_object"}}, "response_format", 400),
+    ({"presence_penalty": 0.5}, "presence_penalty", 400),
+    ({"logit_bias": {"5": 10}}, "logit_bias", 400),
+    ({"frobnicate": 1}, "frobnicate", 400),
+    ({"n": 0}, "n", 400),
+    ({"n": 17}, "n", 400),
+    ({"temperature": "hot"}, "temperature", 400),
+    ({"temperature": -1}, "temperature", 400),  # the service's own check, named as this field
+    ({"top_p": 0}, "top_p", 400),
+    ({"max_tokens": -1}, "max_tokens", 400),
+    ({"max_tokens": 100}, "max_tokens", 400),  # the context (64) is the service's to check
+    ({"max_completion_tokens": 100, "max_tokens": None}, "max_completion_tokens", 400),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+    ({"stop": ""}, "stop", 400),
+    ({"messages": []}, "messages", 400),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type", 400),
+    ({"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages[0].mood", 400),
+    ({"top_logprobs": 2}, "top_logprobs", 400),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
+    ({"stream_options": {"include_usage": True}}, "stream_options", 400),
+    ({"tandem": {"k": 99}}, "tandem.k", 400),
+    ({"tandem": {"method": "medusa"}}, "tandem.method", 400),
+    ({"tandem": {"warp": 9}}, "tandem.warp", 400),
+    ({"seed": 2**64}, "seed", 400),
+    ({"model": "gpt-4o"}, "model", 404),
+])
+def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(tokenizer, change, param, status):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/chat/completions", {**CHAT, **change})
+            assert code == status, body
+            error = body["error"]
+            assert error["param"] == param and param in error["message"] and error["type"], body
+            assert not running.target.calls["Prefill"]  # refused before any worker was called
+    run(go())
+
+
+@pytest.mark.parametrize("change,param", [
+    ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": None}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, 99]}, "prompt"),
+    ({"suffix": "x"}, "suffix"), ({"logprobs": 30}, "logprobs"),
+])
+def test_completion_fields_refused(tokenizer, change, param):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2, **change})
+            assert code == 400 and body["error"]["param"] == param, body
+    run(go())
+
+
+def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):
+    """What SDKs send by default asks for nothing: accepted as if absent."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/chat/completions", {
+                **CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": None, "tools": [],
+                "response_format": {"type": "text"}, "n": 1, "stream": False, "user": "u-1", "seed": None})
+            assert code == 200, body
+    run(go())
+
+
+@pytest.mark.parametrize("body", [b"{", b"\xff\xfe{}", b'{"messages": NaN}', b"[1, 2]", b"", b'"text"',
+                                  b"[" * 100_000])
+def test_malformed_bodies_are_400_in_openai_shape(tokenizer, body):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, reply = await post(running.url + "/chat/completions", body, raw=True)
+            assert code == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    run(go())
+
+
+def test_size_limits_are_413(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, max_request_bytes=4096, max_prompt_tokens=10) as running:
+            code, body = await post(running.url + "/completions", {"prompt": "x" * 5000})
+            assert code == 413 and body["error"]["code"] == "request_too_large"
+            code, body = await post(running.url + "/completions", {"prompt": "x" * 20, "max_tokens": 2})
+            assert code == 413 and body["error"]["code"] == "context_length_exceeded"
+            assert body["error"]["param"] == "prompt"
+    run(go())
+
+
+def test_routes_and_methods_that_do_not_exist_answer_in_openai_shape(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running, aiohttp.ClientSession() as session:
+            async with session.post(running.url + "/embeddings", json={}) as reply:
+                assert reply.status == 404 and "error" in await reply.json()
+            async with session.get(running.url + "/chat/completions") as reply:
+                assert reply.status == 405 and "error" in await reply.json()
+    run(go())
+
+
+# ----- auth, limits, lifecycle ------------------------------------------------------------------------------------
+
+def test_bearer_tokens_as_grpc(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, tokens=(TOKEN,)) as running:
+            with pytest.raises(openai.AuthenticationError) as refused:
+                await client(running, api_key="wrong-token-0123456789").chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert "not valid" in str(refused.value) and "wrong-token" not in str(refused.value)
+            code, body = await post(running.url + "/completions", {"prompt": "hi"})
+            assert code == 401 and "Authorization: Bearer" in body["error"]["message"]
+            reply = await client(running, api_key=TOKEN).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert reply.choices[0].message.content == TEXT[:2]
+            with pytest.raises(openai.AuthenticationError):
+                await client(running, api_key="wrong-token-0123456789").models.list()
+            async with aiohttp.ClientSession() as session, session.get(running.root + "/health") as health:
+                assert health.status == 200  # probes need no token
+    run(go())
+
+
+def test_per_client_concurrency_is_one_budget_with_429(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, max_concurrent_per_client=2) as running:
+            running.target.gate.clear()  # hold every request in its first round
+            first = asyncio.ensure_future(post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2}))
+            while not running.target.live:
+                await asyncio.sleep(0.01)
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})
+            assert code == 429 and body["error"]["type"] == "rate_limit_error", body
+            running.target.gate.set()
+            code, _ = await first
+            assert code == 200
+            code, _ = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})
+            assert code == 200  # the budget is free again
+    run(go())
+
+
+def test_503_while_starting_and_while_draining(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, serve=False) as running:
+            async with aiohttp.ClientSession() as session, session.get(running.root + "/health") as reply:
+                assert reply.status == 503 and (await reply.json())["error"]["code"] == "starting"
+                assert reply.headers["Retry-After"] == "1"
+            code, body = await post(running.url + "/completions", {"prompt": "hi"})
+            assert code == 503 and body["error"]["code"] == "starting"
+        async with http_coordinator(tokenizer) as running:
+            running.server.draining = True
+            code, body = await post(running.url + "/completions", {"prompt": "hi"})
+            assert code == 503 and body["error"]["code"] == "draining"
+    run(go())
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_kv(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            running.target.gate.clear()
+            async with aiohttp.ClientSession() as session:
+                reply = await session.post(running.url + "/completions",
+                                           json={"prompt": "hi", "max_tokens": 8, "stream": True, "n": 2})
+                await reply.content.readline()  # the stream has started
+                while len(running.target.live) < 2:
+                    await asyncio.sleep(0.01)
+                reply.close()  # gone, mid-stream
+            for _ in range(200):
+                if not running.target.live:
+                    break
+                await asyncio.sleep(0.02)
+            assert not running.target.live and running.target.calls["Release"] == 2
+            running.target.gate.set()
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 3})
+            assert code == 200 and body["choices"][0]["text"] == TEXT[:3]
+    run(go())
+
+
+def test_a_deadline_in_the_extension_is_504(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            running.target.gate.clear()
+            code, body = await post(running.url + "/completions",
+                                    {"prompt": "hi", "max_tokens": 4, "tandem": {"timeout_s": 0.2}})
+            assert code == 504 and body["error"]["code"] == "timeout", body
+            running.target.gate.set()
+    run(go())
+
+
+def test_seeded_choices_get_seeds_of_their_own(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            captured = []
+            start = running.service.start
+
+            def spy(request, remaining):
+                captured.append((request.sampling.seed, request.sampling.temperature))
+                return start(request, remaining)
+            running.service.start = spy
+            code, _ = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2, "n": 3, "seed": 5})
+            assert code == 200 and [s for s, _ in captured] == [5, 6, 7]
+            captured.clear()
+            await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2})
+            assert captured == [(0, 1.0)]  # OpenAI's default temperature: sampling
+    run(go())
+
+
+def test_logprob_of_target_reaches_grpc_generate(tokenizer):
+    """The gRPC API carries them too (sampling.logprobs), one per token."""
+    from tandem.rpc.tls import open_channel
+
+    async def go():
+        async with http_coordinator(tokenizer) as running, open_channel(running.grpc_address, None,
+                                                                        aio=True) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(text="hi", stopping=generation_pb2.StoppingOptions(
+                max_new_tokens=3))
+            request.sampling.logprobs = 1
+            reply = await stub.Generate(request)
+            assert [lp.logprob for lp in reply.logprobs] == [LOGPROB] * 3 and list(reply.token_ids) == list(
+                TOKENS[:3])
+    run(go())
