@@ -39,7 +39,9 @@ def shared_cluster(smollm2_dir, tmp_path_factory) -> Iterator[LocalCluster]:
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=8192,
                        target_replicas=2, draft_replicas=2, worker_threads=1,
                        log_dir=tmp_path_factory.mktemp("shared-cluster-logs"), pipelining=True,
-                       worker_args=("--host", "127.0.0.1"), coordinator_args=("--host", "127.0.0.1"),
+                       worker_args=("--host", "127.0.0.1"),
+                       # The OpenAI-compatible HTTP API too, so that its tests share this cluster.
+                       coordinator_args=("--host", "127.0.0.1", "--http-port", "0"),
                        # A full-precision draft equal to the target: every draft is accepted, which tests assert.
                        draft_args=("--quantization", "none", "--vocab", "0"))
     with LocalCluster(spec) as running:
