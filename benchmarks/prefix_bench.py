@@ -86,6 +86,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
     write_markdown,
 )
+from tandem.tokenizer import encode_messages  # noqa: E402
 
 NAME = "prefix_bench"
 QUICK_MODEL = "smollm2"
@@ -108,21 +109,22 @@ class Config:
 
     name: str
     replicas: int
-    worker_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # every worker's (draft replicas too)
+    target_args: tuple[str, ...] = ()  # the target workers' only (chunked prefill is a target's)
     placement: str = "prefix"
     workloads: bool = True
     scenario: bool = False  # the chunked-prefill scenario, after the workloads
 
 
 def configs(chunk_tokens: int | None) -> dict[str, Config]:
-    """Every configuration; ``chunk_tokens`` (None: the workers' default) goes to every cache-on worker."""
+    """Every configuration; ``chunk_tokens`` (None: the workers' default) goes to every target but no-chunking's."""
     chunk = ("--prefill-chunk-tokens", str(chunk_tokens)) if chunk_tokens is not None else ()
     return {c.name: c for c in (
-        Config("cache-off", 2, ("--no-prefix-caching", *chunk), placement="load"),
-        Config("cache-on+load", 2, chunk, placement="load"),
-        Config("cache-on+prefix", 2, chunk, placement="prefix"),
-        Config("one-replica", 1, chunk, scenario=True),
-        Config("no-chunking", 1, ("--prefill-chunk-tokens", "0"), workloads=False, scenario=True),
+        Config("cache-off", 2, ("--no-prefix-caching",), chunk, placement="load"),
+        Config("cache-on+load", 2, (), chunk, placement="load"),
+        Config("cache-on+prefix", 2, (), chunk, placement="prefix"),
+        Config("one-replica", 1, (), chunk, scenario=True),
+        Config("no-chunking", 1, (), ("--prefill-chunk-tokens", "0"), workloads=False, scenario=True),
     )}
 
 
@@ -247,12 +249,6 @@ class TextPool:
         return ids[:tokens]
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation in the target's chat template, ready for the assistant's turn."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 @dataclass(slots=True)
 class Workloads:
     """What every configuration sends: fixed text (the chat's later prompts add the answers it gets)."""
@@ -268,16 +264,17 @@ class Workloads:
 
 def build_workloads(pool: TextPool, tokenizer: Any, args: argparse.Namespace) -> Workloads:
     # Each chat turn adds its user message and an answer of --answer-tokens; the template adds a few per message.
-    overhead = len(chat_ids(tokenizer, [{"role": "user", "content": "x"}]))
+    overhead = len(encode_messages(tokenizer, [{"role": "user", "content": "x"}]))
     per_turn = max(8, (args.chat_tokens - overhead - (args.chat_turns - 1) * (args.answer_tokens + 6))
                    // args.chat_turns)
     chat_turns = [pool.take(CHAT_CATEGORIES, per_turn) for _ in range(args.chat_turns)]
     document = pool.take(DOC_CATEGORIES, args.sample_prompt_tokens)
-    sample_prompt = chat_ids(tokenizer, [{"role": "user", "content": document + "\n\nWhat is this text about?"}])
+    sample_prompt = encode_messages(tokenizer, [{"role": "user",
+                                                 "content": document + "\n\nWhat is this text about?"}])
     system = pool.take(DOC_CATEGORIES, args.system_tokens)
     questions = [pool.take(QUESTION_CATEGORIES, 64) for _ in range(args.questions)]
     probe = pool.take_ids(PROBE_CATEGORIES, args.probe_tokens)
-    streams = [chat_ids(tokenizer, [{"role": "user", "content": pool.take(QUESTION_CATEGORIES, 48)}])
+    streams = [encode_messages(tokenizer, [{"role": "user", "content": pool.take(QUESTION_CATEGORIES, 48)}])
                for _ in range(args.streams)]
     long_prompt = pool.take_ids(PROBE_CATEGORIES, args.long_prompt_tokens)
     return Workloads(chat_turns, sample_prompt, system, questions, probe, streams, long_prompt)
@@ -320,7 +317,7 @@ def run_chat(client: Any, tokenizer: Any, w: Workloads, args: argparse.Namespace
     rows, messages = [], []
     for turn, user in enumerate(w.chat_turns):
         messages.append({"role": "user", "content": user})
-        row = stream_one(client, request(chat_ids(tokenizer, messages), args.method, args.k, args.answer_tokens))
+        row = stream_one(client, request(encode_messages(tokenizer, messages), args.method, args.k, args.answer_tokens))
         messages.append({"role": "assistant", "content": row["text"]})
         rows.append({"turn": turn + 1, **row})
     return rows
@@ -335,7 +332,8 @@ def run_samples(client: Any, w: Workloads, args: argparse.Namespace) -> list[dic
 def run_system(client: Any, tokenizer: Any, w: Workloads, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for i, question in enumerate(w.questions):
-        ids = chat_ids(tokenizer, [{"role": "system", "content": w.system}, {"role": "user", "content": question}])
+        ids = encode_messages(tokenizer, [{"role": "system", "content": w.system},
+                                          {"role": "user", "content": question}])
         rows.append({"question": i, **stream_one(client, request(ids, args.method, args.k, args.answer_tokens))})
     return rows
 
@@ -531,9 +529,11 @@ def run_config(config: Config, w: Workloads, tokenizer: Any, args: argparse.Name
     uses_draft = args.method in ("draft", "hybrid") and config.workloads
     spec = ClusterSpec(target=args.target, draft=args.draft if uses_draft else None, target_replicas=config.replicas,
                        dtype=args.dtype, worker_threads=args.worker_threads, kv_cache_tokens=args.kv_cache_tokens,
-                       worker_args=config.worker_args, coordinator_args=("--placement", config.placement),
+                       worker_args=config.worker_args, target_args=config.target_args,
+                       coordinator_args=("--placement", config.placement),
                        log_dir=workdir / config.name)
-    out: dict[str, Any] = {"config": config.name, "replicas": config.replicas, "worker_args": list(config.worker_args),
+    out: dict[str, Any] = {"config": config.name, "replicas": config.replicas,
+                           "worker_args": [*config.worker_args, *config.target_args],
                            "placement": config.placement, "workloads": {}, "scenario": None}
     print(f"{config.name}: starting {config.replicas} x {args.target}"
           + (f" + {args.draft} draft" if uses_draft else ""), file=sys.stderr)

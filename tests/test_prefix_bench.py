@@ -102,16 +102,17 @@ def test_quick_defaults_and_the_configurations_chosen():
     full = prefix_bench.resolve_args([])
     assert full.target == "qwen-coder-1.5b" and full.chat_turns == 10 and full.probe_tokens == 2000
     table = prefix_bench.configs(256)
-    assert table["cache-off"].worker_args == ("--no-prefix-caching", "--prefill-chunk-tokens", "256")
+    assert table["cache-off"].worker_args == ("--no-prefix-caching",)  # drafts too
+    assert table["cache-off"].target_args == ("--prefill-chunk-tokens", "256")  # a target's flag only
     assert table["cache-off"].placement == "load" and table["cache-on+prefix"].placement == "prefix"
-    assert table["no-chunking"].worker_args == ("--prefill-chunk-tokens", "0")
+    assert table["no-chunking"].target_args == ("--prefill-chunk-tokens", "0")
     with pytest.raises(SystemExit):
         prefix_bench.resolve_args(["--configs", "cache-sideways"])
 
 
 @needs_smollm2
 def test_workloads_grow_the_chat_to_its_target_and_share_no_text():
-    from tandem.tokenizer import load_tokenizer
+    from tandem.tokenizer import encode_messages, load_tokenizer
 
     tokenizer = load_tokenizer(SMOLLM2)
     args = prefix_bench.resolve_args(["--chat-turns", "10", "--chat-tokens", "2000", "--answer-tokens", "48"])
@@ -119,7 +120,7 @@ def test_workloads_grow_the_chat_to_its_target_and_share_no_text():
     messages = []
     for user in w.chat_turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": "word " * 48}]
-    last = prefix_bench.chat_ids(tokenizer, messages[:-1])
+    last = encode_messages(tokenizer, messages[:-1])
     assert 1800 <= len(last) <= 2300  # about --chat-tokens at the last turn
     assert len(w.probe) == 2000 and len(w.long_prompt) == 4000 and len(w.stream_prompts) == 4
     texts = [*w.chat_turns, w.system, *w.questions, tokenizer.decode(w.probe), tokenizer.decode(w.long_prompt)]
