@@ -81,9 +81,11 @@ class BlockPool:
         return block in self._hash_of
 
     def snapshot(self) -> PrefixCacheStats:
-        self.stats.cached_blocks = len(self._hash_of)
-        self.stats.evictable_blocks = len(self._evictable)
-        return PrefixCacheStats(**{f: getattr(self.stats, f) for f in self.stats.__slots__})
+        """A copy with the index's size now (read by Info and metrics scrapes off the model thread:
+        it changes nothing, and a count a batch later is as good)."""
+        s = self.stats
+        return PrefixCacheStats(s.enabled, s.prompt_tokens, s.reused_tokens, len(self._hash_of),
+                                len(self._evictable), s.evictions)
 
     # ----- holding -----------------------------------------------------------------------
     def allocate(self) -> int:

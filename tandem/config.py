@@ -328,6 +328,9 @@ class WorkerConfig:
     lease_s: float = DEFAULT_LEASE_S
     idle_ttl_s: float = DEFAULT_IDLE_TTL_S
     heads: Path | None = None  # a target's speculation heads (tandem/heads): a directory in any known layout
+    # A target's chunked prefill (target_worker/prefill_chunks.py): tokens per chunk of a long prompt while other
+    # streams run; None: sized from the measured step cost; 0: prompts always computed whole.
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.heads is not None:
@@ -336,6 +339,9 @@ class WorkerConfig:
                 raise InvalidRequestError(f"--heads {self.heads}: no such file or directory")
         if self.token_budget <= 0:
             raise InvalidRequestError(f"token budget must be positive, got {self.token_budget}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
+            raise InvalidRequestError(
+                f"prefill chunk must be >= 0 tokens (0: no chunking), got {self.prefill_chunk_tokens}")
         if self.gather_fraction is not None and not 0 <= self.gather_fraction <= 64:
             raise InvalidRequestError(f"gather fraction must be in 0..64 forward passes, got {self.gather_fraction}")
         if not MIN_LEASE_S <= self.lease_s <= MAX_LEASE_S:

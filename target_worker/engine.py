@@ -23,6 +23,14 @@ A batch runs in phases, all on the model thread (the batcher's):
    kept path is then moved into place, as if it had been a chain;
 4. releases queued after a call of their sequence.
 
+Prefix caching: a new prompt starts on the KV blocks it shares with earlier
+committed text (``ModelEngine.reuse_prefix``) and computes only the rest; after
+each commit, the full blocks of the committed KV are offered to the cache.
+Chunked prefill (``target_worker/prefill_chunks.py``): while other sequences are
+running, a long prompt computes one chunk per batch step beside their rows; the
+call's result is then ``Unfinished`` and the batcher queues it again, first,
+until its last chunk gives the first token.
+
 Speculation heads (``drafter``, tandem/heads): a sequence whose Prefill asked for
 proposals (``propose`` > 0) gets the features of every row it commits from the
 same forward pass; after the verdicts, ONE heads step for the whole batch turns
@@ -49,6 +57,7 @@ from tandem.errors import (
 from tandem.heads.drafters import HeadDrafter, HeadStep
 from tandem.heads.proposal import HeadProposal
 from tandem.rpc import distributions
+from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.sequence_engine import SequenceEngine, SequenceOwnedError, history_runs
 from tandem.sampling import SamplingParams
@@ -56,6 +65,7 @@ from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, v
 from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
+from target_worker.prefill_chunks import PrefillChunks
 
 __all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Prefilled",
            "Proposed"]
@@ -109,6 +119,8 @@ class TargetSequence:
     sampling: SamplingParams
     generator: torch.Generator | None = field(default=None)
     heads: bool = False  # drafts with the worker's heads: every committed row's feature goes to them
+    prefilling: PrefillCall | None = None  # a chunked Prefill under way (this call) until its last chunk has run
+    reused: int = 0  # prompt tokens its Prefill took from the prefix cache
 
 
 @dataclass(slots=True)
@@ -125,6 +137,8 @@ class _Plan:
     q: distributions.DecodedRows | None = None  # decoded draft_probs (host, sparse), sampled Verify only
     children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
     reused: int = 0  # a Prefill: prompt tokens taken from the prefix cache (their KV was not computed)
+    resumed: bool = False  # a chunked Prefill's later step: its sequence holds the chunks before
+    partial: bool = False  # a chunked Prefill's step that is not its last: no logits, no verdict yet
     features: list[torch.Tensor] = field(default_factory=list)  # heads: [rows, feature] per forward, in order
 
 
@@ -133,9 +147,12 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     engine: ModelEngine
 
-    def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None) -> None:
+    def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None,
+                 prefill_chunk_tokens: int | None = 0) -> None:
         super().__init__(engine, leases)
         self.drafter = drafter
+        # None: chunks sized from the measured step cost; 0: prompts always computed whole.
+        self.chunks = PrefillChunks(prefill_chunk_tokens, engine.kv_cache.block_size, engine.cost_fit)
 
     @property
     def heads_kind(self) -> str:
@@ -144,7 +161,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
         if isinstance(call, PrefillCall):
-            return len(call.token_ids)
+            return min(len(call.token_ids), self.chunks.size()) if self.chunks.enabled else len(call.token_ids)
         if isinstance(call, VerifyCall):
             return len(call.draft_tokens) + 1
         return 0
@@ -157,6 +174,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if admitted:  # phase 3
             for plan in admitted:
                 self._apply(plan)
+            self._chunk(admitted)
             admitted = self._rebuild(admitted, results)
             try:
                 logits, features = self._forward([p.item for p in admitted])
@@ -168,10 +186,47 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     self._forward_failed(plan)
                     results[plan.index] = exc
             else:
-                self._finish(admitted, logits, results)
+                for plan in admitted:
+                    if plan.partial:
+                        results[plan.index] = self._chunk_done(plan)
+                done = [(p, rows) for p, rows in zip(admitted, logits) if not p.partial]
+                self._finish([p for p, _ in done], [rows for _, rows in done], results)
 
+        self._drop_failed_chunks(calls, results)
         self._release_late(calls, late, results)  # phase 4
         return results  # type: ignore[return-value]
+
+    # ----- chunked prefill -------------------------------------------------
+    def _chunk(self, plans: list[_Plan]) -> None:
+        """Cut each long new prompt to one chunk when other sequences are running (module doc)."""
+        if not self.chunks.enabled:
+            return
+        prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len
+                   and not p.item.features]  # rebuilds and heads prompts are computed whole
+        prefilling = {p.call.seq_id for p in prompts}
+        if not any(s not in prefilling and seq.prefilling is None for s, seq in self.sequences.items()):
+            return  # nobody is waiting on these prompts
+        size = self.chunks.size()
+        for plan in prompts:
+            if len(plan.item.token_ids) > size:
+                plan.item.token_ids = plan.item.token_ids[:size]
+                plan.item.num_logits = 0
+                plan.partial = True
+
+    def _chunk_done(self, plan: _Plan) -> Unfinished:
+        """A chunk is in the KV: the prompt's full blocks so far go to the prefix cache; the call goes on."""
+        seq = self.sequences[plan.call.seq_id]
+        seq.prefilling = plan.call
+        self.engine.commit(plan.call.seq_id, seq.history, self.engine.seq_len(plan.call.seq_id))
+        return Unfinished()
+
+    def _drop_failed_chunks(self, calls: list[Call], results: list) -> None:
+        """A chunked Prefill that failed (refused, or its pass failed) leaves nothing behind."""
+        for call, result in zip(calls, results):
+            if isinstance(call, PrefillCall) and isinstance(result, BaseException):
+                seq = self.sequences.get(call.seq_id)
+                if seq is not None and seq.prefilling is call:
+                    self._release(call.seq_id)
 
     def _forward(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One forward pass; the heads sequences' features too when this worker has heads."""
@@ -195,7 +250,12 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 raise InvalidRequestError(
                     f"prompt of {len(call.token_ids)} tokens exceeds the context of {self.max_context}"
                 )
-            if call.seq_id in self.sequences and not call.replace:
+            seq = self.sequences.get(call.seq_id)
+            if seq is not None and seq.prefilling is call:  # its next chunk, after those in the KV
+                done = self.engine.seq_len(call.seq_id)
+                item = ForwardItem(call.seq_id, list(call.token_ids[done:]), num_logits=1)
+                return _Plan(index, call, item, kv_len=len(call.token_ids), resumed=True)
+            if seq is not None and not call.replace:
                 # Another request's id, or a stray repeat: replacing it would hand one request's state to another.
                 raise SequenceOwnedError(f"sequence {call.seq_id!r} is live on this target: a Prefill does not "
                                          "replace it unless it says it rebuilds it (replace)")
@@ -254,6 +314,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def _apply(self, plan: _Plan) -> None:
         """The admitted call's changes before the forward pass."""
         call = plan.call
+        if plan.resumed:
+            return
         if isinstance(call, PrefillCall):
             self._free(call.seq_id)  # a rebuild (replace) replaces the old state; the owner keeps the sequence
             generator = None if call.sampling.is_greedy else call.sampling.make_generator(self.engine.device)
@@ -275,6 +337,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         """
         call = plan.call
         plan.reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=plan.kv_len - 1)
+        self.sequences[call.seq_id].reused = plan.reused
         if not plan.reused:
             return
         if not call.prompt_len:
@@ -393,10 +456,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         call = plan.call
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall):
+            seq.prefilling = None
             if not call.prompt_len:
                 seq.history.append(verdict.next_token)
             self.engine.commit(call.seq_id, seq.history, len(seq.history) - 1)
-            return Prefilled(verdict.next_token, plan.reused, verdict.logprobs)
+            return Prefilled(verdict.next_token, seq.reused, verdict.logprobs)
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         else:

@@ -18,7 +18,7 @@ def make_target_engine(engine: ModelEngine, leases: Leases, cfg: WorkerConfig) -
         from tandem.heads.serving import load_drafter  # checks the heads belong to this target
 
         drafter = load_drafter(cfg.heads, engine)
-    return TargetEngine(engine, leases, drafter)
+    return TargetEngine(engine, leases, drafter, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
 
 
 TARGET_ROLE = WorkerRole(

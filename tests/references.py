@@ -20,7 +20,7 @@ def target_only(model_dir: Path, prompts: Sequence[str | list[int]], *, dtype: s
     from tandem.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(model_dir)
-    engine = ModelEngine.load(EngineConfig(model_dir, dtype=dtype))
+    engine = ModelEngine.load(EngineConfig(model_dir, dtype=dtype, prefix_caching=False))  # the cache-off reference
     stops = frozenset() if ignore_eos else stop_token_ids(model_dir, tokenizer, engine.config)
     requests = [GenerationRequest(list(p) if not isinstance(p, str) else encode_prompt(tokenizer, p, chat=chat),
                                   max_new_tokens, stop_token_ids=stops) for p in prompts]

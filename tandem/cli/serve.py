@@ -63,6 +63,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=2048,
                    help="most tokens in one batched forward pass (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt from its first token; by default the KV of committed full blocks "
+                        "is kept after a request ends and reused by prompts that start the same way")
     p.add_argument("--gather-fraction", type=float, default=None,
                    help="while a sequence that called recently has not called again, wait for it up to this many "
                         "forward passes, so batches fill; 0: never wait (default: 1 for target, 8 for draft)")
@@ -73,6 +76,19 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-idle-ttl", type=float, default=DEFAULT_IDLE_TTL_S, metavar="SECONDS",
                    help="free any sequence idle this long, whatever its coordinator (a lost Release); "
                         "0: never (default: %(default)s)")
+
+
+def chunk_tokens(value: str) -> int | None:
+    """``--prefill-chunk-tokens``: a count, or auto (None)."""
+    if value == "auto":
+        return None
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or auto, got {value!r}") from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 tokens (0: no chunking), got {tokens}")
+    return tokens
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -87,6 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "Tandem's, the Medusa project's or the speculators library's layout, or the name of "
                              "heads prepared with `tandem heads prepare`): requests may then use method medusa or "
                              "eagle, and auto chooses them")
+    target.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
+                        help="while other streams run, compute a long prompt N tokens per batch step beside them "
+                             "(whole KV blocks); auto: sized so that a chunk makes a step at most 0.75x dearer, "
+                             "from the measured step cost; 0: always the whole prompt at once (default: auto)")
     target.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
                              "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
@@ -183,10 +203,12 @@ def run_worker(args: argparse.Namespace) -> int:
         "tensor_parallel_size": args.tensor_parallel_size}
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
                           args.kv_cache_tokens, args.attention, num_threads=args.threads,
-                          packed_weights=args.packed_weights, **role_options)
+                          packed_weights=args.packed_weights, prefix_caching=not args.no_prefix_caching,
+                          **role_options)
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
-                       idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root))
+                       idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
+                       prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", None))
     if args.role == "target":
         from target_worker.main import serve
     else:

@@ -43,6 +43,7 @@ from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_worker_args
 from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
+from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
 from tandem.config import DTYPES, PLACEMENT_MODES
 from tandem.errors import InvalidRequestError
@@ -74,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the target workers; drafts have --draft-dtype (default: %(default)s)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="workers compute every prompt from its first token (default: they reuse the KV of "
+                        "prompts that start the same way)")
+    p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
+                   help="target workers compute a long prompt N tokens per step while other streams run; auto: "
+                        "sized from the measured step cost; 0: whole (default: auto)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="each target worker splits its model over N ranks (see `tandem serve target --help`)")
     p.add_argument("--pipelining", action="store_true",
@@ -141,9 +148,12 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
-        target_args=("--heads", str(args.heads)) if args.heads else (),
+        target_args=(*(("--heads", str(args.heads)) if args.heads else ()),
+                     *(() if args.prefill_chunk_tokens is None else
+                       ("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)))),
         # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
-        worker_args=("--host", "127.0.0.1"), log_dir=args.log_dir, cache_dir=args.cache_dir,
+        worker_args=("--host", "127.0.0.1", *(("--no-prefix-caching",) if args.no_prefix_caching else ())),
+        log_dir=args.log_dir, cache_dir=args.cache_dir,
         coordinator_args=tuple(coordinator_args), discovery="file", server_tls=tls, client_tls=worker_tls,
         coordinator_token=token_from(args.auth_token_file, "--auth-token-file"),
     )

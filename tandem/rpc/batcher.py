@@ -17,6 +17,11 @@ waits. Under load this brings streams into step: a full verify batch sends
 every stream to the draft worker at once, and back. A sequence that stops
 calling (released, or drafting nothing at k = 0) drops out after two batches.
 
+A call may take several batches: ``run_batch`` answers ``Unfinished()`` for one that
+has done part of its work (a chunk of a long prompt, target_worker/prefill_chunks.py),
+and the call goes back to the head of the queue, with its cost asked anew, so that
+its next part runs in the next batch beside whatever else is waiting.
+
 The model thread: by default each batcher has a thread of its own, and
 ``run_batch`` (every change to the engine's state) runs only there. In one
 process, a draft engine's batcher and a target engine's batcher can be given
@@ -36,6 +41,10 @@ from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+class Unfinished:
+    """A result meaning: this call has done part of its work; queue it again (first) for the next batch."""
 
 
 @dataclass(slots=True)
@@ -147,10 +156,15 @@ class Batcher(Generic[Item, Result]):
                 results = [exc] * len(batch)
             if self.on_batch:
                 self.on_batch(len(batch), sum(p.cost for p in batch), time.perf_counter() - started)
+            unfinished = []
             for pending, result in zip(batch, results):
                 if pending.future.done():
                     continue
-                if isinstance(result, BaseException):
+                if isinstance(result, Unfinished):
+                    pending.cost = self.cost(pending.item)
+                    unfinished.append(pending)
+                elif isinstance(result, BaseException):
                     pending.future.set_exception(result)
                 else:
                     pending.future.set_result(result)
+            self._queue[:0] = unfinished  # ahead of calls that came later: a started prompt finishes first

@@ -35,6 +35,26 @@ class WorkerMetrics:
             registry=registry)
 
 
+class PrefixCacheCollector(Collector):
+    """A worker's prefix cache (``tandem.block_pool.PrefixCacheStats``), read at scrape time."""
+
+    def __init__(self, role: str, snapshot: Callable[[], Any]) -> None:
+        self.prefix = f"tandem_{role}_prefix_cache"
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        s, p = self.snapshot(), self.prefix
+        yield CounterMetricFamily(f"{p}_prompt_tokens", "prompt tokens looked up in the prefix cache",
+                                  value=s.prompt_tokens)
+        yield CounterMetricFamily(f"{p}_reused_tokens", "prompt tokens whose KV came from the prefix cache",
+                                  value=s.reused_tokens)
+        yield GaugeMetricFamily(f"{p}_hit_rate", "reused / prompt tokens since start", value=s.hit_rate)
+        yield GaugeMetricFamily(f"{p}_cached_blocks", "KV blocks in the prefix cache's index", value=s.cached_blocks)
+        yield GaugeMetricFamily(f"{p}_evictable_blocks", "cached KV blocks no sequence holds (evicted LRU first)",
+                                value=s.evictable_blocks)
+        yield CounterMetricFamily(f"{p}_evictions", "cached KV blocks evicted for new ones", value=s.evictions)
+
+
 class ContinuationCacheCollector(Collector):
     """The continuation cache's own counters (Redis errors, dropped writes, breaker...), read at scrape time."""
 

@@ -16,7 +16,7 @@ from tandem.engine import ModelEngine
 from tandem.parallel.engine import TensorParallelEngine, load_engine
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.leases import Leases
-from tandem.rpc.metrics import WorkerMetrics
+from tandem.rpc.metrics import PrefixCacheCollector, WorkerMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
 
@@ -59,6 +59,7 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     server = ManagedServer(role.name, cfg.server)
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
+    server.registry.register(PrefixCacheCollector(role.name, engine.kv_cache.prefix_stats))
 
     def kv_gauges() -> None:
         metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from tandem.block_pool import PrefixCacheStats
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.server import ManagedServer
@@ -58,5 +59,11 @@ class WorkerServiceBase:
             active_sequences=self.engine.num_sequences, tokenizer_fingerprint=self.fingerprint,
             stop_token_ids=self.stop_token_ids, forward_base_s=model.cost_fit.base_s,
             forward_per_token_s=model.cost_fit.per_token_s, lease_s=self.engine.leases.lease_s,
-            heads=self.engine.heads_kind,
+            heads=self.engine.heads_kind, prefix_cache=_prefix_cache_info(cache.prefix_stats()),
         )
+
+
+def _prefix_cache_info(stats: PrefixCacheStats) -> common_pb2.PrefixCacheInfo:
+    return common_pb2.PrefixCacheInfo(
+        enabled=stats.enabled, prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens,
+        cached_blocks=stats.cached_blocks, evictable_blocks=stats.evictable_blocks, evictions=stats.evictions)

@@ -1,0 +1,179 @@
+"""Prefix caching and chunked prefill in the engines: output unchanged, cached blocks never touched by speculation.
+
+The rule (docs/DESIGN.md, "Prefix caching"): greedy output with the cache on equals greedy output with it off,
+token for token, in fp32 on these prompts, for every speculation method; chunked prefill the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from draft_worker.engine import DraftEngine, ProposeCall
+from tandem.block_pool import block_hash
+from tandem.config import EngineConfig
+from tandem.engine import ModelEngine
+from tandem.heads.serving import drafter_for
+from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+from tandem.rpc.batcher import Batcher, Unfinished
+from tandem.sampling import SamplingParams
+from tandem.spec.options import SpecOptions
+from target_worker.engine import PrefillCall, Prefilled, ReleaseCall, TargetEngine, Verdict, VerifyCall
+from tests.heads.tiny_heads import tiny_heads
+from tests.target_worker.test_engine import kv_of, ok
+
+GREEDY = SamplingParams()
+SHARED = list(range(10, 40))  # 30 tokens: prompts below share 7 full blocks of 4
+PROMPTS = [[*SHARED, 5, 6, 7], [*SHARED, 8], [*SHARED[:20], 9, 9, 9, 9, 9, 9, 9, 9], [61, *SHARED]]
+
+
+def load(model_dir, caching: bool) -> ModelEngine:
+    return ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=4096, block_size=4,
+                                         prefix_caching=caching))
+
+
+def run(target: ModelEngine, method: str, draft: ModelEngine | None = None, heads=None) -> list:
+    options = {"heads_nodes": 6} if heads is not None else {}
+    spec = SpecOptions(method, 4 if method != "none" else 0, adaptive_k=False, **options)
+    requests = [GenerationRequest(p, max_new_tokens=24, sampling=GREEDY) for p in PROMPTS]
+    return SpeculativeGenerator(target, draft, spec, heads=heads).generate(requests)
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_qwen2_dir) -> list[list[int]]:
+    return [r.token_ids for r in run(load(tiny_qwen2_dir, caching=False), "none")]
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "hybrid", "medusa", "eagle"])
+def test_greedy_output_with_the_prefix_cache_is_the_uncached_output(method, uncached, tiny_qwen2_dir,
+                                                                    tiny_qwen2_other_dir):
+    target = load(tiny_qwen2_dir, caching=True)
+    draft = load(tiny_qwen2_other_dir, caching=True) if method in ("draft", "hybrid") else None
+    heads = drafter_for(tiny_heads(target, method), target) if method in ("medusa", "eagle") else None
+    first = run(target, method, draft, heads)  # fills the cache
+    second = run(target, method, draft, heads)  # every prompt's shared blocks are cached now
+    assert [r.token_ids for r in first] == uncached
+    assert [r.token_ids for r in second] == uncached
+    reused = [r.stats.prompt_tokens_reused for r in second]
+    if heads is None:
+        assert all(n >= 4 for n in reused) and max(reused) >= 28, reused
+        if draft is not None:
+            assert draft.kv_cache.prefix_stats().reused_tokens > 0  # the draft's first Propose reused too
+    else:
+        assert reused == [0] * len(PROMPTS)  # heads need every prompt row's features: computed whole
+    for engine in filter(None, (target, draft)):
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # all released, cached ones evictable
+        assert all(engine.kv_cache.pool.refcount(b) == 0 for b in range(engine.kv_cache.num_blocks))
+
+
+def cached_blocks(engine: ModelEngine) -> dict[bytes, torch.Tensor]:
+    """Every registered block's K and V, by its content hash."""
+    cache = engine.kv_cache
+    return {h: torch.stack([cache.key[:, b], cache.value[:, b]]).clone() for b, h in cache.pool._hash_of.items()}
+
+
+def test_speculative_rounds_never_change_a_cached_block(tiny_qwen2_dir):
+    engine = load(tiny_qwen2_dir, caching=True)
+    target = TargetEngine(engine)
+    prompt = list(range(10, 30))  # 5 full blocks
+    ok(target.run_batch([PrefillCall("a", prompt, GREEDY)]))
+    before = cached_blocks(engine)
+    assert len(before) == 5  # the KV holds the whole prompt (every committed token but the first one generated)
+    (b,) = ok(target.run_batch([PrefillCall("b", [*prompt[:18], 3, 3], GREEDY)]))
+    assert b.reused_tokens == 16
+    for _ in range(3):  # wrong chains and trees: rejected rows written, then rolled back or moved
+        ha, hb = target.sequences["a"].history, target.sequences["b"].history
+        ok(target.run_batch([VerifyCall("a", len(ha), [1, 2, 3], []),
+                             VerifyCall("b", len(hb), [4, 5, 6, 7, 8], [], [-1, 0, -1, 2, 2])]))
+    # b rolls back into the middle of a block it shares with a (a start-over of its tail): copy on write.
+    ok(target.run_batch([VerifyCall("b", 11, [2, 2, 2], [])]))
+    after = cached_blocks(engine)
+    assert all(torch.equal(before[h], after[h]) for h in before if h in after)
+    assert len(set(before) & set(after)) >= 3
+    # And a cached block holds what the model computes for its tokens: the blocks of a fresh uncached prefill.
+    fresh = load(tiny_qwen2_dir, caching=False)
+    TargetEngine(fresh).run_batch([PrefillCall("x", prompt, GREEDY)])
+    parent, kv = engine.kv_cache.salt, kv_of(fresh, "x")  # [2, L, len, Hkv, D]
+    for i in range(5):
+        parent = block_hash(parent, prompt[4 * i:4 * i + 4])
+        assert torch.equal(after[parent], kv[:, :, 4 * i:4 * i + 4]), f"block {i}"
+    ok(target.run_batch([ReleaseCall("a"), ReleaseCall("b")]))
+    assert all(engine.kv_cache.pool.refcount(blk) == 0 for blk in range(engine.kv_cache.num_blocks))
+
+
+def test_eviction_under_a_small_pool_keeps_output_unchanged(tiny_qwen2_dir, uncached):
+    target = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=112, block_size=4))
+    for batch in ([0, 1], [2, 3], [0, 1]):  # 28 blocks, about 20 per batch: later batches evict earlier blocks
+        results = SpeculativeGenerator(target, None, SpecOptions("ngram", 4)).generate(
+            [GenerationRequest(PROMPTS[i], max_new_tokens=24, sampling=GREEDY) for i in batch])
+        assert [r.token_ids for r in results] == [uncached[i] for i in batch]
+    stats = target.kv_cache.prefix_stats()
+    assert stats.evictions > 0 and stats.reused_tokens > 0, stats
+    assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks
+
+
+def test_a_draft_registers_only_its_prompt(tiny_qwen2_dir):
+    draft = DraftEngine(load(tiny_qwen2_dir, caching=True))
+    prompt = list(range(10, 22))  # 3 blocks
+    ok(draft.run_batch([ProposeCall("a", 0, prompt, 6, GREEDY, prompt_len=len(prompt))]))
+    # The KV holds the prompt and 5 drafted tokens (two more full blocks' worth): only the prompt is cached.
+    assert draft.engine.kv_cache.prefix_stats().cached_blocks == 3
+    ok(draft.run_batch([ProposeCall("b", 0, [*prompt, 7], 2, GREEDY, prompt_len=13)]))
+    assert draft.engine.kv_cache.sequence("b").block_ids[:3] == draft.engine.kv_cache.sequence("a").block_ids[:3]
+
+
+# ----- chunked prefill ---------------------------------------------------------------------------------
+LONG = list(range(10, 50))  # 40 tokens
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_a_running_stream(tiny_qwen2_dir):
+    chunked = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=8)
+    whole = TargetEngine(load(tiny_qwen2_dir, caching=False))
+    (expected,) = ok(whole.run_batch([PrefillCall("b", LONG, GREEDY)]))
+    ok(chunked.run_batch([PrefillCall("a", [5, 17, 33], GREEDY)]))  # a stream that is running
+    call, steps, result = PrefillCall("b", LONG, GREEDY), 0, Unfinished()
+    while isinstance(result, Unfinished):
+        n = len(chunked.sequences["a"].history)
+        result, verdict = ok(chunked.run_batch([call, VerifyCall("a", n, [], [])]))
+        assert isinstance(verdict, Verdict)  # the stream got its token in every step
+        steps += 1
+    assert steps == 5 and result == expected
+    assert torch.allclose(kv_of(chunked.engine, "b"), kv_of(whole.engine, "b"), atol=1e-5)
+    # Alone on the worker, a prompt is computed whole: nobody waits on it.
+    ok(chunked.run_batch([ReleaseCall("a"), ReleaseCall("b")]))
+    assert isinstance(ok(chunked.run_batch([PrefillCall("c", LONG, GREEDY)]))[0], Prefilled)
+
+
+def test_a_chunked_prompt_released_midway_leaves_no_kv(tiny_qwen2_dir):
+    target = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=8)
+    ok(target.run_batch([PrefillCall("a", [5, 17, 33], GREEDY)]))
+    call = PrefillCall("b", LONG, GREEDY)
+    assert isinstance(ok(target.run_batch([call]))[0], Unfinished)
+    assert ok(target.run_batch([ReleaseCall("b"), ReleaseCall("a")])) == [True, True]
+    assert target.engine.kv_cache.num_free_blocks == target.engine.kv_cache.num_blocks
+
+
+def test_the_batcher_runs_a_chunked_prompt_over_several_batches_while_a_stream_decodes(tiny_qwen2_dir):
+    target = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=8)
+    ok(target.run_batch([PrefillCall("a", [5, 17, 33], GREEDY)]))
+    batches: list[int] = []
+
+    async def scenario() -> tuple[list[int], Prefilled]:
+        batcher = Batcher(target.run_batch, target.call_cost, token_budget=64,
+                          on_batch=lambda calls, tokens, s: batches.append(calls))
+        batcher.start()
+        try:
+            long = asyncio.ensure_future(batcher.submit(PrefillCall("b", LONG, GREEDY)))
+            tokens = []
+            while not long.done():  # a decoding stream: one Verify per step, each answered in its own batch
+                verdict = await batcher.submit(VerifyCall("a", len(target.sequences["a"].history), [], []))
+                tokens.append(verdict.next_token)
+            return tokens, await long
+        finally:
+            await batcher.stop()
+
+    tokens, prefilled = asyncio.run(scenario())
+    assert len(tokens) >= 4  # the stream went on while the prompt was computed
+    assert isinstance(prefilled, Prefilled) and max(batches) == 2  # each step: a chunk and the stream's row
