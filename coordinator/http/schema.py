@@ -96,7 +96,8 @@ class ParsedRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object: UTF-8 only, no NaN or Infinity literals (not JSON), else 400."""
+    """The body as a JSON object: UTF-8 only, no NaN or Infinity literals (not JSON), no lone surrogates (a
+    ``\\ud800`` escape: not a character, and not encodable for the workers), else 400."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -107,7 +108,26 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(data)}")
+    _check_text(data)
     return data
+
+
+def _check_text(data: Any) -> None:
+    """Every string (keys too) is text UTF-8 can carry: JSON's escapes can spell a lone surrogate."""
+    pending = [data]
+    while pending:  # iterative: json.loads already bounds the depth, this adds no recursion of its own
+        value = pending.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            for text in (key, item):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, "the request holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                                            "escape), which is not text") from None
+            if isinstance(item, (dict, list)):
+                pending.append(item)
 
 
 def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:

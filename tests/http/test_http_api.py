@@ -261,7 +261,7 @@ def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):
 
 
 @pytest.mark.parametrize("body", [b"{", b"\xff\xfe{}", b'{"messages": NaN}', b"[1, 2]", b"", b'"text"',
-                                  b"[" * 100_000])
+                                  b"[" * 100_000, b'{"messages": [{"role": "user", "content": "\\ud800"}]}'])
 def test_malformed_bodies_are_400_in_openai_shape(tokenizer, body):
     async def go():
         async with http_coordinator(tokenizer) as running:
