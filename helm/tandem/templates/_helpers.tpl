@@ -223,10 +223,16 @@ exec probe makes the same Check over TLS from inside the container. Call with (l
 {{- $root := index . 0 }}
 {{- $values := index . 1 }}
 {{- $port := index . 2 }}
+{{- $httpReady := and (gt (len .) 3) (index . 3) }}{{/* the coordinator's readiness from its HTTP API's /health */}}
 {{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
 {{- $probe := index $values $kind }}
 {{ $kind }}:
-  {{- if $root.Values.tls.enabled }}
+  {{- if and $httpReady (eq $kind "readinessProbe") }}
+  httpGet:
+    path: /health
+    port: http
+    scheme: {{ ternary "HTTPS" "HTTP" $root.Values.tls.enabled }}
+  {{- else if $root.Values.tls.enabled }}
   exec:
     command:
       - python
