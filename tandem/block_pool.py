@@ -142,6 +142,9 @@ class BlockPool:
         content = self._hash_of.pop(block)
         del self._block_of[content]
 
+    def reset_stats(self) -> None:
+        self.stats = PrefixCacheStats(enabled=self.prefix_caching)
+
     def count_lookup(self, prompt_tokens: int, reused_tokens: int) -> None:
         self.stats.prompt_tokens += prompt_tokens
         self.stats.reused_tokens += reused_tokens

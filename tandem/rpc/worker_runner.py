@@ -107,6 +107,7 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     async def warmup() -> None:
         # On the model thread, like every later change to the engine's state.
         await asyncio.get_running_loop().run_in_executor(batcher.executor, role_engine.warmup)
+        engine.kv_cache.pool.reset_stats()  # the hit rate counts requests, not the warm-up's own prompts
         batcher.start()
         background.append(asyncio.create_task(reclaim_forever()))
         log.info("%s: warmed up (%d threads); sequence lease %.0fs, idle time-to-live %.0fs", role.name,

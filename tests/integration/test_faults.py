@@ -21,11 +21,14 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from tandem.client import TandemClient, build_request
 from tandem.sampling_params import SamplingParams
-from tests.integration.faults import assert_kv_whole, local_cluster, serving
+from tandem.tokenizer import encode_prompt, load_tokenizer
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tests.integration.faults import assert_kv_whole, local_cluster, serving, worker_info
 from tests.references import target_only
 
 pytestmark = pytest.mark.slow
@@ -76,11 +79,31 @@ def kill(service) -> None:
     service.process.wait()
 
 
-def test_killing_the_serving_target_mid_stream_loses_no_token(two_targets, greedy):
+def warm_prefix_caches(cluster, model_dir, prompt: str) -> None:
+    """Every target replica computes the prompt once (a Prefill and a Release), so each holds it in its cache."""
+    ids = encode_prompt(load_tokenizer(model_dir), prompt, chat=True)
+    for target in cluster.workers("target"):
+        with grpc.insecure_channel(target.address) as channel:
+            stub = target_pb2_grpc.TargetWorkerStub(channel)
+            stub.Prefill(target_pb2.PrefillRequest(seq_id="warm", token_ids=ids), timeout=30)
+            stub.Release(common_pb2.ReleaseRequest(seq_id="warm"), timeout=30)
+
+
+def test_killing_the_serving_target_mid_stream_loses_no_token(two_targets, greedy, tiny_served_dir):
     cluster, client = two_targets
-    tokens, stats = stream_with_fault(client, request(), lambda: kill(serving(cluster, "target")))
+    warm_prefix_caches(cluster, tiny_served_dir, PROMPT)
+    victim = []
+
+    def kill_serving() -> None:
+        victim.append(serving(cluster, "target"))
+        kill(victim[0])
+
+    tokens, stats = stream_with_fault(client, request(), kill_serving)
     assert tokens == greedy
     assert stats.target_moves == 1 and stats.generated_tokens == TOKENS
+    assert stats.prompt_tokens_reused > 0  # the first replica answered the prompt from its cache
+    (survivor,) = [t for t in cluster.workers("target") if t is not victim[0]]
+    assert worker_info(survivor).prefix_cache.reused_tokens > 0  # and the rebuild used the new replica's cache
 
 
 def test_a_seeded_sampled_request_keeps_its_stream_across_a_move(two_targets):
