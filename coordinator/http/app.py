@@ -97,14 +97,14 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_serving()
-        self._client(request)
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        with self.access.hold(self._client(request)):  # counted as gRPC's Info is: no call goes unbounded
+            return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         self._check_serving()
-        self._client(request)
-        self._served(request.match_info["model"])
-        return web.json_response(self._model_card())
+        with self.access.hold(self._client(request)):
+            self._served(request.match_info["model"])
+            return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while serving; 503 while starting (no target worker yet) or draining. No token needed."""

@@ -23,6 +23,7 @@ from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig, ServerOptions
 from tandem.rpc.auth import BearerAuth
 from tandem.rpc.metrics import CoordinatorMetrics
+from tandem.rpc.tls import ServerTLS
 from tandem.tokenizer import tokenizer_fingerprint
 from tandem.v1 import common_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.coordinator.inprocess import FakeTarget
@@ -93,18 +94,18 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serve: bool = True,
-                           **limits: Any) -> AsyncIterator[Running]:
+                           tls: ServerTLS | None = None, **limits: Any) -> AsyncIterator[Running]:
     """The coordinator (gRPC and HTTP) over one scripted target; ``tokens``: bearer auth with these;
     ``limits``: CoordinatorConfig fields (max_concurrent_per_client, max_request_bytes, ...). ``serve=False``:
-    still starting (no warm-up)."""
+    still starting (no warm-up). ``tls``: the coordinator's (both ports)."""
     auth = BearerAuth(tokens) if tokens else None
-    cfg = CoordinatorConfig(server=ServerOptions(host="127.0.0.1", port=0, drain_grace_s=0),
+    cfg = CoordinatorConfig(server=ServerOptions(host="127.0.0.1", port=0, drain_grace_s=0, tls=tls),
                             tokenizer_dir=Path("unused"), target_addrs=["127.0.0.1:1"], auth=auth, http_port=0,
                             default_k=0, **{"default_max_new_tokens": 8, **limits})
     fingerprint = tokenizer_fingerprint(tokenizer)
     targets, drafts = WorkerPool("target", [], fingerprint), WorkerPool("draft", [], fingerprint)
     access = AccessControl(auth, cfg.max_concurrent_per_client)
-    server = managed_server(role="coordinator", interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
+    server = managed_server(tls, role="coordinator", interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, CoordinatorMetrics(server.registry))
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     http = HttpApi(service, access, cfg, tokenizer)
@@ -123,7 +124,8 @@ async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serv
                 service.vocab_size, service.max_context = info.vocab_size, info.max_context
                 service.model_stop_ids = frozenset(info.stop_token_ids)
                 await server.set_serving()
-            yield Running(f"http://127.0.0.1:{port}/v1", f"127.0.0.1:{server.port}", target, service, server, http)
+            scheme = "https" if tls else "http"
+            yield Running(f"{scheme}://127.0.0.1:{port}/v1", f"127.0.0.1:{server.port}", target, service, server, http)
     finally:
         await http.stop()
         await server.server.stop(0)
