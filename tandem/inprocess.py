@@ -124,7 +124,7 @@ class SpeculativeGenerator:
 
     def __init__(self, target: ModelEngine, draft: ModelEngine | None = None,
                  options: SpecOptions | None = None, costs: CostModel | None = None,
-                 heads: HeadDrafter | None = None) -> None:
+                 heads: HeadDrafter | None = None, prefill_chunk_tokens: int | None = 0) -> None:
         self.options = options or SpecOptions("none", k_max=0)
         if self.options.uses_draft and draft is None:
             raise InvalidRequestError(f"method {self.options.method!r} needs a draft model")
@@ -133,7 +133,7 @@ class SpeculativeGenerator:
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise InvalidRequestError(
                 f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({target.config.vocab_size})")
-        self.target = TargetEngine(target, drafter=heads)
+        self.target = TargetEngine(target, drafter=heads, prefill_chunk_tokens=prefill_chunk_tokens)
         self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
         self.costs = costs or CostModel()
         self.match_rates = MatchRates()  # acceptance per kind of n-gram match, over this generator's requests
