@@ -30,6 +30,12 @@ rest; once drafted, its prompt's full blocks are offered to the cache. Only the
 prompt: the tokens after it may be pipelined guesses the target has not
 verified, and a cached block must hold committed tokens only.
 
+Chunked prefill (``target_worker/prefill_chunks.py``, the same policy as the
+target's): while other sequences are held here, a Propose whose unread prompt is
+longer than a chunk feeds one chunk, answers ``Unfinished`` and is queued again
+by the batcher; its next check finds the chunk in the KV (the longest common
+prefix) and goes on from there, so the call itself carries no progress.
+
 A batch first checks every call and admits it to the KV pool (counting the
 blocks its whole k-step run will hold) without changing anything; a refused
 call leaves its sequence exactly as it was. Releases apply in queue order
@@ -53,12 +59,14 @@ from tandem.errors import (
     check_token_ids,
 )
 from tandem.rpc import distributions
+from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.sequence_engine import SequenceEngine, history_runs
 from tandem.sampling import SamplingParams, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len
 from tandem.v1 import common_pb2
+from target_worker.prefill_chunks import PrefillChunks
 
 __all__ = ["ProposeCall", "ReleaseCall", "DraftReply", "DraftEngine", "DraftSequence", "early_exit_engine",
            "MAX_PROPOSE", "MAX_ALTERNATIVES", "DRAFT_SEED_OFFSET"]
@@ -134,8 +142,16 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
 
     engine: ModelEngine
 
+    def __init__(self, engine: ModelEngine, leases=None, prefill_chunk_tokens: int | None = 0) -> None:
+        super().__init__(engine, leases)
+        # None: chunks sized from the measured step cost; 0: prompts always fed whole.
+        self.chunks = PrefillChunks(prefill_chunk_tokens, engine.kv_cache.block_size, engine.cost_fit)
+
     def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
-        return len(call.new_tokens) + call.k if isinstance(call, ProposeCall) else 0
+        if not isinstance(call, ProposeCall):
+            return 0
+        new = min(len(call.new_tokens), self.chunks.size()) if self.chunks.enabled else len(call.new_tokens)
+        return new + call.k
 
     # ----- one batch -----------------------------------------------------
     def run_batch(self, calls: list[ProposeCall | ReleaseCall]) -> list[DraftReply | bool | BaseException]:
@@ -146,6 +162,9 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             self._apply(plan)
         drafting = [p for p in admitted if p.call.k > 0]
         try:
+            for plan in self._feed_chunks(drafting):
+                results[plan.index] = Unfinished()
+                drafting.remove(plan)
             self._draft(drafting)
         except Exception as exc:  # noqa: BLE001 - a failed step fails the calls still drafting
             for plan in drafting:
@@ -219,6 +238,20 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             seq.generator = SamplingParams(1.0, seed=seed).make_generator("cpu")
         if seq.generator is not None:  # seeded: the draws of the positions drafted next, on any replica
             call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
+
+    def _feed_chunks(self, plans: list[_Plan]) -> list[_Plan]:
+        """Feed one chunk of each long unread prompt while other sequences are held here; those plans."""
+        if not self.chunks.enabled:
+            return []
+        size = self.chunks.size()
+        long = [p for p in plans if (p.call.prompt_len or len(p.tokens)) - p.keep > size]
+        mine = {p.call.seq_id for p in long}
+        if not long or not any(s not in mine for s in self.sequences):
+            return []
+        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + size], num_logits=0) for p in long])
+        for plan in long:  # the prompt's full blocks so far may serve other prompts already
+            self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
+        return long
 
     def _draft(self, plans: list[_Plan]) -> None:
         """k decode steps, every sequence still drafting in each step's one forward pass.

@@ -10,7 +10,7 @@ from tandem.v1 import draft_pb2_grpc
 
 DRAFT_ROLE = WorkerRole(
     name="draft",
-    make_engine=lambda engine, leases, cfg: DraftEngine(engine, leases),
+    make_engine=lambda engine, leases, cfg: DraftEngine(engine, leases, cfg.prefill_chunk_tokens),
     make_service=DraftService,
     add_to_server=draft_pb2_grpc.add_DraftWorkerServicer_to_server,
     service_full_name="tandem.v1.DraftWorker",

@@ -63,6 +63,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=2048,
                    help="most tokens in one batched forward pass (default: %(default)s)")
+    p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
+                   help="while other streams run, compute a long prompt N tokens per batch step beside them "
+                        "(whole KV blocks); auto: sized so that a chunk makes a step at most 0.75x dearer, "
+                        "from the measured step cost; 0: always the whole prompt at once (default: auto)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt from its first token; by default the KV of committed full blocks "
                         "is kept after a request ends and reused by prompts that start the same way")
@@ -103,10 +107,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "Tandem's, the Medusa project's or the speculators library's layout, or the name of "
                              "heads prepared with `tandem heads prepare`): requests may then use method medusa or "
                              "eagle, and auto chooses them")
-    target.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
-                        help="while other streams run, compute a long prompt N tokens per batch step beside them "
-                             "(whole KV blocks); auto: sized so that a chunk makes a step at most 0.75x dearer, "
-                             "from the measured step cost; 0: always the whole prompt at once (default: auto)")
     target.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
                              "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
@@ -208,7 +208,7 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
                        idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
-                       prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", None))
+                       prefill_chunk_tokens=args.prefill_chunk_tokens)
     if args.role == "target":
         from target_worker.main import serve
     else:

@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="workers compute every prompt from its first token (default: they reuse the KV of "
                         "prompts that start the same way)")
     p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
-                   help="target workers compute a long prompt N tokens per step while other streams run; auto: "
+                   help="workers compute a long prompt N tokens per step while other streams run; auto: "
                         "sized from the measured step cost; 0: whole (default: auto)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="each target worker splits its model over N ranks (see `tandem serve target --help`)")
@@ -148,11 +148,11 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
-        target_args=(*(("--heads", str(args.heads)) if args.heads else ()),
+        target_args=("--heads", str(args.heads)) if args.heads else (),
+        # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
+        worker_args=("--host", "127.0.0.1", *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                      *(() if args.prefill_chunk_tokens is None else
                        ("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)))),
-        # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
-        worker_args=("--host", "127.0.0.1", *(("--no-prefix-caching",) if args.no_prefix_caching else ())),
         log_dir=args.log_dir, cache_dir=args.cache_dir,
         coordinator_args=tuple(coordinator_args), discovery="file", server_tls=tls, client_tls=worker_tls,
         coordinator_token=token_from(args.auth_token_file, "--auth-token-file"),

@@ -177,3 +177,16 @@ def test_the_batcher_runs_a_chunked_prompt_over_several_batches_while_a_stream_d
     tokens, prefilled = asyncio.run(scenario())
     assert len(tokens) >= 4  # the stream went on while the prompt was computed
     assert isinstance(prefilled, Prefilled) and max(batches) == 2  # each step: a chunk and the stream's row
+
+
+def test_a_draft_reads_a_long_prompt_in_chunks_beside_another_sequence(tiny_qwen2_dir):
+    chunked = DraftEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=8)
+    whole = DraftEngine(load(tiny_qwen2_dir, caching=False))
+    (expected,) = ok(whole.run_batch([ProposeCall("b", 0, LONG, 3, GREEDY, prompt_len=len(LONG))]))
+    ok(chunked.run_batch([ProposeCall("a", 0, [5, 17, 33], 2, GREEDY, prompt_len=3)]))  # another stream, held here
+    call, steps, result = ProposeCall("b", 0, LONG, 3, GREEDY, prompt_len=len(LONG)), 0, Unfinished()
+    while isinstance(result, Unfinished):
+        (result,) = ok(chunked.run_batch([call]))
+        steps += 1
+    assert steps == 5  # four chunks of 8, then the last 8 tokens and the drafting
+    assert result.tokens == expected.tokens
