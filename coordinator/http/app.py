@@ -131,7 +131,7 @@ class HttpApi:
                 await _together([self._collect(run, choice) for run, choice in zip(runs, choices)])
             except Exception as exc:  # noqa: BLE001
                 raise from_domain(exc, parsed.params) from None
-            return web.json_response(shapes.completion(choices), headers={"X-Request-Id": shapes.id})
+            return web.json_response(shapes.completion(choices), headers={"X-Request-Id": parsed.request.request_id})
 
     async def _collect(self, run: Any, choice: Choice, queue: asyncio.Queue | None = None) -> None:
         """Run one choice's request into ``choice``; streaming, each message also goes to ``queue``."""
@@ -145,7 +145,7 @@ class HttpApi:
         """Server-sent events: each choice's chunks as its rounds finish, the usage if asked, then ``[DONE]``.
         A failure after the first byte is an ``error`` event (OpenAI's shape), then ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": shapes.id})
+                                               "X-Request-Id": parsed.request.request_id})
         await response.prepare(request)
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -161,6 +161,20 @@ def test_logprobs_in_each_endpoints_format(tokenizer):
     run(go())
 
 
+def test_the_request_id_is_the_clients_or_made_and_echoed(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer) as running, aiohttp.ClientSession() as session:
+            async with session.post(running.url + "/completions", json={"prompt": "hi", "max_tokens": 1},
+                                    headers={"X-Request-Id": "req-42"}) as reply:
+                assert reply.headers["X-Request-Id"] == "req-42" and (await reply.json())["id"] == "cmpl-req-42"
+            async with session.post(running.url + "/chat/completions", json={**CHAT, "stream": True}) as reply:
+                made = reply.headers["X-Request-Id"]
+                assert len(made) == 16 and f'"id":"chatcmpl-{made}"' in (await reply.text())
+            code, body = await post(running.url + "/completions", {"prompt": "hi"}, headers={"X-Request-Id": "a\tb"})
+            assert code == 400 and body["error"]["param"] == "x-request-id"  # the service's rule: printable
+    run(go())
+
+
 def test_models_and_health(tokenizer):
     async def go():
         async with http_coordinator(tokenizer) as running:
