@@ -25,10 +25,11 @@ what those messages decode to, and the reply carries those very messages,
 so the target's acceptance test uses the q each token was drawn from.
 
 Prefix caching: a new sequence's first Propose starts on the KV blocks its
-prompt shares with earlier prompts (``ModelEngine.reuse_prefix``) and feeds the
-rest; once drafted, its prompt's full blocks are offered to the cache. Only the
-prompt: the tokens after it may be pipelined guesses the target has not
-verified, and a cached block must hold committed tokens only.
+prompt shares with earlier prompts (``ModelEngine.reuse_prefix``, leaving a
+whole-run prompt run to compute: ``prefix_limit``) and feeds the rest; once
+drafted, its prompt's full blocks are offered to the cache. Only the prompt:
+the tokens after it may be pipelined guesses the target has not verified, and
+a cached block must hold committed tokens only.
 
 Chunked prefill (``target_worker/prefill_chunks.py``, the same policy as the
 target's): while other sequences are held here, a Propose whose unread prompt is
@@ -61,7 +62,7 @@ from tandem.errors import (
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
-from tandem.rpc.sequence_engine import SequenceEngine, history_runs
+from tandem.rpc.sequence_engine import SequenceEngine, caches_prompt, history_runs, prefix_limit
 from tandem.sampling import SamplingParams, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len
@@ -172,9 +173,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                     results[plan.index] = exc
         for plan in drafting:
             if results[plan.index] is None:
-                # The prompt is the only part a draft knows to be committed (later tokens may be pipelined
-                # guesses): its full blocks go to the prefix cache.
-                self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
+                self._offer_prompt(plan)
         for plan in admitted:
             if results[plan.index] is None:
                 results[plan.index] = DraftReply(plan.drafted, plan.probs, plan.alternatives)
@@ -231,7 +230,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             self.engine.rollback(call.seq_id, plan.keep)
         elif call.k and not self.engine.kv_cache.has_sequence(call.seq_id):
             # A new sequence starts on the cached blocks its prompt begins with; its last token is fed.
-            plan.keep = self.engine.reuse_prefix(call.seq_id, plan.tokens, limit=len(plan.tokens) - 1)
+            plan.keep = self.engine.reuse_prefix(call.seq_id, plan.tokens,
+                                                 limit=prefix_limit(call.prompt_len or len(plan.tokens)))
         if not call.sampling.is_greedy and seq.generator is None:
             seed = None if call.sampling.seed is None else call.sampling.seed + DRAFT_SEED_OFFSET
             # On the host, whatever the engine's device: it draws from the decoded wire rows (``_sample_step``).
@@ -239,18 +239,25 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         if seq.generator is not None:  # seeded: the draws of the positions drafted next, on any replica
             call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
 
+    def _offer_prompt(self, plan: _Plan) -> None:
+        """The prompt is the only part a draft knows to be committed (later tokens may be pipelined
+        guesses), and a whole-run prompt run computed it: its full blocks go to the prefix cache."""
+        if caches_prompt(plan.call.prompt_len):
+            self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
+
     def _feed_chunks(self, plans: list[_Plan]) -> list[_Plan]:
         """Feed one chunk of each long unread prompt while other sequences are held here; those plans."""
         if not self.chunks.enabled:
             return []
-        size = self.chunks.size()
-        long = [p for p in plans if (p.call.prompt_len or len(p.tokens)) - p.keep > size]
+        now = {p.index: self.chunks.take((p.call.prompt_len or len(p.tokens)) - p.keep) for p in plans}
+        long = [p for p in plans if now[p.index] < (p.call.prompt_len or len(p.tokens)) - p.keep]
         mine = {p.call.seq_id for p in long}
         if not long or not any(s not in mine for s in self.sequences):
             return []
-        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + size], num_logits=0) for p in long])
+        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0,
+                                         prompt_extent=p.call.prompt_len or len(p.tokens)) for p in long])
         for plan in long:  # the prompt's full blocks so far may serve other prompts already
-            self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
+            self._offer_prompt(plan)
         return long
 
     def _draft(self, plans: list[_Plan]) -> None:

@@ -24,8 +24,9 @@ A batch runs in phases, all on the model thread (the batcher's):
 4. releases queued after a call of their sequence.
 
 Prefix caching: a new prompt starts on the KV blocks it shares with earlier
-committed text (``ModelEngine.reuse_prefix``) and computes only the rest; after
-each commit, the full blocks of the committed KV are offered to the cache.
+prompts (``ModelEngine.reuse_prefix``) and computes only the rest, at least a
+whole-run prompt run of it; once computed, its own full blocks are offered to the
+cache (prompt blocks only: see ``tandem.rpc.sequence_engine.prefix_limit``).
 Chunked prefill (``target_worker/prefill_chunks.py``): while other sequences are
 running, a long prompt computes one chunk per batch step beside their rows; the
 call's result is then ``Unfinished`` and the batcher queues it again, first,
@@ -59,7 +60,13 @@ from tandem.heads.proposal import HeadProposal
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
-from tandem.rpc.sequence_engine import SequenceEngine, SequenceOwnedError, history_runs
+from tandem.rpc.sequence_engine import (
+    SequenceEngine,
+    SequenceOwnedError,
+    caches_prompt,
+    history_runs,
+    prefix_limit,
+)
 from tandem.sampling import SamplingParams
 from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, verify, verify_tree
 from tandem.spec.transport import TokenLogprob
@@ -121,6 +128,7 @@ class TargetSequence:
     heads: bool = False  # drafts with the worker's heads: every committed row's feature goes to them
     prefilling: PrefillCall | None = None  # a chunked Prefill under way (this call) until its last chunk has run
     reused: int = 0  # prompt tokens its Prefill took from the prefix cache
+    prompt_len: int = 0  # its prompt's tokens: the only ones whose blocks it offers to the prefix cache
 
 
 @dataclass(slots=True)
@@ -206,19 +214,26 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         prefilling = {p.call.seq_id for p in prompts}
         if not any(s not in prefilling and seq.prefilling is None for s, seq in self.sequences.items()):
             return  # nobody is waiting on these prompts
-        size = self.chunks.size()
         for plan in prompts:
-            if len(plan.item.token_ids) > size:
-                plan.item.token_ids = plan.item.token_ids[:size]
+            now = self.chunks.take(len(plan.item.token_ids))
+            if now < len(plan.item.token_ids):
+                plan.item.token_ids = plan.item.token_ids[:now]
                 plan.item.num_logits = 0
+                plan.item.prompt_extent = len(plan.call.token_ids)  # its rows as in the prompt's one run
                 plan.partial = True
 
     def _chunk_done(self, plan: _Plan) -> Unfinished:
         """A chunk is in the KV: the prompt's full blocks so far go to the prefix cache; the call goes on."""
         seq = self.sequences[plan.call.seq_id]
         seq.prefilling = plan.call
-        self.engine.commit(plan.call.seq_id, seq.history, self.engine.seq_len(plan.call.seq_id))
+        self._offer_prompt(plan.call.seq_id, seq)
         return Unfinished()
+
+    def _offer_prompt(self, seq_id: str, seq: TargetSequence) -> None:
+        """The prompt's full blocks in the KV go to the prefix cache (generated ones never: their rows were
+        computed row by row, a prompt's would not be; see ``caches_prompt``)."""
+        if caches_prompt(seq.prompt_len):
+            self.engine.commit(seq_id, seq.history, seq.prompt_len)
 
     def _drop_failed_chunks(self, calls: list[Call], results: list) -> None:
         """A chunked Prefill that failed (refused, or its pass failed) leaves nothing behind."""
@@ -320,7 +335,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             self._free(call.seq_id)  # a rebuild (replace) replaces the old state; the owner keeps the sequence
             generator = None if call.sampling.is_greedy else call.sampling.make_generator(self.engine.device)
             self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator,
-                                                         heads=call.propose > 0)
+                                                         heads=call.propose > 0,
+                                                         prompt_len=call.prompt_len or len(call.token_ids))
             if not plan.item.features:  # heads need every row's feature: their prompt is computed whole
                 self._reuse_prefix(plan)
         else:
@@ -332,11 +348,13 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def _reuse_prefix(self, plan: _Plan) -> None:
         """Start the Prefill's sequence on the prompt's cached blocks, and feed only the rest.
 
-        At least one token is computed: a new prompt's last (its logits give the first token), a
-        rebuild's last KV row. A rebuild's remaining runs keep the shapes its first computation had.
+        What is left of the prompt is one whole-run prompt run (``prefix_limit``), so its rows are the
+        ones a prompt computed in one run has; a rebuild's generated tokens are fed as they were first
+        computed (``history_runs``).
         """
         call = plan.call
-        plan.reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=plan.kv_len - 1)
+        plan.reused = self.engine.reuse_prefix(call.seq_id, call.token_ids,
+                                               limit=prefix_limit(call.prompt_len or len(call.token_ids)))
         self.sequences[call.seq_id].reused = plan.reused
         if not plan.reused:
             return
@@ -451,15 +469,15 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         return super()._free(seq_id)
 
     def _commit(self, plan: _Plan, verdict: Verdict) -> Prefilled | Verdict:
-        """Apply a read verdict: the history, the KV cut (or moved) to what was kept, and the kept
-        KV's full blocks offered to the prefix cache (all of the target's KV is committed now)."""
+        """Apply a read verdict: the history, and the KV cut (or moved) to what was kept; a Prefill's
+        prompt blocks are offered to the prefix cache."""
         call = plan.call
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall):
             seq.prefilling = None
             if not call.prompt_len:
                 seq.history.append(verdict.next_token)
-            self.engine.commit(call.seq_id, seq.history, len(seq.history) - 1)
+            self._offer_prompt(call.seq_id, seq)
             return Prefilled(verdict.next_token, seq.reused, verdict.logprobs)
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
@@ -467,7 +485,6 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             # The root's row (at committed_len - 1) stays; the kept nodes' KV moves to the positions a chain had.
             self.engine.keep_path(call.seq_id, call.committed_len - 1, [0, *(n + 1 for n in verdict.accepted_nodes)])
         seq.history.extend([*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token])
-        self.engine.commit(call.seq_id, seq.history, len(seq.history) - 1)
         return verdict
 
     def warmup(self) -> None:

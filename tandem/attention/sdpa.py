@@ -14,7 +14,10 @@ what else shares the forward pass:
 - long runs (prefill) take one call per sequence: ``is_causal`` when the
   sequence has no cached context, else an explicit offset-causal mask,
   because SDPA's ``is_causal`` aligns top-left when queries are fewer than
-  keys, which is wrong with a KV cache.
+  keys, which is wrong with a KV cache. A run that is a chunk of a longer
+  prompt (``meta.key_extents``) reads as many keys as the whole prompt's run
+  (the ones not computed yet masked, from slot 0): SDPA blocks its reduction
+  by the key count, so only then are its rows bitwise the whole run's.
 
 A tree sequence (``meta.tree_parents``, at most ``ROWWISE_MAX_QUERY`` tokens)
 always goes row by row: row ``i`` attends over the context, its ancestors in
@@ -56,7 +59,7 @@ class SdpaAttention:
     def prepare(self, meta: AttentionMetadata) -> SdpaState:
         device = meta.slot_mapping.device
         bs = meta.block_size
-        positions = torch.arange(meta.max_seq_len_k, device=device)  # [max_kv]
+        positions = torch.arange(meta.max_key_extent, device=device)  # [max_kv]
         blocks = meta.block_tables.to(torch.int64)  # [num_seqs, max_blocks]
         block_idx = torch.clamp(positions // bs, max=blocks.shape[1] - 1)  # [max_kv]
         slots = blocks[:, block_idx] * bs + positions % bs  # [num_seqs, max_kv]
@@ -64,10 +67,11 @@ class SdpaAttention:
         kv_gather = torch.where(valid, slots, torch.zeros_like(slots))
         masks = {}
         for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
-            if qlen > ROWWISE_MAX_QUERY and ctx > 0:
-                # Query i sits at position ctx + i and sees keys 0..ctx + i.
+            extent = _extent(meta, b)
+            if qlen > ROWWISE_MAX_QUERY and extent > qlen:
+                # Query i sits at position ctx + i and sees keys 0..ctx + i (of the extent's).
                 q_pos = torch.arange(qlen, device=device)[:, None] + ctx  # [q, 1]
-                visible = torch.arange(ctx + qlen, device=device)[None, :] <= q_pos  # [q, kv]
+                visible = torch.arange(extent, device=device)[None, :] <= q_pos  # [q, kv]
                 mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
                 masks[b] = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[None, None]
         tree_gathers = {
@@ -97,7 +101,7 @@ class SdpaAttention:
                 pieces.extend(_attend_tree(rows, tree, flat_k, flat_v, scale))
                 token += qlen
                 continue
-            gather = state.kv_gather[b, : ctx + qlen]
+            gather = state.kv_gather[b, : _extent(meta, b) if qlen > ROWWISE_MAX_QUERY else ctx + qlen]
             keys = flat_k[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
             values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
             if qlen <= ROWWISE_MAX_QUERY:
@@ -112,6 +116,11 @@ class SdpaAttention:
                 )[0].transpose(0, 1))  # [q, H, D]
             token += qlen
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _extent(meta: AttentionMetadata, b: int) -> int:
+    """Keys sequence ``b``'s run reads: context + query, or more for a chunk of a longer prompt."""
+    return meta.key_extents[b] if meta.key_extents else meta.context_lens[b] + meta.query_lens[b]
 
 
 def _attend_row(

@@ -44,6 +44,24 @@ def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[list[in
     return runs
 
 
+# A prompt run of at least this many tokens goes through whole-run attention (SDPA over the run), the path
+# a prompt computed in one run takes; shorter runs go row by row (tandem/attention/sdpa.py), which in bf16
+# may round a row otherwise. So the prefix cache reuses a prefix only where what is left of the prompt is at
+# least this long, and registers only prompt blocks computed by such runs: a prompt's rows are then bitwise
+# what they would be with the cache off (measured; docs/DESIGN.md, "Prefix caching").
+MIN_PROMPT_RUN = ROWWISE_MAX_QUERY + 1
+
+
+def prefix_limit(prompt_len: int) -> int:
+    """Most prompt tokens a sequence may take from the prefix cache: the rest is one whole-run prompt run."""
+    return max(0, prompt_len - MIN_PROMPT_RUN)
+
+
+def caches_prompt(prompt_len: int) -> bool:
+    """Whether a prompt's blocks may enter the prefix cache (computed by whole-run attention, not row by row)."""
+    return prompt_len >= MIN_PROMPT_RUN
+
+
 class SequenceOwnedError(StaleSequenceError):
     """A call names a sequence that is live under another owner, or a Prefill names a live sequence
     without saying it rebuilds it (FAILED_PRECONDITION): the sequence is left as it was."""
