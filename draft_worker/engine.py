@@ -254,8 +254,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         mine = {p.call.seq_id for p in long}
         if not long or not any(s not in mine for s in self.sequences):
             return []
-        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0,
-                                         prompt_extent=p.call.prompt_len or len(p.tokens)) for p in long])
+        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0)
+                             for p in long])
         for plan in long:  # the prompt's full blocks so far may serve other prompts already
             self._offer_prompt(plan)
         return long

@@ -57,7 +57,6 @@ class ForwardBatch:
     context_lens: list[int]  # [B] tokens cached per sequence before this pass
     logit_rows: torch.Tensor  # [R] int64, the rows of the T whose logits are wanted
     parents: torch.Tensor  # [T] int64, each token's parent row within its sequence's new tokens (-1: the context)
-    key_extents: list[int] | None = None  # [B] keys each sequence's run reads (None: context + query each)
 
 
 FINAL = -1  # in a FeatureSpec: the last layer's output after the final norm (what lm_head reads)
@@ -108,9 +107,6 @@ class ForwardItem:
     num_logits: int = 1  # how many of the last new positions to compute logits for
     parents: Sequence[int] | None = None  # a speculation tree over token_ids; None: a chain
     features: bool = False  # return the features of every new token (``forward_with_features``)
-    # A chunk of a prompt of this many tokens: its run reads keys as the whole prompt's run does, so its rows
-    # are bitwise those of the prompt computed in one run (see tandem/attention/sdpa.py). 0: not a chunk.
-    prompt_extent: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -320,7 +316,6 @@ class ModelEngine:
             context_lens=list(context_lens),
             logit_rows=torch.tensor(rows, dtype=torch.int64),
             parents=torch.tensor([p for it in items for p in it.row_parents()], dtype=torch.int64),
-            key_extents=[it.prompt_extent for it in items] if any(it.prompt_extent for it in items) else None,
         )
         wanted = [it.features and spec is not None for it in items]
         request = None
@@ -343,7 +338,6 @@ class ModelEngine:
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
             self.kv_cache.block_size, self.device, tree_parents_of(batch.parents, batch.query_lens),
-            batch.key_extents,
         )
         hidden = self.model.hidden_states(
             batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_cache, meta, self.backend,

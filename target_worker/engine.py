@@ -219,7 +219,6 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             if now < len(plan.item.token_ids):
                 plan.item.token_ids = plan.item.token_ids[:now]
                 plan.item.num_logits = 0
-                plan.item.prompt_extent = len(plan.call.token_ids)  # its rows as in the prompt's one run
                 plan.partial = True
 
     def _chunk_done(self, plan: _Plan) -> Unfinished:

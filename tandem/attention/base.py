@@ -19,7 +19,7 @@ reuses that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -41,11 +41,6 @@ class AttentionMetadata:
     block_size: int
     # [num_seqs] per sequence: None for a chain, else each new token's parent row (-1: the context)
     tree_parents: list[list[int] | None]
-    # [num_seqs] host copy: how many key positions a sequence's run attends over, at least context + query.
-    # More for a chunk of a longer prompt: its run then reads keys (masked past each row) as the whole
-    # prompt's run does, which is what makes a chunked prompt's rows bitwise its whole run's (SDPA's
-    # reduction over keys is blocked by the key count). Backends that do not need it may ignore it.
-    key_extents: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -58,10 +53,6 @@ class AttentionMetadata:
     @property
     def max_seq_len_k(self) -> int:
         return max(c + q for c, q in zip(self.context_lens, self.query_lens))
-
-    @property
-    def max_key_extent(self) -> int:
-        return max(self.key_extents, default=0) or self.max_seq_len_k
 
     @property
     def is_decode_only(self) -> bool:
@@ -81,10 +72,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         tree_parents: list[list[int] | None] | None = None,
-        key_extents: list[int] | None = None,
     ) -> AttentionMetadata:
-        """``tree_parents``: per sequence, None for a chain (all chains when omitted) or its tree's parents.
-        ``key_extents``: per sequence, the key positions its run reads (default and minimum: context + query)."""
+        """``tree_parents``: per sequence, None for a chain (all chains when omitted) or its tree's parents."""
         if tree_parents is None:
             tree_parents = [None] * len(query_lens)
         if len(tree_parents) != len(query_lens):
@@ -93,7 +82,6 @@ class AttentionMetadata:
             if parents is not None and (problem := parents_problem(parents, qlen)) is not None:
                 raise ValueError(f"sequence {b} of the batch: {problem}")
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        extents = [max(s, e) for s, e in zip(seq_lens, key_extents)] if key_extents else seq_lens
         cu_q = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=device)
         cu_k = torch.tensor([0, *_cumsum(seq_lens)], dtype=torch.int32, device=device)
         return cls(
@@ -106,7 +94,6 @@ class AttentionMetadata:
             block_tables=block_tables.to(device),
             block_size=block_size,
             tree_parents=list(tree_parents),
-            key_extents=extents,
         )
 
 

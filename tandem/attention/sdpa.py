@@ -11,13 +11,16 @@ what else shares the forward pass:
   batched with other sequences, so bf16 results are bitwise identical
   across those paths and speculative greedy output equals plain greedy
   output (see also ``RowStableLinear``).
-- long runs (prefill) take one call per sequence: ``is_causal`` when the
-  sequence has no cached context, else an explicit offset-causal mask,
-  because SDPA's ``is_causal`` aligns top-left when queries are fewer than
-  keys, which is wrong with a KV cache. A run that is a chunk of a longer
-  prompt (``meta.key_extents``) reads as many keys as the whole prompt's run
-  (the ones not computed yet masked, from slot 0): SDPA blocks its reduction
-  by the key count, so only then are its rows bitwise the whole run's.
+- long runs (prompts: prefill, a prompt's chunk, what the prefix cache left
+  of one) go in fixed pieces: positions ``[j * PIECE, (j + 1) * PIECE)`` are
+  one SDPA call of ``PIECE`` query rows (rows the run does not hold are zero
+  queries, their output dropped) over ``(j + 1) * PIECE`` keys (those past a
+  row's position masked, whatever their slots hold). SDPA blocks its work by
+  the query and key counts, so a row's result depends on them; with the
+  counts fixed by its position alone, a prompt row is bitwise the same
+  whether its prompt was computed in one run, in chunks, or after a cached
+  prefix (docs/DESIGN.md, "Prefix caching"). The work is that of one causal
+  call, plus at most one piece of padding per run.
 
 A tree sequence (``meta.tree_parents``, at most ``ROWWISE_MAX_QUERY`` tokens)
 always goes row by row: row ``i`` attends over the context, its ancestors in
@@ -40,12 +43,15 @@ from tandem.attention.base import AttentionMetadata
 from tandem.tree_rows import path_to
 
 ROWWISE_MAX_QUERY = 16
+PIECE = 64  # query rows (and the step of key counts) of one prompt-attention call; see the module doc
 
 
 @dataclass(slots=True)
 class SdpaState:
-    kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (past a sequence's end: slot 0, unread)
-    masks: dict[int, torch.Tensor]  # sequence index -> [1, 1, q, kv] additive mask, for chunked prefill only
+    kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (past a sequence's end: slot 0, masked)
+    # [PIECE, max_kv] additive mask: row r of piece j sees key k iff k <= j * PIECE + r, as the
+    # columns [max_kv - (j + 1) * PIECE, max_kv) of this staircase (None: no long run in the batch)
+    staircase: torch.Tensor | None
     # tree sequence index -> per new token, the [visible] int64 flat slots it attends over, in order
     tree_gathers: dict[int, list[torch.Tensor]]
 
@@ -59,27 +65,26 @@ class SdpaAttention:
     def prepare(self, meta: AttentionMetadata) -> SdpaState:
         device = meta.slot_mapping.device
         bs = meta.block_size
-        positions = torch.arange(meta.max_key_extent, device=device)  # [max_kv]
+        long = [c + q for c, q in zip(meta.context_lens, meta.query_lens) if q > ROWWISE_MAX_QUERY]
+        max_kv = max(meta.max_seq_len_k, _pieces_end(max(long)) if long else 0)
+        positions = torch.arange(max_kv, device=device)  # [max_kv]
         blocks = meta.block_tables.to(torch.int64)  # [num_seqs, max_blocks]
         block_idx = torch.clamp(positions // bs, max=blocks.shape[1] - 1)  # [max_kv]
         slots = blocks[:, block_idx] * bs + positions % bs  # [num_seqs, max_kv]
         valid = positions[None, :] < meta.seq_lens_k.to(device=device, dtype=torch.int64)[:, None]
         kv_gather = torch.where(valid, slots, torch.zeros_like(slots))
-        masks = {}
-        for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
-            extent = _extent(meta, b)
-            if qlen > ROWWISE_MAX_QUERY and extent > qlen:
-                # Query i sits at position ctx + i and sees keys 0..ctx + i (of the extent's).
-                q_pos = torch.arange(qlen, device=device)[:, None] + ctx  # [q, 1]
-                visible = torch.arange(extent, device=device)[None, :] <= q_pos  # [q, kv]
-                mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
-                masks[b] = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[None, None]
+        staircase = None
+        if long:
+            # Row r, key column c: visible iff c <= max_kv - PIECE + r (a piece's own diagonal block last).
+            visible = positions[None, :] <= torch.arange(PIECE, device=device)[:, None] + (max_kv - PIECE)
+            staircase = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+            staircase.masked_fill_(~visible, torch.finfo(self.dtype).min)
         tree_gathers = {
             b: tree_row_gathers(kv_gather[b], ctx, parents)
             for b, (ctx, parents) in enumerate(zip(meta.context_lens, meta.tree_parents))
             if parents is not None
         }
-        return SdpaState(kv_gather, masks, tree_gathers)
+        return SdpaState(kv_gather, staircase, tree_gathers)
 
     def forward(
         self,
@@ -101,26 +106,52 @@ class SdpaAttention:
                 pieces.extend(_attend_tree(rows, tree, flat_k, flat_v, scale))
                 token += qlen
                 continue
-            gather = state.kv_gather[b, : _extent(meta, b) if qlen > ROWWISE_MAX_QUERY else ctx + qlen]
-            keys = flat_k[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
-            values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
             if qlen <= ROWWISE_MAX_QUERY:
+                gather = state.kv_gather[b, : ctx + qlen]
+                keys = flat_k[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
+                values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, total, D]
                 for i in range(qlen):
                     visible = ctx + i + 1
                     pieces.append(_attend_row(rows[i], keys[:, :, :visible], values[:, :, :visible], scale))
             else:
-                q = rows.transpose(0, 1)[None]  # [1, H, q, D]
-                mask = state.masks.get(b)
-                pieces.append(F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-                )[0].transpose(0, 1))  # [q, H, D]
+                assert state.staircase is not None
+                gather = state.kv_gather[b, : _pieces_end(ctx + qlen)]
+                keys = flat_k[gather].transpose(0, 1)[None]  # [1, Hkv, extent, D]
+                values = flat_v[gather].transpose(0, 1)[None]  # [1, Hkv, extent, D]
+                pieces.extend(_attend_pieces(rows, ctx, keys, values, state.staircase, scale))
             token += qlen
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _extent(meta: AttentionMetadata, b: int) -> int:
-    """Keys sequence ``b``'s run reads: context + query, or more for a chunk of a longer prompt."""
-    return meta.key_extents[b] if meta.key_extents else meta.context_lens[b] + meta.query_lens[b]
+def _pieces_end(length: int) -> int:
+    """Keys the last piece of a run ending at ``length`` reads: ``length`` rounded up to a whole piece."""
+    return -(-length // PIECE) * PIECE
+
+
+def _attend_pieces(
+    rows: torch.Tensor,  # [q, H, D], the run's queries, at positions ctx .. ctx + q - 1
+    ctx: int,
+    keys: torch.Tensor,  # [1, Hkv, extent, D], the sequence's keys (past its end: masked slots)
+    values: torch.Tensor,  # [1, Hkv, extent, D]
+    staircase: torch.Tensor,  # [PIECE, max_kv]
+    scale: float,
+) -> list[torch.Tensor]:  # [rows of a piece, H, D] each, in order
+    """The run in fixed pieces (module doc): piece j is PIECE query rows over (j + 1) * PIECE keys."""
+    out, start, end = [], ctx, ctx + rows.shape[0]
+    width = staircase.shape[1]
+    while start < end:
+        base = start // PIECE * PIECE
+        stop = min(end, base + PIECE)
+        query = rows.new_zeros(1, rows.shape[1], PIECE, rows.shape[2])  # [1, H, PIECE, D]
+        query[0, :, start - base:stop - base] = rows[start - ctx:stop - ctx].transpose(0, 1)
+        extent = base + PIECE
+        mask = staircase[:, width - extent:]  # [PIECE, extent]: row r sees keys <= base + r
+        piece = F.scaled_dot_product_attention(
+            query, keys[:, :, :extent], values[:, :, :extent], attn_mask=mask, scale=scale, enable_gqa=True,
+        )[0, :, start - base:stop - base].transpose(0, 1)  # [stop - start, H, D]
+        out.append(piece)
+        start = stop
+    return out
 
 
 def _attend_row(
