@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the scenario's long prompt (default: 4000; --quick: 400)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="--prefill-chunk-tokens of every cache-on worker (default: the workers' own default)")
+    p.add_argument("--call-timeout", type=float, default=600.0,
+                   help="the coordinators' --call-timeout, seconds: a 4,000-token prompt prefilled whole on a CPU "
+                        "target holds every call queued behind it for longer than the default 60 s, and the "
+                        "scenario measures that stall rather than failing on it (default: %(default)s)")
     p.add_argument("--k", type=int, default=4, help="most draft tokens per round, adaptive (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the text choice and the samples (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -530,7 +534,7 @@ def run_config(config: Config, w: Workloads, tokenizer: Any, args: argparse.Name
     spec = ClusterSpec(target=args.target, draft=args.draft if uses_draft else None, target_replicas=config.replicas,
                        dtype=args.dtype, worker_threads=args.worker_threads, kv_cache_tokens=args.kv_cache_tokens,
                        worker_args=config.worker_args, target_args=config.target_args,
-                       coordinator_args=("--placement", config.placement),
+                       coordinator_args=("--placement", config.placement, "--call-timeout", str(args.call_timeout)),
                        log_dir=workdir / config.name)
     out: dict[str, Any] = {"config": config.name, "replicas": config.replicas,
                            "worker_args": [*config.worker_args, *config.target_args],
@@ -745,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.configs:
             results.append(run_config(table[name], workloads, tokenizer, args, workdir))
+            write_json(workdir, f"{NAME}.partial", {"configs": results})  # kept with the logs if a later one fails
         ok = True
     finally:
         if ok:
@@ -757,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: getattr(args, k) for k in (
         "target", "method", "configs", "chat_turns", "chat_tokens", "answer_tokens", "samples", "sample_prompt_tokens",
         "sample_tokens", "temperature", "system_tokens", "questions", "probe_tokens", "streams", "stream_lead_tokens",
-        "long_prompt_tokens", "chunk_tokens", "k", "seed", "dtype", "worker_threads", "kv_cache_tokens", "quick")}
+        "long_prompt_tokens", "chunk_tokens", "call_timeout", "k", "seed", "dtype", "worker_threads", "kv_cache_tokens",
+        "quick")}
     settings["draft"] = args.draft if args.method in ("draft", "hybrid") else None
     settings["spec_bench_file"] = args.spec_bench.name
     machine = {**machine_info(), "load_average_1m_before": round(load_before, 2),

@@ -8,8 +8,9 @@ the chat template), three ways:
 - cached:  prefix caching on, one prompt at a time: every prompt after the first starts on the
            preamble's cached blocks and computes only its question (its KV rows computed in another
            run, with another attention shape, than in ``off``);
-- chunked: prefix caching off, all prompts at once with --chunk tokens per chunk: while the others
-           run, each prompt is computed a chunk per step.
+- chunked: prefix caching off, --chunk tokens per chunk: each prompt arrives while another
+           sequence is decoding on the target, so it is computed a chunk per batch step beside
+           that sequence's rows (driven through TargetEngine.run_batch, as a worker's batcher does).
 
 Per prompt: whether its tokens equal ``off``'s, and where they first differ. fp32 is expected to be
 identical on these prompts (the rule the tests hold, tests/target_worker/test_prefix_and_chunks.py);
@@ -67,6 +68,44 @@ def compare(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any
             "first_difference": ",".join("-" if f is None else str(f) for f in firsts)}
 
 
+def chunked_beside_a_stream(model_dir: Path, dtype: str, prompts: list[list[int]],
+                            args: argparse.Namespace) -> tuple[list[list[int]], int]:
+    """Greedy decoding of each prompt, prefilled in chunks while another sequence decodes (see the module doc)."""
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from tandem.rpc.batcher import Unfinished
+    from tandem.sampling import SamplingParams
+    from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
+
+    target = TargetEngine(ModelEngine.load(EngineConfig(model_dir, dtype=dtype, prefix_caching=False)),
+                          prefill_chunk_tokens=args.chunk)
+    greedy = SamplingParams()
+
+    def step(calls: list) -> list:
+        results = target.run_batch(calls)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        return results
+
+    outputs, chunked_steps = [], 0
+    for i, prompt in enumerate(prompts):
+        step([PrefillCall("stream", prompts[(i + 1) % len(prompts)][:32], greedy)])  # a sequence that runs
+        call, result = PrefillCall("p", prompt, greedy), Unfinished()
+        while isinstance(result, Unfinished):
+            result, _ = step([call, VerifyCall("stream", len(target.sequences["stream"].history), [], [])])
+            chunked_steps += 1
+        tokens = [result.next_token]
+        while len(tokens) < args.max_new_tokens:
+            (verdict,) = step([VerifyCall("p", len(target.sequences["p"].history), [], [])])
+            tokens.append(verdict.next_token)
+        step([ReleaseCall("p"), ReleaseCall("stream")])
+        outputs.append(tokens)
+    if chunked_steps <= len(prompts):
+        raise SystemExit(f"no prompt was chunked ({chunked_steps} steps for {len(prompts)} prompts): lower --chunk")
+    return outputs, 0
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from benchmarks.runners import resolve_model_dir
     from tandem.config import EngineConfig
@@ -92,7 +131,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         off, _ = generate(caching=False, together=False)
         for way, (tokens, reused) in (("cached", generate(caching=True, together=False)),
-                                      ("chunked", generate(caching=False, together=True, chunk=args.chunk))):
+                                      ("chunked", chunked_beside_a_stream(model_dir, dtype, prompts, args))):
             rows.append({"dtype": dtype, "way": way, "reused_tokens": reused, **compare(off, tokens)})
             print(rows[-1], flush=True)
     return rows
