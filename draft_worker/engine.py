@@ -25,13 +25,13 @@ what those messages decode to, and the reply carries those very messages,
 so the target's acceptance test uses the q each token was drawn from.
 
 Prefix caching: a new sequence's first Propose starts on the KV blocks its
-prompt shares with earlier prompts (``ModelEngine.reuse_prefix``, leaving a
-whole-run prompt run to compute: ``prefix_limit``) and feeds the rest; once
+prompt shares with earlier prompts (``ModelEngine.reuse_prefix``, leaving at
+least its last token to compute: ``prefix_limit``) and feeds the rest; once
 drafted, its prompt's full blocks are offered to the cache. Only the prompt:
 the tokens after it may be pipelined guesses the target has not verified, and
 a cached block must hold committed tokens only.
 
-Chunked prefill (``target_worker/prefill_chunks.py``, the same policy as the
+Chunked prefill (``tandem/rpc/prefill_chunks.py``, the same policy as the
 target's): while other sequences are held here, a Propose whose unread prompt is
 longer than a chunk feeds one chunk, answers ``Unfinished`` and is queued again
 by the batcher; its next check finds the chunk in the KV (the longest common
@@ -62,12 +62,12 @@ from tandem.errors import (
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
-from tandem.rpc.sequence_engine import SequenceEngine, caches_prompt, history_runs, prefix_limit
+from tandem.rpc.prefill_chunks import PrefillChunks
+from tandem.rpc.sequence_engine import Run, SequenceEngine, history_runs, prefix_limit
 from tandem.sampling import SamplingParams, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len
 from tandem.v1 import common_pb2
-from target_worker.prefill_chunks import PrefillChunks
 
 __all__ = ["ProposeCall", "ReleaseCall", "DraftReply", "DraftEngine", "DraftSequence", "early_exit_engine",
            "MAX_PROPOSE", "MAX_ALTERNATIVES", "DRAFT_SEED_OFFSET"]
@@ -146,7 +146,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
     def __init__(self, engine: ModelEngine, leases=None, prefill_chunk_tokens: int | None = 0) -> None:
         super().__init__(engine, leases)
         # None: chunks sized from the measured step cost; 0: prompts always fed whole.
-        self.chunks = PrefillChunks(prefill_chunk_tokens, engine.kv_cache.block_size, engine.cost_fit)
+        self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
 
     def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
         if not isinstance(call, ProposeCall):
@@ -241,21 +241,21 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
 
     def _offer_prompt(self, plan: _Plan) -> None:
         """The prompt is the only part a draft knows to be committed (later tokens may be pipelined
-        guesses), and a whole-run prompt run computed it: its full blocks go to the prefix cache."""
-        if caches_prompt(plan.call.prompt_len):
+        guesses), and it was fed as prompt tokens: its full blocks go to the prefix cache."""
+        if plan.call.prompt_len:
             self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
 
     def _feed_chunks(self, plans: list[_Plan]) -> list[_Plan]:
         """Feed one chunk of each long unread prompt while other sequences are held here; those plans."""
         if not self.chunks.enabled:
             return []
-        now = {p.index: self.chunks.take((p.call.prompt_len or len(p.tokens)) - p.keep) for p in plans}
+        now = {p.index: self.chunks.take((p.call.prompt_len or len(p.tokens)) - p.keep, p.keep) for p in plans}
         long = [p for p in plans if now[p.index] < (p.call.prompt_len or len(p.tokens)) - p.keep]
         mine = {p.call.seq_id for p in long}
         if not long or not any(s not in mine for s in self.sequences):
             return []
-        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0)
-                             for p in long])
+        self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0,
+                                         prompt=True) for p in long])
         for plan in long:  # the prompt's full blocks so far may serve other prompts already
             self._offer_prompt(plan)
         return long
@@ -268,12 +268,14 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         that have one; the last run is the first step's input."""
         runs = {p.index: history_runs(p.tokens, p.keep, p.call.prompt_len) for p in plans}
         for step in range(max((len(r) - 1 for r in runs.values()), default=0)):
-            self.engine.forward([ForwardItem(p.call.seq_id, runs[p.index][step], num_logits=0)
+            self.engine.forward([ForwardItem(p.call.seq_id, runs[p.index][step].tokens, num_logits=0,
+                                             prompt=runs[p.index][step].prompt)
                                  for p in plans if step < len(runs[p.index]) - 1])
         feed = {p.index: runs[p.index][-1] for p in plans}
         active = list(plans)
         while active:
-            logits = self.engine.forward([ForwardItem(p.call.seq_id, feed[p.index], num_logits=1) for p in active])
+            logits = self.engine.forward([ForwardItem(p.call.seq_id, feed[p.index].tokens, num_logits=1,
+                                                      prompt=feed[p.index].prompt) for p in active])
             for plan in active:  # the fed tokens are in the cache now
                 if plan.drafted:
                     self.sequences[plan.call.seq_id].tokens.append(plan.drafted[-1])
@@ -286,7 +288,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             self._sample_step([p for p in active if not p.call.sampling.is_greedy], rows)
             self._alternatives([p for p in active if p.call.alternatives], rows)
             active = [p for p in active if len(p.drafted) < p.call.k]
-            feed = {p.index: [p.drafted[-1]] for p in active}
+            feed = {p.index: Run([p.drafted[-1]], False) for p in active}
 
     def _alternatives(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
         """Each plan's next-best tokens at the position just drafted, other than the drafted one.

@@ -328,7 +328,7 @@ class WorkerConfig:
     lease_s: float = DEFAULT_LEASE_S
     idle_ttl_s: float = DEFAULT_IDLE_TTL_S
     heads: Path | None = None  # a target's speculation heads (tandem/heads): a directory in any known layout
-    # A target's chunked prefill (target_worker/prefill_chunks.py): tokens per chunk of a long prompt while other
+    # A target's chunked prefill (tandem/rpc/prefill_chunks.py): tokens per chunk of a long prompt while other
     # streams run; None: sized from the measured step cost; 0: prompts always computed whole.
     prefill_chunk_tokens: int | None = None
 

@@ -20,11 +20,15 @@ class ForwardCostFit:
     speculation is nearly free; with many streams batched, every draft token
     of every stream adds ``per_token_s`` and speculation can stop paying.
 
-    Only batches of up to ``max_tokens`` are fitted: the cost is not a line
-    over all sizes. Small batches are bound by reading the weights (measured:
-    1 to 8 tokens add 2.7 ms each to a 121 ms pass), prompt prefills by
-    compute (several ms per token), and a line through both would charge
-    every draft token a prefill's price and talk adaptive k out of drafting.
+    Only passes without prompt tokens (decode and verify steps), of up to
+    ``max_tokens``, are fitted: the cost is not a line over all sizes. Small
+    batches are bound by reading the weights (measured: 1 to 8 tokens add 2.7
+    ms each to a 121 ms pass), prompt prefills by compute (several ms per
+    token), and a line through both would charge every draft token a
+    prefill's price and talk adaptive k out of drafting. Prompt tokens are
+    priced apart (``PromptTokenCost``): a step carrying a prefill chunk beside
+    decode rows fitted here would have inflated the intercept the chunk's own
+    size is computed from, and chunks grew as they got dearer (measured).
     """
 
     decay: float = 0.98  # weight of the past per observation
@@ -65,3 +69,60 @@ class ForwardCostFit:
         if not self.ready:
             return 0.0
         return max(1e-6, self._y / self._w - self.per_token_s * self._x / self._w)
+
+    def seconds(self, tokens: int) -> float:
+        """The fitted cost of a pass of ``tokens`` tokens (the weights read once, however few)."""
+        return self.base_s + self.per_token_s * tokens
+
+
+@dataclass(slots=True)
+class PromptTokenCost:
+    """What prompt tokens add to the forward pass that carries them: ``fixed_s + per_token_s * tokens``.
+
+    ``ForwardCostFit`` fits decode and verify steps, where a token adds little (the weights are
+    read once for all of them). A prompt token costs its arithmetic, and a prompt run also pays
+    a part that does not shrink with it: attention over the context once per layer, whatever the
+    run holds of a piece (tandem/attention/sdpa.py), which grows with the context. Each pass
+    that carries prompt tokens (``ForwardItem.prompt``) gives what it cost beyond its other rows'
+    fitted cost. Passes of at least ``min_tokens`` prompt tokens (whole prefills, long chunks)
+    price a token; shorter ones (chunks beside running streams, what the prefix cache left of a
+    prompt) give the fixed part, what they cost beyond their tokens' price. Both are weighted
+    exponentially per pass, so they follow the context a long prompt's chunks have reached.
+
+    Measured on Qwen2.5-Coder-1.5B (bf16, 2-core Xeon) beside 4 decode rows at a context of
+    3,800: 2 prompt tokens add 75 ms, 4 add 117 ms, 8 add 153 ms; a whole prefill costs 15 ms
+    a token. So about 50 ms is fixed there, and a price per token alone, measured on the chunks,
+    shrank chunks to one token a step (tried: a 4,000-token prompt then took 1,622 steps).
+    """
+
+    min_tokens: int = 32  # passes with at least this many prompt tokens price a token
+    decay: float = 0.8  # weight of the past per pass
+    _tokens: float = 0.0
+    _seconds: float = 0.0
+    _short: float = 0.0
+    _fixed: float = 0.0
+
+    def observe(self, prompt_tokens: int, extra_s: float) -> None:
+        """A pass carried ``prompt_tokens`` and cost ``extra_s`` more than its other rows alone would."""
+        if prompt_tokens <= 0:
+            return
+        d, extra = self.decay, max(0.0, extra_s)
+        if prompt_tokens >= self.min_tokens:
+            self._tokens = d * self._tokens + prompt_tokens
+            self._seconds = d * self._seconds + extra
+        elif self.ready:
+            self._short = d * self._short + 1.0
+            self._fixed = d * self._fixed + max(0.0, extra - self.per_token_s * prompt_tokens)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a token has been priced (a pass of at least ``min_tokens`` prompt tokens seen)."""
+        return self._tokens > 0
+
+    @property
+    def per_token_s(self) -> float:
+        return self._seconds / self._tokens if self._tokens else 0.0
+
+    @property
+    def fixed_s(self) -> float:
+        return self._fixed / self._short if self._short else 0.0

@@ -30,7 +30,7 @@ import torch
 from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.config import EngineConfig, ModelConfig
-from tandem.cost_fit import ForwardCostFit
+from tandem.cost_fit import ForwardCostFit, PromptTokenCost
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
 from tandem.models.packed import pack_linear_weights
@@ -57,6 +57,7 @@ class ForwardBatch:
     context_lens: list[int]  # [B] tokens cached per sequence before this pass
     logit_rows: torch.Tensor  # [R] int64, the rows of the T whose logits are wanted
     parents: torch.Tensor  # [T] int64, each token's parent row within its sequence's new tokens (-1: the context)
+    prompt_runs: list[bool]  # [B] whether each sequence's new tokens are prompt tokens (``ForwardItem.prompt``)
 
 
 FINAL = -1  # in a FeatureSpec: the last layer's output after the final norm (what lm_head reads)
@@ -107,10 +108,15 @@ class ForwardItem:
     num_logits: int = 1  # how many of the last new positions to compute logits for
     parents: Sequence[int] | None = None  # a speculation tree over token_ids; None: a chain
     features: bool = False  # return the features of every new token (``forward_with_features``)
+    # Prompt tokens (a prefill, a chunk of one, what the prefix cache left of one): their attention is fixed by
+    # position (tandem/attention/sdpa.py), so a prompt's rows are bitwise the same however it is cut into runs.
+    prompt: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError(f"sequence {self.seq_id!r}: a forward item needs at least one new token")
+        if self.prompt and self.parents is not None and not is_chain(self.parents):
+            raise ValueError(f"sequence {self.seq_id!r}: prompt tokens are a chain, not a speculation tree")
         if not 0 <= self.num_logits <= len(self.token_ids):
             raise ValueError(
                 f"sequence {self.seq_id!r}: num_logits {self.num_logits} outside 0..{len(self.token_ids)}"
@@ -158,6 +164,7 @@ class ModelEngine:
         self.dtype = model.embed_tokens.weight.dtype
         # Forward seconds against tokens, fitted as the engine runs: what adaptive k plans with.
         self.cost_fit = ForwardCostFit()
+        self.prompt_cost = PromptTokenCost()  # what a prompt chunk's tokens cost (tandem.rpc.prefill_chunks)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> ModelEngine:
@@ -206,8 +213,10 @@ class ModelEngine:
         prefill would pass for the price of a decode step and adaptive k would never draft.
         """
         scratch = "__warmup__"
-        for tokens in ([1] * 32, [1], [1], [1] * 8, [1]):
-            self.forward([ForwardItem(scratch, tokens)])
+        # The last pass, a prompt's, prices a prompt token (``prompt_cost``) against the cost the ones before fitted.
+        for tokens, prompt in (([1] * 32, False), ([1], False), ([1], False), ([1] * 8, False), ([1], False),
+                               ([1] * 32, True)):
+            self.forward([ForwardItem(scratch, tokens, prompt=prompt)])
         self.release(scratch)
 
     # ----- sequences ---------------------------------------------------
@@ -286,7 +295,13 @@ class ModelEngine:
         started = time.perf_counter()
         try:
             out = self._run(items, context_lens, slots, spec)
-            self.cost_fit.observe(sum(len(it.token_ids) for it in items), time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            tokens = sum(len(it.token_ids) for it in items)
+            prompt = sum(len(it.token_ids) for it in items if it.prompt)
+            if prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
+                self.prompt_cost.observe(prompt, seconds - self.cost_fit.seconds(tokens - prompt))
+            else:
+                self.cost_fit.observe(tokens, seconds)
             return out
         except BaseException:
             for seq_id, length, had in zip(seq_ids, context_lens, existed):
@@ -316,6 +331,7 @@ class ModelEngine:
             context_lens=list(context_lens),
             logit_rows=torch.tensor(rows, dtype=torch.int64),
             parents=torch.tensor([p for it in items for p in it.row_parents()], dtype=torch.int64),
+            prompt_runs=[it.prompt for it in items],
         )
         wanted = [it.features and spec is not None for it in items]
         request = None
@@ -338,6 +354,7 @@ class ModelEngine:
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
             self.kv_cache.block_size, self.device, tree_parents_of(batch.parents, batch.query_lens),
+            batch.prompt_runs,
         )
         hidden = self.model.hidden_states(
             batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_cache, meta, self.backend,

@@ -24,10 +24,11 @@ A batch runs in phases, all on the model thread (the batcher's):
 4. releases queued after a call of their sequence.
 
 Prefix caching: a new prompt starts on the KV blocks it shares with earlier
-prompts (``ModelEngine.reuse_prefix``) and computes only the rest, at least a
-whole-run prompt run of it; once computed, its own full blocks are offered to the
-cache (prompt blocks only: see ``tandem.rpc.sequence_engine.prefix_limit``).
-Chunked prefill (``target_worker/prefill_chunks.py``): while other sequences are
+prompts (``ModelEngine.reuse_prefix``) and computes only the rest, at least its
+last token (``tandem.rpc.sequence_engine.prefix_limit``); once computed, its own
+full blocks are offered to the cache (prompt blocks only: generated tokens may be
+rolled back, and their rows are computed another way).
+Chunked prefill (``tandem/rpc/prefill_chunks.py``): while other sequences are
 running, a long prompt computes one chunk per batch step beside their rows; the
 call's result is then ``Unfinished`` and the batcher queues it again, first,
 until its last chunk gives the first token.
@@ -60,10 +61,11 @@ from tandem.heads.proposal import HeadProposal
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
+from tandem.rpc.prefill_chunks import PrefillChunks
 from tandem.rpc.sequence_engine import (
+    Run,
     SequenceEngine,
     SequenceOwnedError,
-    caches_prompt,
     history_runs,
     prefix_limit,
 )
@@ -72,7 +74,6 @@ from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, v
 from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
-from target_worker.prefill_chunks import PrefillChunks
 
 __all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Prefilled",
            "Proposed"]
@@ -141,10 +142,9 @@ class _Plan:
     kv_len: int  # KV length of the sequence once the forward pass has run
     # A rebuild's runs fed (alone, no logits) before the batched pass: the prompt, then generated
     # tokens in runs short enough for the row-invariant kernels that computed them the first time.
-    before: list[list[int]] = field(default_factory=list)
+    before: list[Run] = field(default_factory=list)
     q: distributions.DecodedRows | None = None  # decoded draft_probs (host, sparse), sampled Verify only
     children: dict[int, list[int]] | None = None  # a tree Verify: parent node -> children; None: a chain
-    reused: int = 0  # a Prefill: prompt tokens taken from the prefix cache (their KV was not computed)
     resumed: bool = False  # a chunked Prefill's later step: its sequence holds the chunks before
     partial: bool = False  # a chunked Prefill's step that is not its last: no logits, no verdict yet
     features: list[torch.Tensor] = field(default_factory=list)  # heads: [rows, feature] per forward, in order
@@ -160,7 +160,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         super().__init__(engine, leases)
         self.drafter = drafter
         # None: chunks sized from the measured step cost; 0: prompts always computed whole.
-        self.chunks = PrefillChunks(prefill_chunk_tokens, engine.kv_cache.block_size, engine.cost_fit)
+        self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
 
     @property
     def heads_kind(self) -> str:
@@ -215,7 +215,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if not any(s not in prefilling and seq.prefilling is None for s, seq in self.sequences.items()):
             return  # nobody is waiting on these prompts
         for plan in prompts:
-            now = self.chunks.take(len(plan.item.token_ids))
+            now = self.chunks.take(len(plan.item.token_ids), plan.kv_len - len(plan.item.token_ids))
             if now < len(plan.item.token_ids):
                 plan.item.token_ids = plan.item.token_ids[:now]
                 plan.item.num_logits = 0
@@ -230,9 +230,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     def _offer_prompt(self, seq_id: str, seq: TargetSequence) -> None:
         """The prompt's full blocks in the KV go to the prefix cache (generated ones never: their rows were
-        computed row by row, a prompt's would not be; see ``caches_prompt``)."""
-        if caches_prompt(seq.prompt_len):
-            self.engine.commit(seq_id, seq.history, seq.prompt_len)
+        computed row by row, a prompt's by position, as another prompt's would be; tandem/attention/sdpa.py)."""
+        self.engine.commit(seq_id, seq.history, seq.prompt_len)
 
     def _drop_failed_chunks(self, calls: list[Call], results: list) -> None:
         """A chunked Prefill that failed (refused, or its pass failed) leaves nothing behind."""
@@ -267,7 +266,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             seq = self.sequences.get(call.seq_id)
             if seq is not None and seq.prefilling is call:  # its next chunk, after those in the KV
                 done = self.engine.seq_len(call.seq_id)
-                item = ForwardItem(call.seq_id, list(call.token_ids[done:]), num_logits=1)
+                item = ForwardItem(call.seq_id, list(call.token_ids[done:]), num_logits=1, prompt=True)
                 return _Plan(index, call, item, kv_len=len(call.token_ids), resumed=True)
             if seq is not None and not call.replace:
                 # Another request's id, or a stray repeat: replacing it would hand one request's state to another.
@@ -275,7 +274,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                                          "replace it unless it says it rebuilds it (replace)")
             heads = call.propose > 0
             if not call.prompt_len:
-                item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1, features=heads)
+                item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1, features=heads, prompt=True)
                 return _Plan(index, call, item, kv_len=len(call.token_ids))
             # A rebuild: the whole history; the KV of all but its last token, and nothing sampled.
             if not 0 < call.prompt_len < len(call.token_ids):
@@ -283,7 +282,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     f"prompt_len {call.prompt_len}: a rebuild needs 1..{len(call.token_ids) - 1} (the history "
                     f"holds at least one generated token)")
             *before, last = history_runs(call.token_ids[:-1], 0, call.prompt_len)
-            item = ForwardItem(call.seq_id, last, num_logits=0, features=heads)
+            item = ForwardItem(call.seq_id, last.tokens, num_logits=0, features=heads, prompt=last.prompt)
             return _Plan(index, call, item, kv_len=len(call.token_ids) - 1, before=before)
         seq = self.sequences.get(call.seq_id)
         if seq is None:
@@ -347,21 +346,21 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def _reuse_prefix(self, plan: _Plan) -> None:
         """Start the Prefill's sequence on the prompt's cached blocks, and feed only the rest.
 
-        What is left of the prompt is one whole-run prompt run (``prefix_limit``), so its rows are the
-        ones a prompt computed in one run has; a rebuild's generated tokens are fed as they were first
-        computed (``history_runs``).
+        What is left of the prompt (at least its last token: ``prefix_limit``) is fed as prompt tokens, so
+        its rows are the ones the prompt computed in one run has; a rebuild's generated tokens are fed as
+        they were first computed (``history_runs``).
         """
         call = plan.call
-        plan.reused = self.engine.reuse_prefix(call.seq_id, call.token_ids,
-                                               limit=prefix_limit(call.prompt_len or len(call.token_ids)))
-        self.sequences[call.seq_id].reused = plan.reused
-        if not plan.reused:
+        reused = self.engine.reuse_prefix(call.seq_id, call.token_ids,
+                                          limit=prefix_limit(call.prompt_len or len(call.token_ids)))
+        self.sequences[call.seq_id].reused = reused  # the reply says so once the prompt is computed
+        if not reused:
             return
         if not call.prompt_len:
-            plan.item.token_ids = call.token_ids[plan.reused:]
+            plan.item.token_ids = call.token_ids[reused:]
             return
-        *plan.before, last = history_runs(call.token_ids[:-1], plan.reused, call.prompt_len)
-        plan.item.token_ids = last
+        *plan.before, last = history_runs(call.token_ids[:-1], reused, call.prompt_len)
+        plan.item.token_ids, plan.item.prompt = last
 
     def _rebuild(self, plans: list[_Plan], results: list) -> list[_Plan]:
         """Feed each rebuild's earlier runs, one sequence at a time; the plans still to run."""
@@ -369,8 +368,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         for plan in plans:
             try:
                 for run in plan.before:
-                    _, features = self._forward([ForwardItem(plan.call.seq_id, run, num_logits=0,
-                                                             features=plan.item.features)])
+                    _, features = self._forward([ForwardItem(plan.call.seq_id, run.tokens, num_logits=0,
+                                                             features=plan.item.features, prompt=run.prompt)])
                     if features[0] is not None:
                         plan.features.append(features[0])
                 ready.append(plan)

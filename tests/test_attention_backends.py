@@ -189,6 +189,37 @@ def test_sdpa_bf16_token_is_bitwise_the_same_decoded_verified_or_batched(onednn,
     assert torch.equal(batched, decoded)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_prompt_rows_are_bitwise_the_same_however_the_prompt_is_cut(dtype):
+    """A prompt computed in one run, in chunks of any size (short ones too), or after a cached prefix of any
+    length: each row bitwise the same, since prompt attention is fixed by position (tandem/attention/sdpa.py).
+    The cuts include runs of 1..16 tokens, which would go row by row if they were not marked prompt runs."""
+    heads, kv_heads, dim, block, length = 14, 2, 64, 16, 150
+    g = torch.Generator().manual_seed(7)
+    cache = PagedKVCache(1, 16, block, kv_heads, dim, dtype)
+    slots = cache.append_slots({"p": length})["p"]
+    kv = torch.randn(2, length, kv_heads, dim, generator=g).to(dtype)
+    cache.write(0, slots, kv[0], kv[1])
+    queries = torch.randn(length, heads, dim, generator=g).to(dtype)
+    backend = SdpaAttention(dtype)
+
+    def attend(start: int, stop: int, prompt: bool) -> torch.Tensor:  # [stop - start, H, D]
+        meta = AttentionMetadata.build([stop - start], [start], slots[start:stop], cache.block_table(["p"]), block,
+                                       torch.device("cpu"), prompt_runs=[prompt])
+        return backend.forward(queries[start:stop], cache.key[0], cache.value[0], meta, backend.prepare(meta),
+                               dim**-0.5)
+
+    whole = attend(0, length, True)
+    for cuts in ([0, 1, 2, 5, 17, 40, 41, 100, 150], [0, 7, 16, 33, 64, 65, 150], [0, 149, 150], [0, 9, 150]):
+        pieces = torch.cat([attend(a, b, True) for a, b in zip(cuts, cuts[1:])])
+        assert torch.equal(pieces, whole), cuts
+    # Unmarked, a short run goes row by row (the decode path): a different reduction, so the mark matters.
+    assert attend(40, 45, False).shape == (5, heads, dim)
+    with pytest.raises(ValueError, match="a prompt run cannot be a speculation tree"):
+        AttentionMetadata.build([2], [3], slots[3:5], cache.block_table(["p"]), block, torch.device("cpu"),
+                                tree_parents=[[-1, -1]], prompt_runs=[True])
+
+
 # ----- speculation trees ------------------------------------------------------------
 #  0 - 1 - 2 - 3
 #  |   `-- 9 - 10

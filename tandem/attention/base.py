@@ -41,6 +41,9 @@ class AttentionMetadata:
     block_size: int
     # [num_seqs] per sequence: None for a chain, else each new token's parent row (-1: the context)
     tree_parents: list[list[int] | None]
+    # [num_seqs] per sequence: its new tokens are prompt tokens (prefill, a chunk of one, what the prefix
+    # cache left of one), whose attention is fixed by position whatever the run's length (tandem/attention/sdpa.py)
+    prompt_runs: list[bool]
 
     @property
     def num_seqs(self) -> int:
@@ -72,12 +75,21 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         tree_parents: list[list[int] | None] | None = None,
+        prompt_runs: list[bool] | None = None,
     ) -> AttentionMetadata:
-        """``tree_parents``: per sequence, None for a chain (all chains when omitted) or its tree's parents."""
+        """``tree_parents``: per sequence, None for a chain (all chains when omitted) or its tree's parents;
+        ``prompt_runs``: per sequence, whether its new tokens are prompt tokens (none when omitted)."""
         if tree_parents is None:
             tree_parents = [None] * len(query_lens)
+        if prompt_runs is None:
+            prompt_runs = [False] * len(query_lens)
         if len(tree_parents) != len(query_lens):
             raise ValueError(f"tree_parents describes {len(tree_parents)} sequences, the batch has {len(query_lens)}")
+        if len(prompt_runs) != len(query_lens):
+            raise ValueError(f"prompt_runs describes {len(prompt_runs)} sequences, the batch has {len(query_lens)}")
+        for b, (parents, prompt) in enumerate(zip(tree_parents, prompt_runs)):
+            if parents is not None and prompt:
+                raise ValueError(f"sequence {b} of the batch: a prompt run cannot be a speculation tree")
         for b, (parents, qlen) in enumerate(zip(tree_parents, query_lens)):
             if parents is not None and (problem := parents_problem(parents, qlen)) is not None:
                 raise ValueError(f"sequence {b} of the batch: {problem}")
@@ -94,6 +106,7 @@ class AttentionMetadata:
             block_tables=block_tables.to(device),
             block_size=block_size,
             tree_parents=list(tree_parents),
+            prompt_runs=list(prompt_runs),
         )
 
 

@@ -24,7 +24,7 @@ class RowBlocks:
     """How a forward's flat token rows split for the linear layers; built once per forward.
 
     ``sizes`` are consecutive row counts in token order. A block flagged in ``prefill``
-    is one sequence's long query run (a prompt chunk) and gets a matmul call of its own;
+    is one sequence's prompt run (or any run too long for row by row) and gets a matmul call of its own;
     the other blocks hold the rows of short runs (decode, verify), whose kernel is
     row-invariant, so they may be grouped with anything.
     """
@@ -33,11 +33,14 @@ class RowBlocks:
     prefill: tuple[bool, ...]
 
     @classmethod
-    def from_query_lens(cls, query_lens: list[int], max_short_run: int) -> RowBlocks:
+    def from_query_lens(cls, query_lens: list[int], max_short_run: int,
+                        prompt_runs: list[bool] | None = None) -> RowBlocks:
+        """A prompt run (``prompt_runs``) is a prefill block whatever its length, as a run too long for row by row."""
+        prompts = prompt_runs if prompt_runs is not None else [False] * len(query_lens)
         sizes: list[int] = []
         prefill: list[bool] = []
-        for qlen in query_lens:
-            long_run = qlen > max_short_run
+        for qlen, prompt in zip(query_lens, prompts, strict=True):
+            long_run = prompt or qlen > max_short_run
             if sizes and not long_run and not prefill[-1]:
                 sizes[-1] += qlen  # consecutive short runs share one call
             else:

@@ -131,7 +131,7 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         # Prompt chunks longer than attention's row-wise limit get matmul calls of their own.
-        blocks = RowBlocks.from_query_lens(meta.query_lens, ROWWISE_MAX_QUERY)
+        blocks = RowBlocks.from_query_lens(meta.query_lens, ROWWISE_MAX_QUERY, meta.prompt_runs)
         ctx = ForwardContext(kv_cache, meta, backend, backend.prepare(meta), blocks)
         kept: dict[int, torch.Tensor] = {}
         layers = self.layers[: num_layers or len(self.layers)]

@@ -6,9 +6,9 @@ everything they need: the bookkeeping is already resolved into slot ids and bloc
 tables. A step is two broadcasts from rank 0 on the control group:
 
     header   int64 [5]: kind, T (new tokens), B (sequences), M (block-table width), R (logit rows)
-    payload  int64 [4T + 2B + B*M + R], FORWARD only, concatenated in this order:
+    payload  int64 [4T + 3B + B*M + R], FORWARD only, concatenated in this order:
              input_ids [T] | positions [T] | slot_mapping [T] | parents [T] | query_lens [B]
-             | context_lens [B] | block_tables [B*M] (row-major) | logit_rows [R]
+             | context_lens [B] | prompt_runs [B] (0/1) | block_tables [B*M] (row-major) | logit_rows [R]
 
 MOVE_KV copies K/V between slots in every layer (``ModelEngine.keep_path`` after a tree
 forward): every rank holds its own heads' KV, so every rank must copy. Its header is
@@ -51,17 +51,41 @@ class KVMove:
     dst: torch.Tensor  # [N] int64
 
 
-def send_forward(batch: ForwardBatch, group: Any, device: torch.device, timeout: timedelta) -> None:
-    """Rank 0: announce ``batch``; every other rank then runs the same forward pass on its shard."""
+def encode_forward(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:  # header [5], payload
+    """A forward step as the two int64 tensors rank 0 broadcasts (module doc)."""
     num_seqs, width = batch.block_tables.shape
     header = torch.tensor(  # [5]
         [StepKind.FORWARD, batch.input_ids.numel(), num_seqs, width, batch.logit_rows.numel()], dtype=torch.int64
     )
-    payload = torch.cat([  # [4T + 2B + B*M + R]
+    payload = torch.cat([  # [4T + 3B + B*M + R]
         batch.input_ids, batch.positions, batch.slot_mapping, batch.parents,
         torch.tensor(batch.query_lens, dtype=torch.int64), torch.tensor(batch.context_lens, dtype=torch.int64),
+        torch.tensor(batch.prompt_runs, dtype=torch.int64),
         batch.block_tables.to(torch.int64).flatten(), batch.logit_rows,
     ])
+    return header, payload
+
+
+def payload_len(num_tokens: int, num_seqs: int, width: int, num_rows: int) -> int:
+    return 4 * num_tokens + 3 * num_seqs + num_seqs * width + num_rows
+
+
+def decode_forward(payload: torch.Tensor, num_tokens: int, num_seqs: int, width: int, num_rows: int) -> ForwardBatch:
+    """The ``ForwardBatch`` a payload of ``encode_forward`` carries (header sizes given)."""
+    ids, positions, slots, parents, query_lens, context_lens, prompt_runs, tables, rows = payload.cpu().split(
+        [num_tokens, num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs, num_seqs * width, num_rows]
+    )
+    return ForwardBatch(
+        input_ids=ids, positions=positions, slot_mapping=slots,
+        block_tables=tables.view(num_seqs, width).to(torch.int32),
+        query_lens=query_lens.tolist(), context_lens=context_lens.tolist(), logit_rows=rows, parents=parents,
+        prompt_runs=[bool(p) for p in prompt_runs.tolist()],
+    )
+
+
+def send_forward(batch: ForwardBatch, group: Any, device: torch.device, timeout: timedelta) -> None:
+    """Rank 0: announce ``batch``; every other rank then runs the same forward pass on its shard."""
+    header, payload = encode_forward(batch)
     _send(header.to(device), group, timeout)
     _send(payload.to(device), group, timeout)
 
@@ -98,17 +122,9 @@ def receive(group: Any, device: torch.device) -> ForwardBatch | KVMove | None:
 
 def _receive_forward(group: Any, device: torch.device, num_tokens: int, num_seqs: int, width: int,
                      num_rows: int) -> ForwardBatch:
-    payload = torch.empty(4 * num_tokens + 2 * num_seqs + num_seqs * width + num_rows, dtype=torch.int64,
-                          device=device)
+    payload = torch.empty(payload_len(num_tokens, num_seqs, width, num_rows), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0, group=group)
-    ids, positions, slots, parents, query_lens, context_lens, tables, rows = payload.cpu().split(
-        [num_tokens, num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs * width, num_rows]
-    )
-    return ForwardBatch(
-        input_ids=ids, positions=positions, slot_mapping=slots,
-        block_tables=tables.view(num_seqs, width).to(torch.int32),
-        query_lens=query_lens.tolist(), context_lens=context_lens.tolist(), logit_rows=rows, parents=parents,
-    )
+    return decode_forward(payload, num_tokens, num_seqs, width, num_rows)
 
 
 def _receive_move(group: Any, device: torch.device, num_slots: int) -> KVMove:

@@ -18,7 +18,7 @@ every stream to the draft worker at once, and back. A sequence that stops
 calling (released, or drafting nothing at k = 0) drops out after two batches.
 
 A call may take several batches: ``run_batch`` answers ``Unfinished()`` for one that
-has done part of its work (a chunk of a long prompt, target_worker/prefill_chunks.py),
+has done part of its work (a chunk of a long prompt, tandem/rpc/prefill_chunks.py),
 and the call goes back to the head of the queue, with its cost asked anew, so that
 its next part runs in the next batch beside whatever else is waiting.
 

@@ -19,7 +19,7 @@ which the worker runs on the model thread like every batch.
 
 from __future__ import annotations
 
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
 from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSequenceError
@@ -27,39 +27,37 @@ from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.leases import Expired, Leases
 
 
-def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[list[int]]:
+class Run(NamedTuple):
+    """Tokens fed in one forward item, and whether they are prompt tokens (``ForwardItem.prompt``)."""
+
+    tokens: list[int]
+    prompt: bool
+
+
+def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[Run]:
     """How to feed ``tokens[start:]`` so that each token's KV is bitwise what the target computed.
 
-    The target reads a request as its Prefill did (the prompt, one run: a prompt chunk's
-    kernels) and then in Verify runs of at most ``ROWWISE_MAX_QUERY`` tokens (row-invariant
-    kernels, whatever the run's length). So: what is left of the prompt (``tokens[start:prompt_len]``)
-    as one run, then the generated tokens in runs of at most ``ROWWISE_MAX_QUERY``. Used by a
-    target rebuild and by a draft reading what it has not seen (a draft of the target's own model
-    then computes exactly what the target does). ``prompt_len`` 0: all of ``tokens`` is prompt.
+    The target reads a request's prompt as prompt tokens (attention fixed by position, so any
+    cut of the prompt into runs gives the same rows) and its generated tokens in Verify runs of at
+    most ``ROWWISE_MAX_QUERY`` tokens (row by row, whatever the run's length). So: what is left
+    of the prompt (``tokens[start:prompt_len]``) as one prompt run, then the generated tokens in
+    runs of at most ``ROWWISE_MAX_QUERY``. Used by a target rebuild and by a draft reading what
+    it has not seen (a draft of the target's own model then computes exactly what the target
+    does). ``prompt_len`` 0: all of ``tokens`` is prompt.
     """
     prompt_len = prompt_len or len(tokens)
-    runs = [list(tokens[start:prompt_len])] if start < prompt_len else []
+    runs = [Run(list(tokens[start:prompt_len]), True)] if start < prompt_len else []
     first = max(start, prompt_len)
-    runs.extend(list(tokens[i:i + ROWWISE_MAX_QUERY]) for i in range(first, len(tokens), ROWWISE_MAX_QUERY))
+    runs.extend(Run(list(tokens[i:i + ROWWISE_MAX_QUERY]), False)
+                for i in range(first, len(tokens), ROWWISE_MAX_QUERY))
     return runs
 
 
-# A prompt run of at least this many tokens goes through whole-run attention (SDPA over the run), the path
-# a prompt computed in one run takes; shorter runs go row by row (tandem/attention/sdpa.py), which in bf16
-# may round a row otherwise. So the prefix cache reuses a prefix only where what is left of the prompt is at
-# least this long, and registers only prompt blocks computed by such runs: a prompt's rows are then bitwise
-# what they would be with the cache off (measured; docs/DESIGN.md, "Prefix caching").
-MIN_PROMPT_RUN = ROWWISE_MAX_QUERY + 1
-
-
 def prefix_limit(prompt_len: int) -> int:
-    """Most prompt tokens a sequence may take from the prefix cache: the rest is one whole-run prompt run."""
-    return max(0, prompt_len - MIN_PROMPT_RUN)
-
-
-def caches_prompt(prompt_len: int) -> bool:
-    """Whether a prompt's blocks may enter the prefix cache (computed by whole-run attention, not row by row)."""
-    return prompt_len >= MIN_PROMPT_RUN
+    """Most prompt tokens a sequence may take from the prefix cache: at least its last token is computed
+    (its logits give the first generated token). Prompt rows are bitwise the same after a cached prefix
+    of any length (prompt attention is fixed by position: tandem/attention/sdpa.py)."""
+    return max(0, prompt_len - 1)
 
 
 class SequenceOwnedError(StaleSequenceError):

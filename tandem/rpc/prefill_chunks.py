@@ -1,0 +1,84 @@
+"""How much of a long prompt one batch step computes while other streams are running (chunked prefill).
+
+A prompt fed as one run holds every other stream on its worker for the whole of its prefill: on
+a 2-core CPU a 4,000-token prompt of a 1.5B model is about a minute without a token for anyone
+else. Fed in chunks, one per batch step beside the running streams' decode and verify rows, it
+delays each of their steps by one chunk's cost instead. Used by the target and the draft workers.
+
+The chunk's size trades the running streams' gaps against the new prompt's time to first token.
+A step of the running streams costs at least ``base_s`` (``tandem.cost_fit.ForwardCostFit``: the
+weights read once); a chunk of n prompt tokens adds ``fixed_s + n * per_token_s``
+(``tandem.cost_fit.PromptTokenCost``, measured on this worker's own prompt passes, chunks
+included). The chunk is the largest that adds at most ``AUTO_STEP_FRACTION * base_s``, and at
+least one token: a handful of tokens on a 2-core CPU, where a prompt token costs a tenth of a
+step, hundreds on a GPU, where a step is bound by reading the weights. Since the fixed part is
+measured on the chunks themselves, the size follows the prompt: deep into a long prompt, a
+chunk attends over more keys and the chunks get shorter.
+
+A chunk may be any number of tokens: prompt tokens are attended by position (tandem/attention/sdpa.py),
+so a prompt's rows are bitwise the same in one run or in chunks of any size.
+
+A prompt arriving while no other sequence is running is computed whole: nobody waits on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.attention.sdpa import PIECE
+from tandem.cost_fit import ForwardCostFit, PromptTokenCost
+
+# A chunk adds at most this fraction of a step's base cost: a step with a chunk costs at most 1.8x one without
+# (less beside more streams, whose rows the base leaves out). See benchmarks/README.md, "Prefix caching,
+# placement and chunked prefill".
+AUTO_STEP_FRACTION = 0.8
+# Until a prompt token's price is measured (no prompt computed yet): a chunk this long.
+UNFITTED_CHUNK_TOKENS = 256
+# However cheap prompt tokens look (a GPU's passes of a few hundred tokens cost no more than one of one).
+MAX_AUTO_CHUNK_TOKENS = 2048
+
+
+@dataclass(slots=True)
+class PrefillChunks:
+    """``tokens``: a fixed chunk size; None: measured (``AUTO_STEP_FRACTION``); 0: never chunk."""
+
+    tokens: int | None
+    cost_fit: ForwardCostFit
+    prompt_cost: PromptTokenCost
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and self.tokens < 0:
+            raise ValueError(f"prefill chunk size must be >= 0 tokens (0: no chunking), got {self.tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tokens != 0
+
+    def size(self) -> int:
+        """Tokens of one chunk now, at least 1 (0 when chunking is off)."""
+        if self.tokens is not None:
+            return self.tokens
+        price = self.prompt_cost
+        if not price.ready or price.per_token_s <= 0 or not self.cost_fit.ready:
+            return UNFITTED_CHUNK_TOKENS
+        room = AUTO_STEP_FRACTION * self.cost_fit.base_s - price.fixed_s  # seconds a chunk's tokens may add
+        return max(1, min(MAX_AUTO_CHUNK_TOKENS, int(room / price.per_token_s)))
+
+    def take(self, left: int, start: int) -> int:
+        """Of ``left`` prompt tokens still to compute from position ``start``, how many this step: a chunk,
+        or all of them (the last chunk, or chunking off).
+
+        Chunks tile prompt attention's pieces (``PIECE`` positions, a power of two): a piece is one
+        attention call per layer whatever the chunk holds of it, so a chunk that straddled a boundary
+        would pay two, and a piece cut 3 + 1 would pay twice for four tokens. So a chunk is a multiple
+        of ``PIECE``, or a power of two below it; a start off a boundary first goes to the boundary.
+        """
+        size = self.size()
+        if not 0 < size < left:
+            return left
+        to_boundary = -start % PIECE
+        if to_boundary:
+            return min(size, to_boundary)
+        if size >= PIECE:
+            return size // PIECE * PIECE
+        return 1 << (size.bit_length() - 1)
