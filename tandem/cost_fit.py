@@ -90,9 +90,10 @@ class PromptTokenCost:
     exponentially per pass, so they follow the context a long prompt's chunks have reached.
 
     Measured on Qwen2.5-Coder-1.5B (bf16, 2-core Xeon) beside 4 decode rows at a context of
-    3,800: 2 prompt tokens add 75 ms, 4 add 117 ms, 8 add 153 ms; a whole prefill costs 15 ms
-    a token. So about 50 ms is fixed there, and a price per token alone, measured on the chunks,
-    shrank chunks to one token a step (tried: a 4,000-token prompt then took 1,622 steps).
+    3,800, pieces of 4: 1 prompt token adds 57 ms, 2 add 61 ms, 4 add 102 ms, 8 add 166 ms; a
+    whole prefill costs 15 ms a token. So about 45 ms is fixed there, and a price per token
+    alone, measured on the chunks, shrank chunks to one token a step (tried, with pieces of 8: a
+    4,000-token prompt then took 1,622 steps).
     """
 
     min_tokens: int = 32  # passes with at least this many prompt tokens price a token

@@ -16,10 +16,10 @@ what else shares the forward pass:
   of one causal call, plus at most one piece of padding at each end of a run:
   ``PIECE`` is small (4) so that a chunk of a few tokens beside running
   streams pays little for it: at a context of 3,800, 4 prompt tokens beside 4
-  decode rows of Qwen2.5-Coder-1.5B (bf16, 2-core Xeon) add 102 ms to the step
-  with pieces of 4, 123 ms with 8, 160 ms with 16 (a whole piece's attention is
-  paid whatever the chunk holds of it); a whole 2,000-token prefill takes
-  29.9 s with pieces of 4, 29.2 s with 8, 30.1 s with 16.
+  decode rows of Qwen2.5-Coder-1.5B (bf16, 2-core Xeon) add about 100 ms to
+  the step with pieces of 4, 120 ms with 8, 160 ms with 16 (a whole piece's
+  attention is paid whatever the chunk holds of it), while a whole 2,000-token
+  prefill takes 29-31 s with any of them (two runs).
 - other short query runs (decode: 1 token, verify: k+1 tokens; up to
   ``ROWWISE_MAX_QUERY``) go row by row: each new token attends, without a
   mask, over exactly the keys it may see, which is the very computation a
