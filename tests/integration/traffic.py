@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -11,23 +12,41 @@ from tandem.client import TandemClient, build_request
 
 
 class Traffic:
-    """Greedy requests one after another on a thread, until stopped; every reply (or error) recorded."""
+    """Greedy requests one after another on a thread, until stopped; every reply (or error) recorded.
 
-    def __init__(self, address: str, prompt: str | list[int]) -> None:
+    The requests cycle through ``prompts``. With prefix-aware placement (the coordinator's default) one
+    prompt whose first block is full always goes to the replica its key prefers while that one has room, as
+    it should; prompts with different first blocks spread over the replicas, as a real mix does.
+    """
+
+    def __init__(self, address: str, prompts: Sequence[str | list[int]]) -> None:
+        if not prompts:
+            raise ValueError("traffic needs at least one prompt")
         self.client = TandemClient(address, timeout_s=120)
-        self.prompt = prompt
-        self.replies: list = []
+        self.prompts = list(prompts)
+        self.expected: list[list[int]] = []  # each prompt's greedy tokens (``take_references``)
+        self.replies: list[tuple[int, object]] = []  # (prompt index, reply), in the order answered
         self.errors: list[grpc.RpcError] = []
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def request(self):
-        return self.client.generate(build_request(self.prompt, max_new_tokens=12, ignore_eos=True, method="none"))
+    def request(self, index: int = 0):
+        return self.client.generate(build_request(self.prompts[index], max_new_tokens=12, ignore_eos=True,
+                                                  method="none"))
+
+    def take_references(self) -> list:
+        """One reply per prompt, before the traffic starts: the tokens every later reply must repeat."""
+        replies = [self.request(i) for i in range(len(self.prompts))]
+        self.expected = [list(r.token_ids) for r in replies]
+        return replies
 
     def _run(self) -> None:
+        sent = 0
         while not self.stopped.is_set():
+            index = sent % len(self.prompts)
+            sent += 1
             try:
-                self.replies.append(self.request())
+                self.replies.append((index, self.request(index)))
             except grpc.RpcError as exc:
                 self.errors.append(exc)
 
@@ -35,6 +54,14 @@ class Traffic:
         self.stopped.set()
         self.thread.join(timeout=300)
         self.client.close()
+
+    def wrong_replies(self) -> list[int]:
+        """Positions of the replies whose tokens differ from their prompt's reference."""
+        return [n for n, (index, reply) in enumerate(self.replies) if list(reply.token_ids) != self.expected[index]]
+
+    def workers(self, start: int = 0) -> set[str]:
+        """The target workers that answered the replies from position ``start`` on."""
+        return {reply.stats.target_worker for _, reply in self.replies[start:]}
 
 
 def until(predicate, timeout_s: float = 300.0) -> bool:
@@ -46,5 +73,5 @@ def until(predicate, timeout_s: float = 300.0) -> bool:
     return True
 
 
-def until_used(traffic: Traffic, address: str) -> bool:
-    return until(lambda: any(r.stats.target_worker == address for r in list(traffic.replies)))
+def until_used(traffic: Traffic, address: str, timeout_s: float = 300.0) -> bool:
+    return until(lambda: address in traffic.workers(), timeout_s)
