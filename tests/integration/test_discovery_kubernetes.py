@@ -51,23 +51,22 @@ def test_a_replica_added_and_one_removed_during_a_run_with_every_request_answere
             coordinator = cluster.add_coordinator(extra_args=(
                 "--discovery", "kubernetes", "--target-service", "targets", "--namespace", NS,
                 "--kubeconfig", str(kubeconfig)))
-            traffic = Traffic(coordinator.address, PROMPTS)
-            assert {r.stats.target_worker for r in traffic.take_references()} == {first.address}
-            traffic.thread.start()
+            with Traffic(coordinator.address, PROMPTS) as traffic:
+                assert {r.stats.target_worker for r in traffic.take_references()} == {first.address}
+                traffic.start()
 
-            with TandemClient(coordinator.address, timeout_s=60) as client:
-                api.apply(NS, worker_slice("second", second.port))  # scaled up
-                assert until(lambda: states(client).get(second.address) == "healthy", 60)
-                assert until_used(traffic, second.address), "the added replica never got a request"
+                with TandemClient(coordinator.address, timeout_s=60) as client:
+                    api.apply(NS, worker_slice("second", second.port))  # scaled up
+                    assert until(lambda: states(client).get(second.address) == "healthy", 60)
+                    assert until_used(traffic, second.address), "the added replica never got a request"
 
-                # Scaled down: the pod turns terminating (not ready), then its slice goes.
-                api.apply(NS, worker_slice("first", first.port, ready=False, terminating=True))
-                assert until(lambda: states(client).get(first.address) != "healthy", 60)
-                marked = len(traffic.replies)
-                api.delete(NS, "targets-first")
-                assert until(lambda: first.address not in states(client), 120)  # drained, then closed
-                assert until(lambda: len(traffic.replies) >= marked + 4, 300)
-            traffic.stop()
+                    # Scaled down: the pod turns terminating (not ready), then its slice goes.
+                    api.apply(NS, worker_slice("first", first.port, ready=False, terminating=True))
+                    assert until(lambda: states(client).get(first.address) != "healthy", 60)
+                    marked = len(traffic.replies)
+                    api.delete(NS, "targets-first")
+                    assert until(lambda: first.address not in states(client), 120)  # drained, then closed
+                    assert until(lambda: len(traffic.replies) >= marked + 4, 120)
             assert not traffic.errors, traffic.errors[:3]
             assert len(traffic.replies) > marked + 3
             assert not traffic.wrong_replies()

@@ -56,28 +56,28 @@ def test_tandem_up_grows_and_shrinks_a_fleet_while_serving(model, tmp_path):
     try:
         address = _wait_ready(up, output)
         port = address.rsplit(":", 1)[1]
-        traffic = Traffic(address, [prompt])  # shorter than a block: no prefix key, so load places it
-        [reference] = traffic.take_references()
-        first_target = reference.stats.target_worker
-        traffic.thread.start()
+        with Traffic(address, [prompt]) as traffic:  # shorter than a block: no prefix key, so load places it
+            [reference] = traffic.take_references()
+            first_target = reference.stats.target_worker
+            traffic.start()
 
-        grown = tandem("scale", "--port", port, "--target-replicas", "2", cache=cache)
-        assert grown.returncode == 0, grown.stderr
-        targets = re.search(r"target\s+2: (\S+) (\S+)", grown.stdout).groups()
-        new_target = next(t for t in targets if t != first_target)
-        with TandemClient(address, timeout_s=60) as client:
-            assert {w.address: w.state for w in client.info().target_workers} == {
-                first_target: "healthy", new_target: "healthy"}  # joined without a coordinator restart
-            used = until_used(traffic, new_target)
-            assert used, f"no request reached the new replica {new_target}"
+            grown = tandem("scale", "--port", port, "--target-replicas", "2", cache=cache)
+            assert grown.returncode == 0, grown.stderr
+            targets = re.search(r"target\s+2: (\S+) (\S+)", grown.stdout).groups()
+            new_target = next(t for t in targets if t != first_target)
+            with TandemClient(address, timeout_s=60) as client:
+                assert {w.address: w.state for w in client.info().target_workers} == {
+                    first_target: "healthy", new_target: "healthy"}  # joined without a coordinator restart
+                used = until_used(traffic, new_target)
+                assert used, f"no request reached the new replica {new_target}"
 
-            shrunk = tandem("scale", "--port", port, "--target-replicas", "1", "--drain-timeout", "120", cache=cache)
-            assert shrunk.returncode == 0, shrunk.stderr
-            assert re.search(rf"target\s+1: {re.escape(first_target)}\n", shrunk.stdout)
-            assert [w.address for w in client.info().target_workers] == [first_target]
-            after = len(traffic.replies)
-            until(lambda: len(traffic.replies) >= after + 3)
-        traffic.stop()
+                shrunk = tandem("scale", "--port", port, "--target-replicas", "1", "--drain-timeout", "120",
+                                cache=cache)
+                assert shrunk.returncode == 0, shrunk.stderr
+                assert re.search(rf"target\s+1: {re.escape(first_target)}\n", shrunk.stdout)
+                assert [w.address for w in client.info().target_workers] == [first_target]
+                after = len(traffic.replies)
+                until(lambda: len(traffic.replies) >= after + 3, 120)
         assert not traffic.errors, traffic.errors[:3]
         assert not traffic.wrong_replies()
         assert traffic.workers(after) == {first_target}

@@ -10,6 +10,9 @@ import grpc
 
 from tandem.client import TandemClient, build_request
 
+MAX_ERRORS = 100  # past this many failed requests the traffic stops: the test has seen what the fleet does
+ERROR_PAUSE_S = 0.05
+
 
 class Traffic:
     """Greedy requests one after another on a thread, until stopped; every reply (or error) recorded.
@@ -17,6 +20,10 @@ class Traffic:
     The requests cycle through ``prompts``. With prefix-aware placement (the coordinator's default) one
     prompt whose first block is full always goes to the replica its key prefers while that one has room, as
     it should; prompts with different first blocks spread over the replicas, as a real mix does.
+
+    Use it as a context manager: it stops when the block ends, a failed assertion included. (A thread left
+    running after its test sent requests to a stopped coordinator forever, each error kept: CI stop 33's
+    pytest grew until it was killed.)
     """
 
     def __init__(self, address: str, prompts: Sequence[str | list[int]]) -> None:
@@ -40,20 +47,36 @@ class Traffic:
         self.expected = [list(r.token_ids) for r in replies]
         return replies
 
+    def __enter__(self) -> Traffic:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.thread.start()
+
     def _run(self) -> None:
         sent = 0
-        while not self.stopped.is_set():
+        while not self.stopped.is_set() and len(self.errors) < MAX_ERRORS:
             index = sent % len(self.prompts)
             sent += 1
             try:
                 self.replies.append((index, self.request(index)))
             except grpc.RpcError as exc:
                 self.errors.append(exc)
+                self.stopped.wait(ERROR_PAUSE_S)  # a fleet that refuses at once is not asked in a tight loop
 
     def stop(self) -> None:
+        """Stop sending (the request in flight finishes) and close the channel; a second call does nothing."""
+        if self.stopped.is_set() and self.client is None:
+            return
         self.stopped.set()
-        self.thread.join(timeout=300)
-        self.client.close()
+        if self.thread.is_alive():
+            self.thread.join(timeout=300)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
 
     def wrong_replies(self) -> list[int]:
         """Positions of the replies whose tokens differ from their prompt's reference."""
@@ -73,5 +96,5 @@ def until(predicate, timeout_s: float = 300.0) -> bool:
     return True
 
 
-def until_used(traffic: Traffic, address: str, timeout_s: float = 300.0) -> bool:
+def until_used(traffic: Traffic, address: str, timeout_s: float = 120.0) -> bool:
     return until(lambda: address in traffic.workers(), timeout_s)
