@@ -45,7 +45,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "`tandem heads prepare`; they must have been trained for this target")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
-    p.add_argument("--fixed-k", action="store_true", help="always draft k tokens instead of adapting k per request")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="always draft k tokens instead of adapting k per request (heads: ask them every round)")
     p.add_argument("--tree", default="auto", choices=TREE_MODES,
                    help="speculation trees: verify the draft's next-best tokens and other n-gram continuations "
                         "beside the chain in the same pass. auto: when the cost model says the extra rows pay "

@@ -27,7 +27,8 @@ from the verification cost), and the reply carries it: a token tree rooted
 after the target's next token. The loop takes it as it takes a pipelined
 proposal (valid while the history is what it was drafted after), adds the
 request's own n-gram continuation as a branch when the text repeats, and
-verifies it: one RPC a round, no draft model.
+verifies it: one RPC a round, no draft model. An adaptive request asks only
+while asking measures faster than not (``tandem.spec.heads_payoff``).
 
 Invariant: the target's KV holds every committed token but the last, which
 the next verification feeds; k = 0 is plain decoding through the same path.
@@ -62,6 +63,7 @@ from tandem.spec.adaptive import (
     choose_tree,
     expected_tokens,
 )
+from tandem.spec.heads_payoff import HeadsPayoff
 from tandem.spec.heads_trees import heads_budget, heads_proposal, round_tree
 from tandem.spec.ngram import NgramIndex
 from tandem.spec.options import SpecOptions
@@ -118,6 +120,8 @@ class SpeculationLoop:
         self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
         self._ngrams = NgramIndex()  # the history's n-grams, indexed as it grows: no rescan per round
         self._in_flight: set[asyncio.Task] = set()
+        # Heads rounds ask for the next tree only while that measures faster (adaptive requests only).
+        self._payoff = HeadsPayoff() if options.uses_heads and options.adaptive_k else None
 
     # ----- the loop ------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
@@ -216,7 +220,8 @@ class SpeculationLoop:
         tree = self._heads_tree(ready)
         drafts = tree.tokens if tree is not None else []
         parents = tree.parents if tree is not None and not tree.is_chain else []
-        propose = self._heads_budget()
+        asks = self._payoff is None or self._payoff.ask()
+        propose = self._heads_budget() if asks else 0
         t0 = time.perf_counter()
         verified = await self.verifier.verify(self.seq_id, committed, drafts, [], parents, propose=propose)
         waited = time.perf_counter() - t0
@@ -240,7 +245,10 @@ class SpeculationLoop:
             if not tree.is_chain:
                 stats.tree_rounds += 1
                 stats.tree_nodes += len(tree)
-        stats.round_wall_s += time.perf_counter() - started
+        wall = time.perf_counter() - started
+        stats.round_wall_s += wall
+        if self._payoff is not None:
+            self._payoff.observe(len(s.history) - committed, wall)
         return heads_proposal(verified.proposal, len(s.history)) if not s.finish_reason else None
 
     def _heads_tree(self, ready: Proposal | None) -> TokenTree | None:
