@@ -11,6 +11,8 @@ alike. Methods:
   spec-early-exit   our engine + the target's own first layers as drafter (not run by default)
   spec-*-tree       spec-draft, spec-hybrid, spec-ngram with speculation trees (--tree: auto or on): the
                     draft's next-best tokens and other n-gram continuations verified beside the chain
+  spec-*-always     spec-medusa, spec-eagle asking the heads for a tree every round, whether or not that
+                    measures faster (the plain methods ask only while it does: tandem.spec.heads_payoff)
   hf-plain          transformers generate(do_sample=False) (the second baseline of every speedup; always run)
   hf-assisted       transformers generate(assistant_model=draft), --hf-assistant-tokens per round
   hf-prompt-lookup  transformers generate(prompt_lookup_num_tokens=--hf-pld-tokens)
@@ -93,9 +95,11 @@ BASELINE = "target-only"
 HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given over it too
 BASELINES = (BASELINE, HF_BASELINE)
 METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "spec-draft-tree",
-           "spec-hybrid-tree", "spec-ngram-tree", "spec-medusa", "spec-eagle", "hf-plain", "hf-assisted",
-           "hf-prompt-lookup")
-HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle"}  # the target's own heads (--medusa/--eagle-heads)
+           "spec-hybrid-tree", "spec-ngram-tree", "spec-medusa", "spec-eagle", "spec-medusa-always",
+           "spec-eagle-always", "hf-plain", "hf-assisted", "hf-prompt-lookup")
+# the target's own heads (--medusa/--eagle-heads); "-always": asked every round (no payoff check)
+HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle", "spec-medusa-always": "medusa",
+                 "spec-eagle-always": "eagle"}
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree")
                         and m not in HEADS_METHODS)
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
@@ -290,10 +294,13 @@ def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: f
     from tandem.inprocess import SpeculativeGenerator
     from tandem.spec.options import SpecOptions
 
-    spec = args.medusa_heads if method == "spec-medusa" else args.eagle_heads
+    kind = HEADS_METHODS[method]
+    spec = args.medusa_heads if kind == "medusa" else args.eagle_heads
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     heads = load_drafter(resolve_heads(spec, root), target)
-    options = SpecOptions(HEADS_METHODS[method], args.k, not args.fixed_k, heads_nodes=args.heads_nodes)
+    # adaptive_k off: heads rounds ask every time (the payoff check is part of adaptivity)
+    adaptive = not args.fixed_k and not method.endswith("-always")
+    options = SpecOptions(kind, args.k, adaptive, heads_nodes=args.heads_nodes)
     generator = SpeculativeGenerator(target, None, options, heads=heads)
 
     def run(ids: list[int], n: int) -> RunOutput:
