@@ -2,10 +2,11 @@
 
 A heads round verifies the tree the heads drafted in the round before, and asks for the next
 one: the target worker then runs the heads' drafting in the same batch step (on a 2-core CPU,
-about a third of a target step: benchmarks/README.md, "Speculation heads"). The tree pays in
-the tokens it adds. A weak head, or text it was not trained on, can make every round dearer
-for less than it gives back: spec_bench measured the 47-minute CPU-trained EAGLE head at 0.91x
-target-only on the Spec-Bench mix. A round that does not ask skips the drafting (the heads'
+about a third of a target step: benchmarks/README.md, "Speculation heads on an Intel Xeon").
+The tree pays in the tokens it adds. A weak head, or text it was not trained on, can make every
+round dearer for less than it gives back: spec_bench measured the 47-minute CPU-trained EAGLE
+head at 0.77x target-only on the Spec-Bench mix when asked every round, 0.97x with this check
+(same run). A round that does not ask skips the drafting (the heads'
 KV still takes the committed rows, so that asking again later needs no catch-up) and verifies
 only the text's own repeat, when there is one.
 
