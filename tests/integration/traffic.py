@@ -69,14 +69,13 @@ class Traffic:
 
     def stop(self) -> None:
         """Stop sending (the request in flight finishes) and close the channel; a second call does nothing."""
-        if self.stopped.is_set() and self.client is None:
+        if self.client is None:
             return
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=300)
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.client.close()
+        self.client = None
 
     def wrong_replies(self) -> list[int]:
         """Positions of the replies whose tokens differ from their prompt's reference."""
