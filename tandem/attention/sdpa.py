@@ -6,8 +6,9 @@ what else shares the forward pass:
 - prompt runs (``meta.prompt_runs``: a prefill, a chunk of one, what the
   prefix cache left of one), and any run longer than ``ROWWISE_MAX_QUERY``,
   go in fixed pieces: positions ``[j * PIECE, (j + 1) * PIECE)`` are one SDPA
-  call of ``PIECE`` query rows (rows the run does not hold are zero queries,
-  their output dropped) over ``(j + 1) * PIECE`` keys (those past a row's
+  call of ``PIECE`` query rows per query head, the G heads of a KV head
+  stacked as its rows (rows the run does not hold are zero queries, their
+  output dropped) over ``(j + 1) * PIECE`` keys (those past a row's
   position masked, whatever their slots hold). SDPA blocks its work by the
   query and key counts, so a row's result depends on them; with the counts
   fixed by its position alone, a prompt row is bitwise the same whether its
@@ -168,7 +169,8 @@ def _attend_pieces(
     """The run in fixed pieces (module doc): piece j is PIECE query rows over (j + 1) * PIECE keys.
 
     As in ``_attend_row``, the G query heads that share a KV head are that head's query rows
-    (row r * G + g is piece row r of head g), so one call per piece reads K/V as they are:
+    (in KV head h's rows, row r * G + g is piece row r of query head h * G + g), so one call per
+    piece reads K/V as they are:
     ``enable_gqa`` copied a piece's keys and values G times per call, which made prompt attention
     a quarter of a 391-token prefill of Qwen2.5-Coder-1.5B (G = 6) on a 2-core EPYC.
     """
