@@ -100,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--seed", type=int, default=defaults.seed,
                        help="corpus sampling, batch order and initialisation (default: %(default)s)")
     train.add_argument("--train-dtype", default="auto", choices=TRAIN_DTYPES,
-                       help="compute dtype (master weights stay fp32); auto: measured fastest for the device")
+                       help="compute dtype (master weights stay fp32); auto: bf16 autocast on a GPU; on a CPU "
+                       "whichever of fp32 and bf16 autocast runs a step faster here (timed at the start)")
     train.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                        help="steps between checkpoints, each with the optimizer state (default: %(default)s)")
     train.add_argument("--resume", action="store_true",

@@ -114,7 +114,8 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_served
     logged: list[str] = []
     resumed = train_heads(_request(tiny_served_dir, repetitive_corpus, tmp_path, "resumed", resume=True), options,
                           progress=False, log=logged.append)
-    assert resumed is not None and logged[0].startswith("resuming from step 7")
+    assert resumed is not None and [line for line in logged if line.startswith("resuming")] == [
+        f"resuming from step 7 ({tmp_path / 'work' / 'checkpoints' / 'step-00000007.pt'})"]
     expected, actual = load_file(str(whole.out / WEIGHTS_FILE)), load_file(str(resumed.out / WEIGHTS_FILE))
     assert expected.keys() == actual.keys()
     for name in expected:

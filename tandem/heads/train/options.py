@@ -39,7 +39,7 @@ class TrainOptions:
     ttt_steps: int = 3  # eagle: draft steps trained (training-time test)
     eagle_intermediate_size: int | None = None  # None: default_eagle_intermediate_size(target)
     seed: int = 0
-    train_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on a CPU (measured faster: pipeline._use_bf16)
+    train_dtype: str = "auto"  # auto: bf16 autocast on CUDA; on a CPU, timed (compute_dtype)
     held_back: float = 0.05
     checkpoint_every: int = 50
 

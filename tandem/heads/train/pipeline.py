@@ -29,6 +29,7 @@ from tandem.heads.config import HeadsConfig
 from tandem.heads.fingerprint import target_fingerprint
 from tandem.heads.store import Heads, is_tandem_layout, save_heads
 from tandem.heads.train.checkpoints import CheckpointDir
+from tandem.heads.train.compute_dtype import DtypeChoice, choose_compute_dtype
 from tandem.heads.train.corpus import Corpus, CorpusSettings, build_corpus
 from tandem.heads.train.eagle_train import EagleObjective
 from tandem.heads.train.features import INDEX_FILE, extract_features, features_key
@@ -127,14 +128,18 @@ def _train(request: TrainRequest, options: TrainOptions, report: Progress, stop_
     t2d = target_to_draft(d2t, target.vocab_size).to(device)
     objective: Objective = (MedusaObjective(module, t2d) if options.kind == "medusa"  # type: ignore[arg-type]
                             else EagleObjective(module, t2d, embed_tokens, options.ttt_steps))  # type: ignore[arg-type]
-    use_bf16 = _use_bf16(options.train_dtype, device)
+    plan = BatchPlan(shards.train, options.batch_size, options.seed)
+    report.stage("timing")
+    dtype = choose_compute_dtype(options.train_dtype, device, module, objective, shards.batch(plan.batch(0)))
+    use_bf16 = dtype.use_bf16
+    log(f"training in {'bf16 autocast' if use_bf16 else 'float32'} ({dtype.reason})")
 
     report.stage("measuring")
     untrained = accuracy(objective, shards.held_back_batches(options.batch_size), device, use_bf16)
     run = {"options": options.to_json(), "features": features_dir.name, "device": device.type}
     settings = LoopSettings(options.steps, options.lr, options.warmup_steps, options.checkpoint_every, use_bf16, device)
     checkpoints = CheckpointDir(request.work_dir / "checkpoints")
-    history = train_loop(module, objective, shards, BatchPlan(shards.train, options.batch_size, options.seed),
+    history = train_loop(module, objective, shards, plan,
                          settings, checkpoints, run, {"training_seconds": 0.0}, resume=request.resume,
                          strict=request.resume_strict, progress=report, stop_after=stop_after, log=log)
     if stop_after is not None and stop_after < options.steps:
@@ -144,7 +149,7 @@ def _train(request: TrainRequest, options: TrainOptions, report: Progress, stop_
     module.eval()
     trained = accuracy(objective, shards.held_back_batches(options.batch_size), device, use_bf16)
     summary = table(trained, untrained)
-    provenance = _provenance(request, options, corpus, cfg, label_counts, d2t, use_bf16, history, trained,
+    provenance = _provenance(request, options, corpus, cfg, label_counts, d2t, dtype, history, trained,
                              untrained, features_seconds, time.perf_counter() - started)
     module.config = dataclasses.replace(cfg, training=provenance)
     _write_heads(module, request.out)
@@ -173,18 +178,8 @@ def _load_engine(request: TrainRequest, options: TrainOptions) -> ModelEngine:
     return ModelEngine.load(EngineConfig(request.target_dir, device=request.device, kv_cache_tokens=kv_tokens))
 
 
-def _use_bf16(train_dtype: str, device: torch.device) -> bool:
-    """auto: bf16 autocast on a GPU that has it; fp32 on a CPU. Measured on the 2-core Xeon (avx512_bf16),
-    Qwen-1.5B-sized heads, 1024 tokens a step: EAGLE 10.6 s fp32 against 16.0 s under bf16 autocast, Medusa
-    5.6 s against 9.6 s (autocast casts each fp32 master weight on every call, and oneDNN's bf16 backward
-    matmuls on transposed operands were slower than MKL's fp32 ones here)."""
-    if train_dtype != "auto":
-        return train_dtype == "bfloat16"
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
 def _provenance(request: TrainRequest, options: TrainOptions, corpus: Corpus, cfg: HeadsConfig,
-                label_counts: torch.Tensor, d2t: torch.Tensor, use_bf16: bool, history: dict[str, Any],
+                label_counts: torch.Tensor, d2t: torch.Tensor, dtype: DtypeChoice, history: dict[str, Any],
                 trained: list[dict[str, Any]], untrained: list[dict[str, Any]], features_seconds: float,
                 total_seconds: float) -> dict[str, Any]:
     return {
@@ -194,7 +189,9 @@ def _provenance(request: TrainRequest, options: TrainOptions, corpus: Corpus, cf
         "options": options.to_json(),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": request.device,
-        "compute_dtype": "bfloat16 autocast, fp32 master weights" if use_bf16 else "float32",
+        "compute_dtype": "bfloat16 autocast, fp32 master weights" if dtype.use_bf16 else "float32",
+        "compute_dtype_choice": {"reason": dtype.reason,
+                                 "seconds": {k: round(v, 3) for k, v in (dtype.seconds or {}).items()}},
         "seconds": {"features_and_setup": round(features_seconds, 1),
                     "training": round(history["training_seconds"], 1), "this_run": round(total_seconds, 1)},
         "corpus": corpus.summary,

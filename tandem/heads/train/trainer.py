@@ -5,7 +5,7 @@ label (labels outside the draft vocabulary ignored), weighted ``STEP_DECAY ** i`
 later guess only counts when every earlier one was accepted, so the early ones matter
 more (Medusa's 0.8 per head). Learning rate: linear warm-up, then a cosine down to a
 tenth. Gradients clipped to norm 1. Master weights are fp32; the forward and backward
-run under bf16 autocast where ``use_bf16`` (on GPUs; fp32 measured faster on the CPU).
+run under bf16 autocast where ``use_bf16`` (``compute_dtype``: on GPUs, and on CPUs where timed faster).
 """
 
 from __future__ import annotations
