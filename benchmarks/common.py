@@ -31,6 +31,7 @@ DEFAULT_SPEC_BENCH = REPO_ROOT / "benchmarks" / "data" / "spec_bench" / "questio
 HUMANEVAL = "humaneval"
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 ALL_CATEGORIES = (HUMANEVAL, *SPEC_BENCH_CATEGORIES)
+MIX, ALL = "spec-bench-mix", "all"  # the rows that pool categories: every one but humaneval, every one
 # Spec-Bench labels its 80 MT-bench questions by their MT-bench subcategory; its papers report them as one.
 MT_BENCH_SUBCATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

@@ -31,10 +31,12 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/heads_accuracy.py` fro
     sys.path.insert(0, str(_REPO_ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    ALL,
     ALL_CATEGORIES,
     DEFAULT_RESULTS_DIR,
     DEFAULT_SPEC_BENCH,
     HUMANEVAL,
+    MIX,
     grouped_bars,
     load_prompts,
     machine_info,
@@ -47,7 +49,6 @@ from benchmarks.common import (  # noqa: E402
 )
 
 NAME = "heads_accuracy"
-MIX, ALL = "spec-bench-mix", "all"
 TOP_K = (1, 3)
 COLUMNS = ["heads", "category", "step", "positions", "in_draft_vocab", "top1", "top3"]
 

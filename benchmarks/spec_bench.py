@@ -66,10 +66,12 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/spec_bench.py` from an
     sys.path.insert(0, str(_REPO_ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    ALL,
     ALL_CATEGORIES,
     DEFAULT_RESULTS_DIR,
     DEFAULT_SPEC_BENCH,
     HUMANEVAL,
+    MIX,
     Prompt,
     grouped_bars,
     load_prompts,
@@ -106,7 +108,6 @@ OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngra
              "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram",
              **HEADS_METHODS}
 TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
-MIX, ALL = "spec-bench-mix", "all"
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "speedup_vs_hf_plain",
            "decode_speedup", "decode_speedup_vs_hf_plain", "mean_accepted_len", "acceptance_rate",
            "accepted_per_drafted", "mean_k", "tree_rounds", "branch_tokens", "tokens_per_round",
