@@ -104,7 +104,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     stop_ids = stop_token_ids(target_dir, tokenizer, target.config)
     plain = SpeculativeGenerator(target, None, SpecOptions("none", 0))
     root = model_store.cache_root_from(args.cache_dir, os.environ)
-    embed = target.model.embed_tokens.weight.detach().float()  # [vocab, H]
+    embed = target.model.embed_tokens.weight.detach()  # [vocab, H], rows cast by the objective as it reads them
     fingerprint = target_fingerprint(target.model)
     scored = []  # (name, objective, streams)
     for spec in args.heads:
@@ -122,16 +122,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         ids = encode_prompt(tokenizer, prompt.text, chat=True)
         answer = run_ours(plain, ids, args.max_new_tokens, stop_ids).token_ids
         seq = ids + answer
-        features: dict[tuple[int, ...], torch.Tensor] = {}
-        for _, _, streams in scored:
-            if streams not in features:
-                item = ForwardItem(("heads-accuracy", n), seq, num_logits=len(seq), features=True)
-                try:
-                    logits, feats = target.forward_with_features([item], FeatureSpec(streams))
-                finally:
-                    target.release(item.seq_id)
-                labels = logits[0].argmax(dim=-1)  # [N] the target's own next tokens
-                features[streams] = feats[0]  # type: ignore[assignment]
+        features: dict[tuple[int, ...], torch.Tensor] = {}  # one forward per set of streams the heads read
+        for streams in dict.fromkeys(streams for _, _, streams in scored):
+            item = ForwardItem(("heads-accuracy", n), seq, num_logits=len(seq), features=True)
+            try:
+                logits, feats = target.forward_with_features([item], FeatureSpec(streams))
+            finally:
+                target.release(item.seq_id)
+            features[streams] = feats[0]  # type: ignore[assignment]
+        labels = logits[0].argmax(dim=-1)  # [N] the target's own next tokens (the same from every forward)
         batch_of = {s: Batch(torch.tensor([seq]), labels[None].long(), f[None].to(torch.bfloat16),
                              torch.tensor([len(seq)])) for s, f in features.items()}
         for name, objective, streams in scored:

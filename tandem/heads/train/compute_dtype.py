@@ -6,9 +6,9 @@ set's: on a 2-core Xeon (Emerald Rapids, avx512_bf16) an EAGLE step of 1024 toke
 2-core Zen 5 EPYC (avx512_bf16) an EAGLE step of about 2,000 tokens took 8.5-9.1 s in
 fp32 and 3.4-3.5 s under autocast, with the same torch. So auto times one forward and
 backward of a real batch each way, after one untimed warm-up each, and keeps the faster:
-about 20 s for a Qwen-1.5B head on 2 cores, against a run of an hour. Timing changes nothing: gradients are dropped
-and no optimizer step is taken, so the run's weights do not depend on the choice's
-timing, only its numerics on the choice.
+about 20 s for a Qwen-1.5B head on 2 cores, against a run of an hour. Timing changes
+nothing: gradients are dropped and no optimizer step is taken, so the run's weights do not
+depend on the choice's timing, only its numerics on the choice.
 """
 
 from __future__ import annotations
