@@ -23,6 +23,7 @@ from tandem.heads.locate import heads_root
 from tandem.heads.train.options import (
     DEFAULT_LR,
     TRAIN_DTYPES,
+    AnswerSettings,
     TrainOptions,
     default_out_dir,
     default_work_dir,
@@ -119,6 +120,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     prepare.add_argument("--kind", default="eagle", choices=KINDS, help="which heads (default: %(default)s)")
     prepare.set_defaults(func=_prepare)
 
+    answers = actions.add_parser(
+        "answers", parents=[common, running], help="write the target's own answers to prompts: a training corpus",
+        description="Build --prompts requests from the text on this machine (third-party functions to complete, "
+        "coding tasks, code to explain, Debian documentation to summarize and answer from, questions and writing "
+        "about installed packages, arithmetic word problems, German to translate; never HumanEval, Spec-Bench or "
+        "the standard library), have the target answer them greedily in batches, and append each answer to --out "
+        "as a conversation (JSONL). Pass that file to `tandem heads train --corpus`: heads learn best from what "
+        "the target says while it answers. An interrupted run continues where it stopped.",
+    )
+    answers.add_argument("--target", required=True, metavar="MODEL",
+                         help="the target: catalog name, Hugging Face directory or .gguf file")
+    answers.add_argument("--out", required=True, type=Path, metavar="FILE", help="the JSONL file to append to")
+    answers.add_argument("--prompts", type=int, default=1200, help="how many prompts (default: %(default)s; the "
+                         "German translated back adds about a tenth)")
+    answers.add_argument("--max-new-tokens", type=int, default=AnswerSettings().max_new_tokens,
+                         help="tokens per answer at most (default: %(default)s)")
+    answers.add_argument("--batch-size", type=int, default=AnswerSettings().batch_size,
+                         help="answers generated together (default: %(default)s)")
+    answers.add_argument("--seed", type=int, default=0, help="which files and numbers the prompts use "
+                         "(default: %(default)s)")
+    answers.set_defaults(func=_answers)
+
     listing = actions.add_parser("list", parents=[common], help="list prepared heads",
                                  description="List the heads under <cache>/heads: kind, target, draft vocabulary "
                                  "and held-back top-1 accuracy of the first head / step.")
@@ -190,6 +213,28 @@ def _run(target_spec: str, options: TrainOptions, args: argparse.Namespace, out:
 def _train(args: argparse.Namespace) -> int:
     options = _options(args)  # validated before anything is loaded
     return _run(args.target, options, args, args.out, args.resume, args.corpus, args.work_dir)
+
+
+def _answers(args: argparse.Namespace) -> int:
+    from tandem.cli.generate import resolve_or_prepare
+    from tandem.heads.train.answers import write_answers  # torch: only once the flags are good
+
+    settings = AnswerSettings(args.max_new_tokens, args.batch_size)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target_dir = Path(resolve_or_prepare(args.target, _root(args)))
+    line = model_store.ProgressLine(f"{args.target}-answers")
+    try:
+        written = write_answers(target_dir, args.out, args.prompts, args.seed, settings, args.device, line)
+    except BaseException as exc:
+        line.close("stopped" if isinstance(exc, KeyboardInterrupt) else "failed")
+        raise
+    line.close("ready")
+    print(f"{written} answers written ({args.out})", file=sys.stderr)
+    print(args.out, flush=True)
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ naming the file and the piece as the assistant's answer. The target serves chat 
 its hidden states while it writes an answer are what the heads read when serving, and
 they differ from those of a bare file being continued. The template costs about 30
 tokens a piece (the system prompt and the question), a few percent of 512. A user's text
-is taken as it is (it may be formatted already).
+is taken as it is (it may be formatted already); a conversation (a ``.jsonl`` record with
+``messages``, as ``tandem heads answers`` writes) goes through the chat template whole, as
+one sequence cut at ``seq_len``, and a file's conversations are visited in a seeded order.
 
 The last ``held_back`` fraction of the sequences (a random sample, since the order is
 shuffled) is kept apart: the summary's accuracy is measured on it, never trained on.
@@ -23,12 +25,12 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.errors import InvalidRequestError
-from tandem.heads.train.sources import CODE, DOC, USER, SourceFile, read_texts
+from tandem.heads.train.sources import CODE, DOC, USER, Conversation, SourceFile, read_texts
 
 MIN_PIECE_TOKENS = 16  # shorter pieces teach little and cost a forward row each
 _CHARS_PER_TOKEN = 6  # generous: a piece is cut to seq_len tokens after tokenizing
@@ -57,7 +59,15 @@ class CorpusSettings:
 class Corpus:
     train: list[list[int]]  # token ids per sequence
     held_back: list[list[int]]
+    # Per sequence, the first position whose label the heads learn: 0, or in a conversation the position
+    # before the answer's first token (the prompt is context, not something the heads will be asked to draft).
+    train_learn_from: list[int] = field(default_factory=list)  # empty: all 0
+    held_back_learn_from: list[int] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.train_learn_from = self.train_learn_from or [0] * len(self.train)
+        self.held_back_learn_from = self.held_back_learn_from or [0] * len(self.held_back)
 
     def digest(self) -> str:
         """Names the exact token sequences (features made for them are reused only for them)."""
@@ -67,6 +77,9 @@ class Corpus:
                 h.update(len(seq).to_bytes(4, "little"))
                 h.update(b"".join(t.to_bytes(4, "little") for t in seq))
             h.update(b"|")
+        starts = self.train_learn_from + self.held_back_learn_from
+        if any(starts):  # a corpus without conversations keeps the digest it always had
+            h.update(b"learn_from:" + b"".join(n.to_bytes(4, "little") for n in starts))
         return h.hexdigest()
 
 
@@ -87,17 +100,19 @@ def build_corpus(sources: Sequence[SourceFile], tokenizer: Any, settings: Corpus
         rng.shuffle(files)
     streams = {kind: _pieces(files, tokenizer, settings, rng) for kind, files in by_kind.items() if files}
     sequences: list[list[int]] = []
+    learn_from: list[int] = []
     usage: dict[str, _Usage] = {}
     total = 0
     while total < settings.tokens and streams:
         kind = _next_kind(len(sequences), streams, settings.doc_every)
         try:
-            source, ids, new_file = next(streams[kind])
+            source, ids, new_file, first = next(streams[kind])
         except StopIteration:
             del streams[kind]
             continue
         ids = ids[: settings.tokens - total] if settings.tokens - total >= MIN_PIECE_TOKENS else ids
         sequences.append(ids)
+        learn_from.append(min(first, len(ids)))
         total += len(ids)
         entry = usage.setdefault(source.origin, _Usage(source.licence, source.kind))
         entry.files += int(new_file)
@@ -108,7 +123,7 @@ def build_corpus(sources: Sequence[SourceFile], tokenizer: Any, settings: Corpus
             "two at least (one to learn from, one to measure on): give more text"
         )
     cut = len(sequences) - max(1, round(len(sequences) * settings.held_back))
-    corpus = Corpus(sequences[:cut], sequences[cut:])
+    corpus = Corpus(sequences[:cut], sequences[cut:], learn_from[:cut], learn_from[cut:])
     corpus.summary = _summary(corpus, usage, settings, any(s.kind == USER for s in sources))
     return corpus
 
@@ -122,20 +137,48 @@ def _next_kind(index: int, streams: dict[str, Iterator[Any]], doc_every: int) ->
 
 
 def _pieces(files: list[SourceFile], tokenizer: Any, settings: CorpusSettings,
-            rng: random.Random) -> Iterator[tuple[SourceFile, list[int], bool]]:
-    """``(source, token ids, first piece of its file)`` for each piece, files in the given order."""
+            rng: random.Random) -> Iterator[tuple[SourceFile, list[int], bool, int]]:
+    """``(source, token ids, first piece of its file, learn from)`` for each piece, files in the given order."""
     for source in files:
         new_file = True
-        for text in read_texts(source):
-            if source.kind == USER:
+        texts: Iterable[str | Conversation] = read_texts(source)
+        if source.kind == USER:
+            texts = list(texts)
+            if any(isinstance(text, tuple) for text in texts):
+                rng.shuffle(texts)  # conversations stand alone: the held-back ones are a random sample
+        for text in texts:
+            first = 0
+            if isinstance(text, tuple):
+                ids, first = _conversation_ids(text, tokenizer)
+                chunks = [ids[: settings.seq_len]]
+            elif source.kind == USER:
                 ids = list(tokenizer.encode(text, add_special_tokens=True, verbose=False))
                 chunks = [ids[i: i + settings.seq_len] for i in range(0, len(ids), settings.seq_len)]
             else:
                 chunks = [_machine_piece(source, text, tokenizer, settings, rng)]
             for chunk in chunks:
-                if len(chunk) >= MIN_PIECE_TOKENS:
-                    yield source, chunk, new_file
+                if len(chunk) >= MIN_PIECE_TOKENS and first < len(chunk) - 1:  # a cut that left an answer
+                    yield source, chunk, new_file, first
                     new_file = False
+
+
+def _conversation_ids(messages: Conversation, tokenizer: Any) -> tuple[list[int], int]:
+    """A whole conversation through the chat template, as the target reads it when serving (one sequence),
+    and where its last turn (the answer the heads learn) starts being predicted."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("a corpus of conversations (\"messages\") needs a target whose tokenizer has "
+                                  "a chat template")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        return ids, 0  # no answer to single out: every position is learned
+    prompt = tokenizer.apply_chat_template(list(messages[:-1]), tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
+    # Where the conversation and the prompt the target answered part (the whole prompt, in a template that
+    # writes a turn the way it opens one) is where the answer starts: the label one position before is its
+    # first token.
+    shared = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
+    return ids, max(0, shared - 1)
 
 
 def _machine_piece(source: SourceFile, text: str, tokenizer: Any, settings: CorpusSettings,
@@ -186,6 +229,9 @@ def _summary(corpus: Corpus, usage: dict[str, _Usage], settings: CorpusSettings,
         "seq_len": settings.seq_len,
         "sequences": {"train": len(corpus.train), "held_back": len(corpus.held_back)},
         "tokens": {"train": sum(map(len, corpus.train)), "held_back": sum(map(len, corpus.held_back))},
+        # Positions whose labels the heads learn: all but the prompts of conversations.
+        "learned_tokens": {"train": sum(len(s) - f for s, f in zip(corpus.train, corpus.train_learn_from)),
+                           "held_back": sum(len(s) - f for s, f in zip(corpus.held_back, corpus.held_back_learn_from))},
         "licences": {name: {"tokens": tokens, "files": files_per_licence[name]}
                      for name, tokens in licences.most_common()},
         "origins": {origin: {"kind": e.kind, "licence": e.licence, "files": e.files, "tokens": e.tokens}

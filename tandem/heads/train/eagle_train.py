@@ -90,7 +90,8 @@ class EagleObjective:
         for step in range(1, self.steps + 1):
             tokens = F.pad(batch.tokens[:, step:], (0, step - 1), value=0)  # [B, P]: x_{t+step}
             labels = F.pad(batch.labels[:, step:], (0, step - 1), value=0)  # [B, P]: y_{t+step}
-            rows = index[None, :] + step < batch.lengths[:, None]  # [B, P]
+            # A pair counts where its label exists and is one to learn (not a prompt's: see corpus.learn_from).
+            rows = (index[None, :] + step < batch.lengths[:, None]) & (labels >= 0)  # [B, P]
             embeds = self.embed_tokens[tokens].to(dtype)  # [B, P, H]
             hidden, kv = dense_step(head, embeds, hidden, step - 1, earlier)
             earlier.append(kv)

@@ -3,7 +3,8 @@
 Row ``t``'s final hidden state gave the target's next token ``y_t`` (the token ``b``
 serving appends); head ``k`` (0-based) guesses the token ``k + 1`` places after ``b``,
 which is what the target itself says ``k + 1`` positions later: ``y_{t+k+1}``. A row
-counts only where that label exists (``t + k + 1`` inside the sequence).
+counts only where that label exists (``t + k + 1`` inside the sequence) and is not
+``NO_LABEL`` (a prompt's position in a conversation: the heads learn the answers).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class MedusaObjective:
         out: list[Prediction] = []
         for k, block in enumerate(heads.blocks):
             ahead = k + 1
-            rows = positions[None, :] + ahead < batch.lengths[:, None]  # [B, N]
             labels = torch.nn.functional.pad(batch.labels[:, ahead:], (0, ahead), value=0)  # [B, N]: y_{t+k+1}
+            # A row counts where its label exists and is one to learn (not a prompt's: see corpus.learn_from).
+            rows = (positions[None, :] + ahead < batch.lengths[:, None]) & (labels >= 0)  # [B, N]
             states = block(hidden[rows])  # [R, H]
             head = heads.lm_head if heads.config.shared_lm_head else heads.lm_heads[k]
             out.append((head(states).float(), draft_labels(labels[rows], self.t2d)))

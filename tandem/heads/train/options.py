@@ -131,3 +131,20 @@ def default_out_dir(root: Path, target_name: str, kind: str) -> Path:
 def default_work_dir(out: Path) -> Path:
     """Features and checkpoints beside the heads, hidden: ``<parent>/.<name>.work``."""
     return out.parent / f".{out.name}.work"
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerSettings:
+    max_new_tokens: int = 160
+    batch_size: int = 32  # answers in flight; a CPU's tokens/s rises with it until compute, not reading, dominates
+    max_prompt_tokens: int = 768  # longer prompts are skipped (the features pass cuts at --seq-len anyway)
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"heads answers: --{name.replace('_', '-')} must be >= 1, "
+                                          f"got {getattr(self, name)}")
+
+    def kv_tokens(self) -> int:
+        """KV pool size for ``batch_size`` answers of the longest prompt, with a block of slack each."""
+        return self.batch_size * (self.max_prompt_tokens + self.max_new_tokens + 16)

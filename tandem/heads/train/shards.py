@@ -20,9 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tandem.errors import InvalidRequestError
-from tandem.heads.train.features import INDEX_FILE
-
-NO_LABEL = -1  # a padded position: no token, no label
+from tandem.heads.train.features import INDEX_FILE, NO_LABEL
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +41,7 @@ class Shard:
 @dataclass(slots=True)
 class Batch:
     tokens: torch.Tensor  # [B, N] int64, target ids, 0 past a sequence's end
-    labels: torch.Tensor  # [B, N] int64, the target's argmax at each position, NO_LABEL past the end
+    labels: torch.Tensor  # [B, N] int64, the target's argmax at each position; NO_LABEL past the end and in prompts
     features: torch.Tensor  # [B, N, F] bf16, zeros past the end
     lengths: torch.Tensor  # [B] int64
 
@@ -82,11 +80,12 @@ class FeatureShards:
         return tensors
 
     def counts(self, name: str, vocab_size: int) -> torch.Tensor:  # [vocab] int64
-        """How often each id occurs as ``labels`` or ``tokens`` in the train split."""
+        """How often each id occurs as ``labels`` (those to learn) or ``tokens`` in the train split."""
         total = torch.zeros(vocab_size, dtype=torch.int64)
         for shard in self.train:
             with safe_open(str(shard.path), framework="pt") as f:  # that tensor only, not the features
                 ids = f.get_tensor(name).long()
+            ids = ids[ids >= 0]  # labels of prompt positions are NO_LABEL
             total += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
         return total
 

@@ -45,6 +45,9 @@ _DOC_SKIPPED_NAMES = re.compile(r"^(changelog|copyright|license|licence|copying)
 _MAX_FILE_BYTES = 2 << 20  # larger files are data or generated code, not examples of writing
 
 
+Conversation = tuple[dict[str, str], ...]  # chat turns: {"role", "content"}
+
+
 @dataclass(frozen=True, slots=True)
 class SourceFile:
     """One file the corpus may draw from."""
@@ -202,8 +205,9 @@ def user_files(paths: Iterable[Path]) -> list[SourceFile]:
 # ----- reading -----------------------------------------------------------------
 
 
-def read_texts(source: SourceFile) -> Iterator[str]:
-    """The texts in one file: the file itself, or each record's ``text`` of a ``.jsonl`` file.
+def read_texts(source: SourceFile) -> Iterator[str | Conversation]:
+    """The texts in one file: the file itself, or each record of a ``.jsonl`` file: its ``text``, or its
+    ``messages`` (a conversation, e.g. ``tandem heads answers``'s output; the corpus applies the chat template).
 
     Unreadable or binary files yield nothing, and so do oversized ones found on the machine
     (data or generated code): a default corpus is a sample, not an inventory.
@@ -232,6 +236,19 @@ def read_texts(source: SourceFile) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"{source.path} line {number}: not JSON ({exc.msg})") from None
+        if isinstance(record, dict) and "messages" in record:
+            yield _conversation(record["messages"], source.path, number)
+            continue
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise InvalidRequestError(f"{source.path} line {number}: a .jsonl corpus needs a \"text\" string per line")
+            raise InvalidRequestError(f"{source.path} line {number}: a .jsonl corpus needs a \"text\" string "
+                                      "or a \"messages\" list per line")
         yield record["text"]
+
+
+def _conversation(messages: object, path: Path, number: int) -> Conversation:
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise InvalidRequestError(f"{path} line {number}: \"messages\" must be a list of "
+                                  "{\"role\": ..., \"content\": ...} objects with string values")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
