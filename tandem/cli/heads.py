@@ -227,12 +227,13 @@ def _answers(args: argparse.Namespace) -> int:
     target_dir = Path(resolve_or_prepare(args.target, _root(args)))
     line = model_store.ProgressLine(f"{args.target}-answers")
     try:
-        written = write_answers(target_dir, args.out, args.prompts, args.seed, settings, args.device, line)
+        count = write_answers(target_dir, args.out, args.prompts, args.seed, settings, args.device, line)
     except BaseException as exc:
         line.close("stopped" if isinstance(exc, KeyboardInterrupt) else "failed")
         raise
     line.close("ready")
-    print(f"{written} answers written ({args.out})", file=sys.stderr)
+    skipped = f"; {count.too_long} prompts over {settings.max_prompt_tokens} tokens skipped" if count.too_long else ""
+    print(f"{count.written} answers written to {args.out}{skipped}", file=sys.stderr)
     print(args.out, flush=True)
     return 0
 

@@ -14,7 +14,7 @@ from tandem.engine import FeatureSpec, ForwardItem, ModelEngine
 from tandem.errors import InvalidRequestError
 from tandem.heads.config import HeadsConfig
 from tandem.heads.store import build_heads
-from tandem.heads.train.answers import answered_ids, generate_answers, read_answers
+from tandem.heads.train.answers import AnswerCount, answered_ids, generate_answers, read_answers
 from tandem.heads.train.corpus import CorpusSettings, build_corpus
 from tandem.heads.train.eagle_train import EagleObjective
 from tandem.heads.train.features import NO_LABEL, extract_features
@@ -145,7 +145,7 @@ def test_batched_answers_equal_each_prompt_decoded_alone_and_resume(tiny_served_
     prompts = _prompts(5)
     settings = AnswerSettings(max_new_tokens=12, batch_size=3)  # more prompts than slots: prefills join mid-run
     out = tmp_path / "answers.jsonl"
-    assert generate_answers(engine, tokenizer, prompts, out, frozenset(), settings) == 5
+    assert generate_answers(engine, tokenizer, prompts, out, frozenset(), settings) == AnswerCount(5, 0)
     rows = {row["id"]: row for row in read_answers(out)}
     assert set(rows) == {p.id for p in prompts}
     for prompt in prompts:
@@ -160,7 +160,7 @@ def test_batched_answers_equal_each_prompt_decoded_alone_and_resume(tiny_served_
     lines = out.read_text().splitlines()
     out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
     assert answered_ids(out) == {json.loads(line)["id"] for line in lines[:3]}
-    assert generate_answers(engine, tokenizer, prompts, out, frozenset(), settings) == 2
+    assert generate_answers(engine, tokenizer, prompts, out, frozenset(), settings) == AnswerCount(2, 0)
     assert {row["id"]: row for row in read_answers(out)} == rows
 
 
@@ -182,8 +182,9 @@ def test_prompts_longer_than_the_limit_are_skipped(tiny_served_dir, tmp_path):
     prompts = _prompts(4)
     limit = len(encode_prompt(tokenizer, prompts[1].text, chat=True))
     out = tmp_path / "answers.jsonl"
-    generate_answers(engine, tokenizer, prompts, out, frozenset(),
-                     AnswerSettings(max_new_tokens=3, max_prompt_tokens=limit))
+    count = generate_answers(engine, tokenizer, prompts, out, frozenset(),
+                             AnswerSettings(max_new_tokens=3, max_prompt_tokens=limit))
+    assert count == AnswerCount(written=2, too_long=2)
     assert [row["id"] for row in read_answers(out)] == ["math-00000", "math-00001"]
 
 
@@ -260,3 +261,25 @@ def test_the_heads_learn_the_answers_not_the_prompts(tiny_served_dir, tmp_path):
         expected = sum(sum(1 for t in range(len(seq) - 1) if t + step < len(seq) and t + step >= first)
                        for seq, first in zip(corpus.train, corpus.train_learn_from))
         assert labels.numel() == expected and (labels >= 0).all()
+
+
+def test_answers_from_the_command_line_build_prompts_from_the_machine_and_resume(tiny_served_dir, tmp_path, capsys):
+    from tandem.cli import main
+
+    out = tmp_path / "answers.jsonl"
+    flags = ["heads", "answers", "--target", str(tiny_served_dir), "--out", str(out), "--prompts", "12",
+             "--max-new-tokens", "4", "--batch-size", "4"]
+    assert main(flags) == 0
+    rows = read_answers(out)
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(out)
+    # Every kind the machine's files allow (the random tiny target never ends a German answer, so none come back).
+    err = captured.err
+    skipped = int(err.split("; ")[1].split()[0]) if "skipped" in err else 0  # the tiny tokenizer spends a token a byte
+    assert len(rows) + skipped == 12 and {row["kind"] for row in rows} <= set(KIND_SHARES)
+    assert len({row["kind"] for row in rows}) > 5
+    assert all(row["messages"][0]["role"] == "user" and row["answer_tokens"] == 4 for row in rows)
+    assert main(flags) == 0 and read_answers(out) == rows  # nothing left to answer
+    assert "0 answers written" in capsys.readouterr().err
+    assert main([*flags[:-2], "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err

@@ -50,20 +50,33 @@ def answered_ids(path: Path) -> set[str]:
     return done
 
 
+@dataclass(slots=True)
+class AnswerCount:
+    written: int = 0  # answers appended by this call
+    too_long: int = 0  # prompts skipped: over ``max_prompt_tokens``
+
+    def __iadd__(self, other: AnswerCount) -> AnswerCount:
+        self.written += other.written
+        self.too_long += other.too_long
+        return self
+
+
 def generate_answers(engine: ModelEngine, tokenizer: Any, prompts: Sequence[TrainingPrompt], out: Path,
-                     stop_ids: frozenset[int], settings: AnswerSettings, progress: Progress = SILENT) -> int:
-    """Append the answers ``out`` lacks; returns how many were written by this call."""
+                     stop_ids: frozenset[int], settings: AnswerSettings, progress: Progress = SILENT) -> AnswerCount:
+    """Append the answers ``out`` lacks."""
     done = answered_ids(out)
-    waiting = []  # (prompt, its chat-template ids), longest first: they leave the most room to fill
+    count = AnswerCount()
+    waiting = []  # (prompt, its chat-template ids)
     for prompt in prompts:
         if prompt.id in done:
             continue
         ids = encode_prompt(tokenizer, prompt.text, chat=True)
         if len(ids) <= settings.max_prompt_tokens:
             waiting.append((prompt, ids))
+        else:
+            count.too_long += 1
     waiting.reverse()  # popped from the end: the given order
     progress.stage("answers", len(waiting), "answer")
-    written = 0
     active: dict[str, _Answer] = {}
     out.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_line(out)
@@ -89,9 +102,9 @@ def generate_answers(engine: ModelEngine, tokenizer: Any, prompts: Sequence[Trai
                 engine.release(seq)
                 sink.write(json.dumps(_record(answer, tokenizer, stop_ids)) + "\n")
                 sink.flush()
-                written += 1
+                count.written += 1
                 progress.advance(1)
-    return written
+    return count
 
 
 def _drop_partial_line(path: Path) -> None:
@@ -132,7 +145,7 @@ def read_answers(path: Path) -> list[dict[str, Any]]:
 
 
 def write_answers(target_dir: Path, out: Path, count: int, seed: int, settings: AnswerSettings, device: str = "cpu",
-                  progress: Progress = SILENT) -> int:
+                  progress: Progress = SILENT) -> AnswerCount:
     """Prompts from the machine's text, the target's answers to them, then the translations back: ``out``'s rows."""
     from tandem.config import EngineConfig
     from tandem.heads.train.prompts import build_prompts, translation_prompts
@@ -151,4 +164,5 @@ def write_answers(target_dir: Path, out: Path, count: int, seed: int, settings: 
               if row["kind"] == "to_german" and row["stop"] == "stop_token"]  # a cut-off translation is not given back
     written += generate_answers(engine, tokenizer, translation_prompts(german), out, stop_ids, settings, progress)
     rest = [p for p in prompts if p.kind != "to_german"]
-    return written + generate_answers(engine, tokenizer, rest, out, stop_ids, settings, progress)
+    written += generate_answers(engine, tokenizer, rest, out, stop_ids, settings, progress)
+    return written
