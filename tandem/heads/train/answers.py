@@ -82,21 +82,19 @@ def generate_answers(engine: ModelEngine, tokenizer: Any, prompts: Sequence[Trai
     _drop_partial_line(out)
     with out.open("a", encoding="utf-8") as sink:
         while waiting or active:
-            items = [ForwardItem(seq, [a.next_token]) for seq, a in active.items()]
+            decoding = list(active.values())
             admitted: list[tuple[TrainingPrompt, list[int]]] = []
-            while waiting and len(active) + len(admitted) < settings.batch_size:
+            while waiting and len(decoding) + len(admitted) < settings.batch_size:
                 admitted.append(waiting.pop())
+            items = [ForwardItem(a.prompt.id, [a.next_token]) for a in decoding]
             items += [ForwardItem(prompt.id, ids, prompt=True) for prompt, ids in admitted]
             logits = engine.forward(items)  # [1, vocab] per item
-            for item, item_logits in zip(items, logits):
-                token = int(torch.argmax(item_logits[-1]))
-                if item.prompt:
-                    prompt = next(p for p, _ in admitted if p.id == item.seq_id)
-                    active[prompt.id] = _Answer(prompt, [], token)
-                    continue
-                answer = active[item.seq_id]
+            tokens = torch.stack([item_logits[-1] for item_logits in logits]).argmax(dim=-1).tolist()  # [items]
+            for answer, token in zip(decoding, tokens):
                 answer.ids.append(answer.next_token)
                 answer.next_token = token
+            for (prompt, _), token in zip(admitted, tokens[len(decoding):]):
+                active[prompt.id] = _Answer(prompt, [], token)
             for seq in [s for s, a in active.items() if _finished(a, stop_ids, settings.max_new_tokens)]:
                 answer = active.pop(seq)
                 engine.release(seq)
@@ -159,10 +157,10 @@ def write_answers(target_dir: Path, out: Path, count: int, seed: int, settings: 
     # The German first, then its translation back, then the rest (interleaved by kind): a run stopped early
     # still holds every kind.
     to_german = [p for p in prompts if p.kind == "to_german"]
-    written = generate_answers(engine, tokenizer, to_german, out, stop_ids, settings, progress)
+    total = generate_answers(engine, tokenizer, to_german, out, stop_ids, settings, progress)
     german = [(row["id"], row["messages"][1]["content"]) for row in read_answers(out)
               if row["kind"] == "to_german" and row["stop"] == "stop_token"]  # a cut-off translation is not given back
-    written += generate_answers(engine, tokenizer, translation_prompts(german), out, stop_ids, settings, progress)
+    total += generate_answers(engine, tokenizer, translation_prompts(german), out, stop_ids, settings, progress)
     rest = [p for p in prompts if p.kind != "to_german"]
-    written += generate_answers(engine, tokenizer, rest, out, stop_ids, settings, progress)
-    return written
+    total += generate_answers(engine, tokenizer, rest, out, stop_ids, settings, progress)
+    return total

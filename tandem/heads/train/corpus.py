@@ -174,9 +174,9 @@ def _conversation_ids(messages: Conversation, tokenizer: Any) -> tuple[list[int]
         return ids, 0  # no answer to single out: every position is learned
     prompt = tokenizer.apply_chat_template(list(messages[:-1]), tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
-    # Where the conversation and the prompt the target answered part (the whole prompt, in a template that
-    # writes a turn the way it opens one) is where the answer starts: the label one position before is its
-    # first token.
+    # The answer starts where the conversation's ids stop matching the prompt's as the target saw it (after the
+    # whole prompt, in a template that closes a turn the way it opened it); the label one position earlier is the
+    # answer's first token.
     shared = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
     return ids, max(0, shared - 1)
 
