@@ -41,13 +41,7 @@ def answered_ids(path: Path) -> set[str]:
     """The prompt ids ``path`` already holds answers for (a partly written last line is ignored)."""
     if not path.is_file():
         return set()
-    done = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    return done
+    return {row["id"] for row in read_answers(path) if isinstance(row, dict) and "id" in row}
 
 
 @dataclass(slots=True)
