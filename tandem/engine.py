@@ -29,6 +29,7 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
+from tandem.compute_thread import HomeThread
 from tandem.config import EngineConfig, ModelConfig
 from tandem.cost_fit import ForwardCostFit, PromptTokenCost
 from tandem.kv_cache import PagedKVCache, SeqId
@@ -165,6 +166,8 @@ class ModelEngine:
         # Forward seconds against tokens, fitted as the engine runs: what adaptive k plans with.
         self.cost_fit = ForwardCostFit()
         self.prompt_cost = PromptTokenCost()  # what a prompt chunk's tokens cost (tandem.rpc.prefill_chunks)
+        # On a CPU, a second thread computing beside the one that loaded the model slows every pass: warn once.
+        self.home_thread = HomeThread(f"the {model.config.model_type} engine") if self.device.type == "cpu" else None
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> ModelEngine:
@@ -351,6 +354,8 @@ class ModelEngine:
         self, batch: ForwardBatch, features: FeatureRequest | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # -> [R, vocab] float32, [F, feature] or None
         """The model over one batch whose KV slots are already allocated; no bookkeeping."""
+        if self.home_thread is not None:
+            self.home_thread.check()
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
             self.kv_cache.block_size, self.device, tree_parents_of(batch.parents, batch.query_lens),

@@ -3,10 +3,13 @@
 ``SpeculativeGenerator`` runs ``tandem.spec.loop.SpeculationLoop`` (the loop
 the coordinator runs) over the very engines the workers run
 (``target_worker.engine.TargetEngine``, ``draft_worker.engine.DraftEngine``),
-each behind a ``Batcher`` as in a worker process. Both batchers share ONE
-model thread: in process the draft and the target take turns, as they must
-on a machine whose cores one forward pass already fills. Requests given
-together run concurrently, and their calls share batched forward passes.
+each behind a ``Batcher`` as in a worker process. Both batchers run their
+batches on the CALLING thread (the one that loaded the engines), one at a
+time: in process the draft and the target take turns, as they must on a
+machine whose cores one forward pass already fills, and a second computing
+thread would cost every forward OpenMP wake-ups (``tandem.compute_thread``).
+Requests given together run concurrently, and their calls share batched
+forward passes.
 
 This module composes the role packages' engines; it is the in-process
 counterpart of ``tandem.cluster``, which composes their processes.
@@ -18,11 +21,11 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from draft_worker.engine import DraftEngine, ProposeCall
+from tandem.compute_thread import CallingThreadExecutor
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.heads.drafters import HeadDrafter
@@ -139,7 +142,7 @@ class SpeculativeGenerator:
         self.match_rates = MatchRates()  # acceptance per kind of n-gram match, over this generator's requests
         self.max_len = target.config.max_position_embeddings
         self._ids = itertools.count()
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._model_thread = CallingThreadExecutor()  # the engines' own thread (tandem.compute_thread)
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         for r in requests:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,14 +49,25 @@ class WorkerRole:
 
 
 async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
+    # The one thread that loads, warms up and runs the model: a second thread computing beside the
+    # loader would give the process two OpenMP teams and slow every forward (tandem.compute_thread).
+    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    try:
+        await _run_worker(role, cfg, model_thread)
+    finally:
+        model_thread.shutdown(wait=False, cancel_futures=True)
+
+
+async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadPoolExecutor) -> None:
     log.info("%s: loading %s", role.name, cfg.engine.model_dir)
-    engine = load_engine(cfg.engine)
+    engine = await asyncio.get_running_loop().run_in_executor(model_thread, load_engine, cfg.engine)
     failed = asyncio.Event()  # a tensor-parallel rank died or hung: stop serving, exit non-zero
     if isinstance(engine, TensorParallelEngine):
         loop = asyncio.get_running_loop()
         engine.ranks.on_failure = lambda reason: loop.call_soon_threadsafe(failed.set)
     tokenizer = load_tokenizer(cfg.engine.model_dir)
-    role_engine = role.make_engine(engine, Leases(cfg.lease_s, cfg.idle_ttl_s), cfg)
+    role_engine = await asyncio.get_running_loop().run_in_executor(  # heads are packed and timed: model thread
+        model_thread, role.make_engine, engine, Leases(cfg.lease_s, cfg.idle_ttl_s), cfg)
     server = ManagedServer(role.name, cfg.server)
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
@@ -76,7 +88,7 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     batcher = Batcher(
         role_engine.run_batch, role_engine.call_cost, cfg.token_budget, on_batch,
         key=lambda call: call.seq_id,
-        gather_wait_s=lambda: gather_fraction * engine.cost_fit.base_s,
+        gather_wait_s=lambda: gather_fraction * engine.cost_fit.base_s, executor=model_thread,
     )
     service = role.make_service(
         role_engine, batcher, server, cfg.model_name, tokenizer_fingerprint(tokenizer),

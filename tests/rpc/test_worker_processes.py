@@ -105,6 +105,13 @@ def test_workers_report_ready_with_a_port(workers):
         assert workers[name].port and f"role={role}" in workers[name].lines[0]
 
 
+def test_workers_load_and_compute_on_one_thread(workers):
+    """Ready means warmed up: a model loaded on one thread and warmed on another would have warned by now."""
+    for name in ("target", "draft"):
+        log_text = workers[name].log_path.read_text()
+        assert "ComputeThreadWarning" not in log_text, log_text[-2000:]
+
+
 def test_a_speculative_round_over_grpc(workers):
     t_channel, target = stubs(workers["target"].port, target_pb2_grpc.TargetWorkerStub)
     d_channel, draft = stubs(workers["draft"].port, draft_pb2_grpc.DraftWorkerStub)
