@@ -19,6 +19,7 @@ reads its top candidates back with one copy (the tree's shape is decided on the 
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Sequence
@@ -167,25 +168,27 @@ class EagleDrafter(TimedDrafter):
         roots = outputs[ends.to(self.device)]  # [B, H] the last pair's output: predicts the token after b
         asking = [(row, i) for row, i in enumerate(ready) if steps[i].budget > 0]
         if asking:
+            budgets = [min(steps[i].budget, MAX_PROPOSAL) for _, i in asking]
             try:
-                drafted = self._draft([steps[i].seq_id for _, i in asking], roots[[row for row, _ in asking]])
+                drafted = self._draft([steps[i].seq_id for _, i in asking], roots[[row for row, _ in asking]], budgets)
             except Exception:  # noqa: BLE001 - e.g. the head's pool is full: no proposal this round
                 log.exception("EAGLE head: drafting failed; the round goes on without a proposal")
                 return out
-            for (_, i), nodes in zip(asking, drafted):
-                budget = min(steps[i].budget, MAX_PROPOSAL)
+            for (_, i), nodes, budget in zip(asking, drafted, budgets):
                 out[i] = best_nodes([n.parent for n in nodes], [n.score for n in nodes], [n.token for n in nodes],
                                     budget)
         return out
 
-    def _draft(self, seq_ids: list[str], roots: torch.Tensor) -> list[list[_Node]]:
-        """Each sequence's drafted nodes (every candidate scored, the best ``width`` expanded per depth)."""
+    def _draft(self, seq_ids: list[str], roots: torch.Tensor, budgets: list[int]) -> list[list[_Node]]:
+        """Each sequence's drafted nodes (every candidate scored, the best ``width`` expanded per depth), up to
+        the depth where no deeper node could still be among its ``budgets[b]`` best (``_promising``)."""
         base = [self.length(s) for s in seq_ids]
         nodes: list[list[_Node]] = [[] for _ in seq_ids]
         frontier = self._children(roots, [[-1] for _ in seq_ids], [[1.0] for _ in seq_ids], nodes, [[r] for r in roots])
         expanded: list[list[int]] = [[] for _ in seq_ids]  # per sequence: nodes fed to the layer, in feed order
         try:
             for _ in range(self.depth - 1):
+                frontier = [_promising(nodes[b], front, budgets[b]) for b, front in enumerate(frontier)]
                 for b, front in enumerate(frontier):
                     expanded[b].extend(front)
                 rows = [b for b, front in enumerate(frontier) if front]
@@ -271,6 +274,19 @@ class EagleDrafter(TimedDrafter):
                 else:
                     self.cache.release(it.seq_id)
             raise
+
+
+def _promising(nodes: list[_Node], frontier: list[int], budget: int) -> list[int]:
+    """The frontier nodes whose children could still be among the ``budget`` best nodes of the finished draft.
+
+    A child scores at most its parent, is numbered after every node drafted so far, and ``best_nodes``
+    breaks ties by number; the cut (the ``budget``-th best score so far) only rises as nodes are added.
+    So a node scoring at or below the cut has no descendant in the proposal: expanding it would cost a
+    layer row and change nothing. With an unsure head, whole depths are skipped."""
+    if len(nodes) < budget:
+        return frontier
+    cut = heapq.nlargest(budget, (n.score for n in nodes))[-1]
+    return [n for n in frontier if nodes[n].score > cut]
 
 
 HeadDrafter = MedusaDrafter | EagleDrafter

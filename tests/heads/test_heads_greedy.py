@@ -7,12 +7,13 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import FINAL, FeatureSpec, ForwardItem, ModelEngine
+from tandem.heads import drafters
 from tandem.heads.drafters import EagleDrafter
 from tandem.heads.serving import drafter_for
 from tandem.inprocess import GenerationRequest, SpeculativeGenerator
 from tandem.sampling import SamplingParams
 from tandem.spec.options import SpecOptions
-from target_worker.engine import PrefillCall, Proposed, TargetEngine, VerifyCall
+from target_worker.engine import PrefillCall, Proposed, ReleaseCall, TargetEngine, VerifyCall
 from tests.heads.tiny_heads import tiny_heads
 
 PROMPTS = [[5, 17, 33], [9, 9, 9, 9, 9, 9, 9, 9], list(range(10, 40)), [61]]
@@ -94,6 +95,35 @@ def test_kv_after_a_heads_round_is_the_accepted_chains(tiny_qwen2_dir):
             for pool, pool2 in ((ours.key, theirs.key), (ours.value, theirs.value)):
                 torch.testing.assert_close(pool[layer].flatten(0, 1)[mine], pool2[layer].flatten(0, 1)[other],
                                            atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [2, 6, 12])
+def test_eagle_drafting_skips_only_nodes_that_could_not_be_proposed(tiny_qwen2_dir, monkeypatch, budget):
+    """Stopping a branch once nothing below it could rank among the budget's best leaves the proposal as is."""
+    target = load(tiny_qwen2_dir, "float32")
+    heads = tiny_heads(target, "eagle", seed=4)
+    with torch.no_grad():
+        heads.lm_head.weight.mul_(5.0)  # a surer head: its proposals reach several depths
+    drafter = drafter_for(heads, target)
+    engine = TargetEngine(target, drafter=drafter)
+    fed_rows: list[int] = []
+    forward = drafter._forward
+    monkeypatch.setattr(drafter, "_forward", lambda items, hidden: fed_rows.append(hidden.shape[0]) or forward(
+        items, hidden))
+
+    def propose(prompt: list[int]) -> tuple[list[int], list[int], int]:
+        fed_rows.clear()
+        result = engine.run_batch([PrefillCall("s", prompt, SamplingParams(), propose=budget)])[0]
+        engine.run_batch([ReleaseCall("s")])
+        assert isinstance(result, Proposed) and len(result.proposal.tokens) == budget
+        return result.proposal.tokens, result.proposal.parents, sum(fed_rows[1:])  # [0]: the prompt's rows
+
+    prompts = [[5, 17, 33], list(range(10, 40)), [9] * 8]
+    pruned = [propose(p) for p in prompts]
+    monkeypatch.setattr(drafters, "_promising", lambda nodes, frontier, budget: frontier)  # every depth in full
+    full = [propose(p) for p in prompts]
+    assert [p[:2] for p in pruned] == [f[:2] for f in full]
+    assert sum(p[2] for p in pruned) < sum(f[2] for f in full)  # and it did skip rows
 
 
 def test_heads_for_another_target_are_refused(tiny_qwen2_dir, tiny_qwen2_other_dir):
