@@ -32,13 +32,17 @@ class ForwardCostFit:
     """
 
     decay: float = 0.98  # weight of the past per observation
-    min_spread: float = 4.0  # tokens: below this spread of batch sizes the slope is not trusted
+    # Tokens: below this spread of recent batch sizes the slope is not re-estimated, and the last one
+    # estimated stands. A heads loop verifies trees of one size round after round: the spread the
+    # warm-up gave decays away, and a slope of 0 (never measured) would price every node as free.
+    min_spread: float = 4.0
     max_tokens: int = 256  # larger batches are prefills: not what a round's cost is planned from
     _w: float = 0.0
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
+    _slope: float = 0.0  # the last slope the spread of batch sizes allowed (0: none yet)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > self.max_tokens:
@@ -49,6 +53,10 @@ class ForwardCostFit:
         self._y = d * self._y + seconds
         self._xx = d * self._xx + tokens * tokens
         self._xy = d * self._xy + tokens * seconds
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var >= self.min_spread**2:
+            self._slope = max(0.0, (self._xy / self._w - mx * my) / var)
 
     @property
     def ready(self) -> bool:
@@ -56,13 +64,7 @@ class ForwardCostFit:
 
     @property
     def per_token_s(self) -> float:
-        if not self.ready:
-            return 0.0
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var < self.min_spread**2:
-            return 0.0
-        return max(0.0, (self._xy / self._w - mx * my) / var)
+        return self._slope
 
     @property
     def base_s(self) -> float:

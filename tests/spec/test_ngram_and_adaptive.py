@@ -129,6 +129,20 @@ def test_forward_cost_fit_recovers_a_line():
     assert flat.per_token_s == 0.0 and flat.base_s == pytest.approx(0.1)
 
 
+def test_forward_cost_fit_keeps_its_slope_through_batches_of_one_size():
+    """A heads loop verifies trees of one size for hundreds of rounds: the warm-up's slope must not decay to 0."""
+    from tandem.cost_fit import ForwardCostFit
+
+    fit = ForwardCostFit()
+    for tokens in [32, 1, 1, 8, 1]:  # the engine's warm-up sizes
+        fit.observe(tokens, 0.05 + 0.005 * tokens)
+    assert fit.per_token_s == pytest.approx(0.005, rel=1e-3)
+    for _ in range(500):
+        fit.observe(9, 0.05 + 0.005 * 9)
+    assert fit.per_token_s == pytest.approx(0.005, rel=1e-3)
+    assert fit.seconds(9) == pytest.approx(0.095, rel=1e-3) and fit.base_s == pytest.approx(0.05, rel=1e-3)
+
+
 def test_forward_cost_fit_leaves_prefills_out():
     from tandem.cost_fit import ForwardCostFit
 
