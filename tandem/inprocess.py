@@ -136,6 +136,9 @@ class SpeculativeGenerator:
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise InvalidRequestError(
                 f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({target.config.vocab_size})")
+        for engine in (target, draft):  # adaptive k and the heads' budget price rounds by the fitted forward
+            if engine is not None and engine.cost_fit.per_token_s == 0:  # cost; a worker seeds it at warm-up too
+                engine.warmup()
         self.target = TargetEngine(target, drafter=heads, prefill_chunk_tokens=prefill_chunk_tokens)
         self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
         self.costs = costs or CostModel()
