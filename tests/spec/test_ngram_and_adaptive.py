@@ -174,3 +174,16 @@ def test_under_load_drafting_must_promise_a_clear_gain():
     assert choose_k(0.75, costs, 4) == 0
     costs.margin_per_extra_stream = 0.0
     assert choose_k(0.75, costs, 4) > 0
+
+
+def test_the_in_process_generator_seeds_an_unfitted_cost_fit(tiny_qwen2_dir):
+    """As a worker does at start: without a fit, adaptive k and the heads' budget would plan blind."""
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from tandem.inprocess import SpeculativeGenerator
+
+    engine = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=512, block_size=4))
+    assert not engine.cost_fit.ready
+    SpeculativeGenerator(engine)
+    assert engine.cost_fit.ready
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # the scratch sequence is gone
