@@ -333,6 +333,12 @@ class LocalCluster:
         # A session of its own (a terminal's Ctrl-C reaches only us, and we stop services in order),
         # and our pid, so that a service stops itself if we are killed before we can stop it.
         env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
+        # The services share this machine's cores. A process with no more OpenMP threads than cores (one
+        # computing thread: tandem.compute_thread) lets them spin after each parallel region, and two
+        # workers computing at once then steal the cores from each other: measured on 2 cores, the draft
+        # worker's warm-up fitted a 639 ms step (19 ms when passive) and adaptive k stayed at 0 for whole
+        # runs. Passive workers sleep at once; a machine of their own (a pod) keeps the default.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                    start_new_session=True, env=env)
         self._spawned[role] += 1
