@@ -32,9 +32,11 @@ class ForwardCostFit:
     """
 
     decay: float = 0.98  # weight of the past per observation
-    # Tokens: below this spread of recent batch sizes the slope is not re-estimated, and the last one
-    # estimated stands. A heads loop verifies trees of one size round after round: the spread the
-    # warm-up gave decays away, and a slope of 0 (never measured) would price every node as free.
+    # Tokens: below this spread of recent batch sizes the slope is not trusted, and ``per_token_s`` reads 0:
+    # speculation looks free, so adaptive k drafts again and the sizes vary again (a pessimistic slope kept
+    # at k = 0 would never be corrected: measured, services stuck at k = 0 for whole runs). ``last_*`` keep
+    # the last line the spread allowed, for the heads' node budget: a heads loop verifies trees of one size
+    # round after round, and a slope of 0 would price every node as free.
     min_spread: float = 4.0
     max_tokens: int = 256  # larger batches are prefills: not what a round's cost is planned from
     _w: float = 0.0
@@ -62,15 +64,32 @@ class ForwardCostFit:
     def ready(self) -> bool:
         return self._w > 0
 
+    def _spread_ok(self) -> bool:
+        mx = self._x / self._w
+        return self._xx / self._w - mx * mx >= self.min_spread**2
+
     @property
     def per_token_s(self) -> float:
-        return self._slope
+        return self._slope if self.ready and self._spread_ok() else 0.0
 
     @property
     def base_s(self) -> float:
+        return self._base_at(self.per_token_s)
+
+    @property
+    def last_per_token_s(self) -> float:
+        """The last slope the spread of batch sizes allowed (0: none yet), kept while sizes stop varying."""
+        return self._slope
+
+    @property
+    def last_base_s(self) -> float:
+        """The intercept that goes with ``last_per_token_s``."""
+        return self._base_at(self._slope)
+
+    def _base_at(self, slope: float) -> float:
         if not self.ready:
             return 0.0
-        return max(1e-6, self._y / self._w - self.per_token_s * self._x / self._w)
+        return max(1e-6, self._y / self._w - slope * self._x / self._w)
 
     def seconds(self, tokens: int) -> float:
         """The fitted cost of a pass of ``tokens`` tokens (the weights read once, however few)."""

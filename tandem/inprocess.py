@@ -62,7 +62,7 @@ class GenerationResult:
 
 def _fitted(engine: ModelEngine) -> FittedCost | None:
     fit = engine.cost_fit
-    return FittedCost(fit.base_s, fit.per_token_s) if fit.ready else None
+    return FittedCost(fit.base_s, fit.per_token_s, fit.last_base_s, fit.last_per_token_s) if fit.ready else None
 
 
 class LocalTarget:

@@ -31,8 +31,12 @@ def heads_budget(options: SpecOptions, state: RequestState, max_context: int, fi
     if not options.uses_heads:
         return 0
     nodes = options.heads_nodes or HEADS_DEFAULT_NODES
-    if not options.heads_nodes and fit is not None and fit.per_token_s > 0:
-        nodes = int(HEADS_EXTRA_COST * (fit.base_s + fit.per_token_s) / fit.per_token_s)
+    if not options.heads_nodes and fit is not None:
+        # A heads loop's trees are all one size, so the fit soon cannot tell its slope any more: the last one stands.
+        base, per_token = ((fit.last_base_s, fit.last_per_token_s) if fit.last_per_token_s > 0
+                           else (fit.base_s, fit.per_token_s))
+        if per_token > 0:
+            nodes = int(HEADS_EXTRA_COST * (base + per_token) / per_token)
     room = min(max_context - len(state.history) - 2, state.remaining - 2)
     return max(1 if first else 0, min(nodes, MAX_K, room))
 

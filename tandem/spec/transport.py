@@ -67,7 +67,11 @@ class FittedCost:
     """Seconds of one forward pass ~ ``base_s + per_token_s * tokens``, as the worker measured it."""
 
     base_s: float
-    per_token_s: float
+    per_token_s: float  # 0 while recent batch sizes are too alike to tell (tandem.cost_fit)
+    # The line at the last slope the worker could estimate (0: not known; a worker's Info carries only
+    # the current fit). The heads' node budget prices nodes with it.
+    last_base_s: float = 0.0
+    last_per_token_s: float = 0.0
 
 
 class Verifier(Protocol):

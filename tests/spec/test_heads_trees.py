@@ -24,6 +24,9 @@ def test_budget_follows_the_verification_cost_the_options_and_the_room():
     assert heads_budget(eagle, state(), 1000, FittedCost(0.010, 0.010)) == 0  # rows as dear as the step
     assert heads_budget(eagle, state(), 1000, FittedCost(0.010, 0.010), first=True) == 1  # a Prefill: >= 1
     assert heads_budget(SpecOptions("eagle", 4, heads_nodes=5), state(), 1000, FittedCost(0.17, 0.003)) == 5
+    # Trees of one size: the current slope is unknown (0), the last one prices the nodes (not the 8-node fallback).
+    assert heads_budget(eagle, state(), 1000, FittedCost(0.095, 0.0, 0.05, 0.005)) == 2
+    assert heads_budget(eagle, state(), 1000, FittedCost(0.095, 0.0)) == 8
     assert heads_budget(eagle, state(generated=95), 1000, None) == 3  # 5 tokens left: at most 3 nodes
     assert heads_budget(eagle, state(), 10, None) == 5  # the context: 10 - 3 history - 2
 

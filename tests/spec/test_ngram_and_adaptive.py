@@ -130,7 +130,7 @@ def test_forward_cost_fit_recovers_a_line():
 
 
 def test_forward_cost_fit_keeps_its_slope_through_batches_of_one_size():
-    """A heads loop verifies trees of one size for hundreds of rounds: the warm-up's slope must not decay to 0."""
+    """A heads loop verifies trees of one size for hundreds of rounds: the warm-up's slope is kept for it."""
     from tandem.cost_fit import ForwardCostFit
 
     fit = ForwardCostFit()
@@ -139,8 +139,10 @@ def test_forward_cost_fit_keeps_its_slope_through_batches_of_one_size():
     assert fit.per_token_s == pytest.approx(0.005, rel=1e-3)
     for _ in range(500):
         fit.observe(9, 0.05 + 0.005 * 9)
-    assert fit.per_token_s == pytest.approx(0.005, rel=1e-3)
-    assert fit.seconds(9) == pytest.approx(0.095, rel=1e-3) and fit.base_s == pytest.approx(0.05, rel=1e-3)
+    assert fit.last_per_token_s == pytest.approx(0.005, rel=1e-3)
+    assert fit.last_base_s == pytest.approx(0.05, rel=1e-3)
+    # Adaptive k still reads "not known" (0): a slope kept at k = 0 could never be corrected.
+    assert fit.per_token_s == 0.0 and fit.base_s == pytest.approx(0.095, rel=1e-3)
 
 
 def test_forward_cost_fit_leaves_prefills_out():
