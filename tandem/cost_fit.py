@@ -55,10 +55,9 @@ class ForwardCostFit:
         self._y = d * self._y + seconds
         self._xx = d * self._xx + tokens * tokens
         self._xy = d * self._xy + tokens * seconds
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var >= self.min_spread**2:
-            self._slope = max(0.0, (self._xy / self._w - mx * my) / var)
+        if self._spread_ok():
+            mx, my = self._x / self._w, self._y / self._w
+            self._slope = max(0.0, (self._xy / self._w - mx * my) / (self._xx / self._w - mx * mx))
 
     @property
     def ready(self) -> bool:
