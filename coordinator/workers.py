@@ -137,7 +137,9 @@ class WorkerClient:
         """The worker's own fit of its forward cost (from its last Info), once it has measured one."""
         if self.info is None or self.info.forward_base_s <= 0:
             return None
-        return FittedCost(self.info.forward_base_s, self.info.forward_per_token_s)
+        info = self.info
+        return FittedCost(info.forward_base_s, info.forward_per_token_s, info.last_forward_base_s,
+                          info.last_forward_per_token_s)
 
     def for_request(self, deadline: float | None) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time)."""

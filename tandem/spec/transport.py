@@ -68,8 +68,9 @@ class FittedCost:
 
     base_s: float
     per_token_s: float  # 0 while recent batch sizes are too alike to tell (tandem.cost_fit)
-    # The line at the last slope the worker could estimate (0: not known; a worker's Info carries only
-    # the current fit). The heads' node budget prices nodes with it.
+    # The line at the last slope the worker could estimate (0: not known yet). The heads' node budget
+    # prices nodes with it: a heads loop verifies one tree size round after round, so ``per_token_s`` soon
+    # reads 0 there.
     last_base_s: float = 0.0
     last_per_token_s: float = 0.0
 

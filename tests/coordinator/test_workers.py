@@ -90,3 +90,19 @@ def test_worker_calls_carry_the_clients_remaining_time():
 
     release_timeout, prefill_timeout, _ = asyncio.run(scenario())
     assert prefill_timeout <= 2.0 and release_timeout == 5.0
+
+
+def test_a_workers_info_carries_the_last_trusted_line_to_the_heads_budget():
+    """Through services a heads loop reads the fit from Info: once its tree sizes stop varying, the current
+    slope reads 0, and without the last line the budget fell back to 8 nodes (1.7 steps on a CPU)."""
+    from tandem.spec.heads_trees import heads_budget
+    from tandem.spec.options import SpecOptions
+    from tandem.spec.request import RequestState, StopConditions
+
+    c = client("a", 100)
+    c.info = common_pb2.WorkerInfo(forward_base_s=0.095, forward_per_token_s=0.0, last_forward_base_s=0.05,
+                                   last_forward_per_token_s=0.005)
+    fit = c.fitted_cost()
+    assert (fit.last_base_s, fit.last_per_token_s) == (0.05, 0.005)
+    state = RequestState([1, 2, 3], SamplingParams(), StopConditions(100))
+    assert heads_budget(SpecOptions("eagle", 4), state, 1000, fit) == 2

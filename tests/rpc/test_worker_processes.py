@@ -119,6 +119,10 @@ def test_a_speculative_round_over_grpc(workers):
         t_info, d_info = target.Info(common_pb2.WorkerInfoRequest()), draft.Info(common_pb2.WorkerInfoRequest())
         assert t_info.vocab_size == d_info.vocab_size == VOCAB
         assert t_info.tokenizer_fingerprint == d_info.tokenizer_fingerprint and list(t_info.stop_token_ids) == [1]
+        # Warmed up over several sizes, the fit has a line, and the last trusted one travels beside it.
+        assert t_info.forward_base_s > 0 and t_info.last_forward_base_s > 0
+        if t_info.forward_per_token_s > 0:
+            assert t_info.last_forward_per_token_s == t_info.forward_per_token_s
 
         first = target.Prefill(target_pb2.PrefillRequest(seq_id="s", token_ids=PROMPT, sampling=sampling(1)))
         proposal = draft.Propose(draft_pb2.ProposeRequest(seq_id="s", committed_len=0,
