@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.models.row_padding import DEFAULT_PADDING, MAX_PADDED_ROWS, PaddingTuner, choose_padding, padded_rows
+from tandem.models.row_padding import (
+    DEFAULT_PADDING,
+    MAX_PADDED_ROWS,
+    PaddingTuner,
+    choose_padding,
+    median_times_ms,
+    padded_rows,
+)
 
 
 def test_each_small_count_takes_the_cheapest_count_at_or_above_it():
@@ -21,6 +28,27 @@ def test_noise_does_not_turn_into_padding_and_one_row_is_always_padded():
     padding = choose_padding(flat)
     assert [padded_rows(padding, t) for t in range(1, 10)] == [2, 2, 3, 4, 5, 6, 7, 8, 9]
     assert padded_rows(DEFAULT_PADDING, 1) == 2 and padded_rows(DEFAULT_PADDING, 2) == 2
+
+
+def test_a_burst_of_load_while_measuring_slows_every_count_alike():
+    """Counts are timed in turns: a burst over the first third of the measurement (the machine busy with
+    something else) leaves every median at its true cost, so no count looks cheaper than it is."""
+    true_ms = {2: 1.0, 3: 1.02, 4: 1.01, 5: 1.03}
+    clock = [0.0]
+    calls_made = [0]
+    repeats = 7
+    burst_calls = repeats * len(true_ms) // 3
+
+    def call_of(rows):
+        def call():
+            slow = 3.0 if calls_made[0] < burst_calls else 1.0
+            clock[0] += true_ms[rows] * slow / 1e3
+            calls_made[0] += 1
+        return call
+
+    medians = median_times_ms({rows: call_of(rows) for rows in true_ms}, repeats, clock=lambda: clock[0])
+    assert medians == pytest.approx(true_ms)
+    assert [padded_rows(choose_padding({**medians, 6: 1.1, 7: 1.1, 8: 1.1}), 1)] == [2]
 
 
 def test_padding_needs_the_cost_of_two_rows():

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -57,17 +59,28 @@ def measure_padding(packed: torch.Tensor, in_features: int, bias: torch.Tensor |
                     repeats: int = 7) -> tuple[tuple[int, ...], dict[int, float]]:
     """Time one packed weight at 2..MAX_PADDED_ROWS rows (median of ``repeats`` calls each, after a warm-up
     call); returns (padding, the medians in ms)."""
-    cost_ms: dict[int, float] = {}
+    calls: dict[int, Callable[[], object]] = {}
     for rows in range(2, MAX_PADDED_ROWS + 1):
         x = torch.zeros(rows, in_features, dtype=dtype)  # [rows, in]
-        torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # the kernel's first-call setup
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            times.append(time.perf_counter() - start)
-        cost_ms[rows] = statistics.median(times) * 1e3
+        calls[rows] = partial(torch.ops.mkldnn._linear_pointwise, x, packed, bias, "none", [], "")
+        calls[rows]()  # the kernel's first-call setup
+    cost_ms = median_times_ms(calls, repeats)
     return choose_padding(cost_ms), cost_ms
+
+
+def median_times_ms(calls: dict[int, Callable[[], object]], repeats: int,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+    """The median time of each call over ``repeats`` timings, taken in turns (one of each, ``repeats``
+    times): the counts are a few per cent apart, and a burst of load on the machine must slow all of
+    them alike. Timed one count after another, a burst while one count was measured made it look dear,
+    and a lone row was padded to 3-6 rows at load (measured on a 2-core AMD EPYC)."""
+    times: dict[int, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            start = clock()
+            call()
+            times[key].append(clock() - start)
+    return {key: statistics.median(taken) * 1e3 for key, taken in times.items()}
 
 
 @dataclass(slots=True)
