@@ -213,6 +213,23 @@ def test_conversations_become_one_chat_template_sequence_each(tiny_served_dir, t
     assert order != sorted(order)  # visited in a seeded order: the held-back ones are a random sample
 
 
+def test_an_answer_cut_by_its_length_limit_ends_at_its_last_token(tiny_served_dir, tmp_path):
+    """The target never ended a cut-off answer: the template's end of turn must not become a label."""
+    tokenizer = load_tokenizer(tiny_served_dir)
+    # A template that closes each turn, as real ones do (the tiny model's does not).
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                               "{% if add_generation_prompt %}<s>{% endif %}")
+    turns = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer " * 12}]
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"messages": turns, "stop": "length"}) + "\n"
+                    + json.dumps({"messages": turns, "stop": "stop_token"}) + "\n")
+    corpus = build_corpus(user_files([path]), tokenizer, CorpusSettings(tokens=10**6, seq_len=512, seed=0))
+    whole = tokenizer.encode(tokenizer.apply_chat_template(turns, tokenize=False), add_special_tokens=False)
+    cut, ended = sorted(corpus.train + corpus.held_back, key=len)
+    assert ended == whole and cut == whole[: len(cut)] and len(cut) < len(whole)
+    assert tokenizer.decode(cut).endswith("answer") and tokenizer.decode(whole).endswith("answer</s>")
+
+
 def test_a_malformed_conversation_names_its_line(tiny_served_dir, tmp_path):
     path = tmp_path / "answers.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"

@@ -144,11 +144,11 @@ def _pieces(files: list[SourceFile], tokenizer: Any, settings: CorpusSettings,
         texts: Iterable[str | Conversation] = read_texts(source)
         if source.kind == USER:
             texts = list(texts)
-            if any(isinstance(text, tuple) for text in texts):
+            if any(isinstance(text, Conversation) for text in texts):
                 rng.shuffle(texts)  # conversations stand alone: the held-back ones are a random sample
         for text in texts:
             first = 0
-            if isinstance(text, tuple):
+            if isinstance(text, Conversation):
                 ids, first = _conversation_ids(text, tokenizer)
                 chunks = [ids[: settings.seq_len]]
             elif source.kind == USER:
@@ -162,17 +162,22 @@ def _pieces(files: list[SourceFile], tokenizer: Any, settings: CorpusSettings,
                     new_file = False
 
 
-def _conversation_ids(messages: Conversation, tokenizer: Any) -> tuple[list[int], int]:
+def _conversation_ids(conversation: Conversation, tokenizer: Any) -> tuple[list[int], int]:
     """A whole conversation through the chat template, as the target reads it when serving (one sequence),
-    and where its last turn (the answer the heads learn) starts being predicted."""
+    and where its last turn (the answer the heads learn) starts being predicted. A cut-off answer ends at its
+    last token: the template would close the turn, which the target never did."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("a corpus of conversations (\"messages\") needs a target whose tokenizer has "
                                   "a chat template")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    messages = list(conversation.turns)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    last = messages[-1]["content"]
+    if conversation.cut_off and last and (end := text.rfind(last)) >= 0:
+        text = text[: end + len(last)]
     ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         return ids, 0  # no answer to single out: every position is learned
-    prompt = tokenizer.apply_chat_template(list(messages[:-1]), tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
     # The answer starts where the conversation's ids stop matching the prompt's as the target saw it (after the
     # whole prompt, in a template that closes a turn the way it opened it); the label one position earlier is the

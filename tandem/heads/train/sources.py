@@ -45,7 +45,14 @@ _DOC_SKIPPED_NAMES = re.compile(r"^(changelog|copyright|license|licence|copying)
 _MAX_FILE_BYTES = 2 << 20  # larger files are data or generated code, not examples of writing
 
 
-Conversation = tuple[dict[str, str], ...]  # chat turns: {"role", "content"}
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """Chat turns (``{"role", "content"}``) from a ``messages`` record."""
+
+    turns: tuple[dict[str, str], ...]
+    # The last turn was cut by a length limit (``"stop": "length"``, as ``tandem heads answers`` writes it):
+    # the target never ended it, so the template's end of turn is not something the heads should learn.
+    cut_off: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +244,7 @@ def read_texts(source: SourceFile) -> Iterator[str | Conversation]:
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"{source.path} line {number}: not JSON ({exc.msg})") from None
         if isinstance(record, dict) and "messages" in record:
-            yield _conversation(record["messages"], source.path, number)
+            yield _conversation(record["messages"], record.get("stop") == "length", source.path, number)
             continue
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise InvalidRequestError(f"{source.path} line {number}: a .jsonl corpus needs a \"text\" string "
@@ -245,10 +252,10 @@ def read_texts(source: SourceFile) -> Iterator[str | Conversation]:
         yield record["text"]
 
 
-def _conversation(messages: object, path: Path, number: int) -> Conversation:
+def _conversation(messages: object, cut_off: bool, path: Path, number: int) -> Conversation:
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):
         raise InvalidRequestError(f"{path} line {number}: \"messages\" must be a list of "
                                   "{\"role\": ..., \"content\": ...} objects with string values")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    return Conversation(tuple({"role": m["role"], "content": m["content"]} for m in messages), cut_off)
