@@ -39,6 +39,7 @@ READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)(?: ht
 DISCOVERY = ("static", "file", "given")
 DRAIN_TIMEOUT_S = 60.0  # a removed worker gets this long to finish its requests before SIGTERM
 JOIN_TIMEOUT_S = 30.0  # a coordinator reads the workers file twice a second and asks a new worker's Info at once
+CO_LOCATED_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT for services sharing cores: see LocalCluster._launch
 
 
 @dataclass(slots=True)
@@ -121,6 +122,7 @@ class LocalCluster:
         self.log_dir = spec.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-up-{os.getpid()}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers_file = self.log_dir / "workers.json"  # what coordinators follow with discovery "file"
+        self.startup_lock = self.log_dir / "startup.lock"  # locked by the worker loading and warming up
         self._spawned = {"target": 0, "draft": 0, "coordinator": 0}  # names stay unique as fleets change
         self._starting: list[Service] = []  # started, not yet serving (not in ``services``): stop() ends them too
 
@@ -305,8 +307,9 @@ class LocalCluster:
         model = self.spec.target if role == "target" else self.spec.draft
         assert model is not None
         index = self._spawned[role]
+        # Workers here share this machine's cores: they come up one at a time (tandem.rpc.startup_lock).
         args = ["--model", model, "--port", "0", "--dtype", self.spec.dtype,
-                "--kv-cache-tokens", str(self.spec.kv_cache_tokens)]
+                "--kv-cache-tokens", str(self.spec.kv_cache_tokens), "--startup-lock", str(self.startup_lock)]
         if self.spec.worker_threads:
             args += ["--threads", str(self.spec.worker_threads)]
         args += self.spec.worker_args
@@ -333,12 +336,14 @@ class LocalCluster:
         # A session of its own (a terminal's Ctrl-C reaches only us, and we stop services in order),
         # and our pid, so that a service stops itself if we are killed before we can stop it.
         env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
-        # The services share this machine's cores. A process with no more OpenMP threads than cores (one
-        # computing thread: tandem.compute_thread) lets them spin after each parallel region, and two
-        # workers computing at once then steal the cores from each other: measured on 2 cores, the draft
-        # worker's warm-up fitted a 639 ms step (19 ms when passive) and adaptive k stayed at 0 for whole
-        # runs. Passive workers sleep at once; a machine of their own (a pod) keeps the default.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # The services share this machine's cores, one computing thread each (tandem.compute_thread). An
+        # OpenMP worker waits for the next parallel region by spinning, 300,000 spins by default (about 3
+        # ms), so two workers computing at once stole the cores from each other; waiting passively instead
+        # (OMP_WAIT_POLICY=PASSIVE) made every op of a forward pay a wake-up: a target step 84 -> 92-107
+        # ms on 2 cores. 10,000 spins (~0.1 ms) spans the gaps between a forward's ops, not the gaps
+        # between calls. Workers also come up one at a time (--startup-lock). A pod keeps the default.
+        if "OMP_WAIT_POLICY" not in env:
+            env.setdefault("GOMP_SPINCOUNT", str(CO_LOCATED_SPIN_COUNT))
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
                                    start_new_session=True, env=env)
         self._spawned[role] += 1

@@ -331,8 +331,15 @@ class WorkerConfig:
     # A target's chunked prefill (tandem/rpc/prefill_chunks.py): tokens per chunk of a long prompt while other
     # streams run; None: sized from the measured step cost; 0: prompts always computed whole.
     prefill_chunk_tokens: int | None = None
+    # A file that workers sharing these cores lock while they load and warm up, so that each one's timings
+    # (row padding, the fitted forward cost) are taken alone (tandem.rpc.startup_lock); None: no lock.
+    startup_lock: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.startup_lock is not None:
+            self.startup_lock = Path(self.startup_lock)
+            if not self.startup_lock.parent.is_dir():
+                raise InvalidRequestError(f"--startup-lock {self.startup_lock}: its directory does not exist")
         if self.heads is not None:
             self.heads = Path(self.heads)
             if not self.heads.exists():

@@ -80,6 +80,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-idle-ttl", type=float, default=DEFAULT_IDLE_TTL_S, metavar="SECONDS",
                    help="free any sequence idle this long, whatever its coordinator (a lost Release); "
                         "0: never (default: %(default)s)")
+    p.add_argument("--startup-lock", type=Path, default=None, metavar="FILE",
+                   help="workers that share one machine's cores and name the same FILE load and warm up one at a "
+                        "time: each times its kernels and fits its forward cost at start, and timings taken while "
+                        "another worker computes are several times too dear (`tandem up` sets it; default: none)")
 
 
 def chunk_tokens(value: str) -> int | None:
@@ -208,7 +212,7 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
                        idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
-                       prefill_chunk_tokens=args.prefill_chunk_tokens)
+                       prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock)
     if args.role == "target":
         from target_worker.main import serve
     else:

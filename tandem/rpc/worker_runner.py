@@ -19,6 +19,7 @@ from tandem.rpc.batcher import Batcher
 from tandem.rpc.leases import Leases
 from tandem.rpc.metrics import PrefixCacheCollector, WorkerMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
+from tandem.rpc.startup_lock import StartupLock
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,18 @@ async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
     # The one thread that loads, warms up and runs the model: a second thread computing beside the
     # loader would give the process two OpenMP teams and slow every forward (tandem.compute_thread).
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    # Held while loading, packing and warming up: workers on the same cores calibrate one at a time.
+    startup = StartupLock(cfg.startup_lock, role.name)
     try:
-        await _run_worker(role, cfg, model_thread)
+        await startup.acquire()
+        await _run_worker(role, cfg, model_thread, startup)
     finally:
+        startup.release()
         model_thread.shutdown(wait=False, cancel_futures=True)
 
 
-async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadPoolExecutor) -> None:
+async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadPoolExecutor,
+                      startup: StartupLock) -> None:
     log.info("%s: loading %s", role.name, cfg.engine.model_dir)
     engine = await asyncio.get_running_loop().run_in_executor(model_thread, load_engine, cfg.engine)
     failed = asyncio.Event()  # a tensor-parallel rank died or hung: stop serving, exit non-zero
@@ -119,6 +125,7 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
     async def warmup() -> None:
         # On the model thread, like every later change to the engine's state.
         await asyncio.get_running_loop().run_in_executor(batcher.executor, role_engine.warmup)
+        startup.release()  # calibrated: the next co-located worker may come up
         engine.kv_cache.pool.reset_stats()  # the hit rate counts requests, not the warm-up's own prompts
         batcher.start()
         background.append(asyncio.create_task(reclaim_forever()))

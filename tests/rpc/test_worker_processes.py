@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -74,10 +75,12 @@ def model_dir(tmp_path_factory) -> Path:
 def workers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     serve = [sys.executable, "-m", "tandem", "serve"]
+    shared = ["--startup-lock", str(logs / "startup.lock"), "--log-level", "INFO"]  # (the last --log-level wins)
     faulty = [sys.executable, "-m", "tests.integration.faulty_draft_worker", "--fault", "double-encoding"]
     started = {
-        "target": Worker("target", [*serve, "target", "--model", str(model_dir), *WORKER_ARGS], logs / "target.log"),
-        "draft": Worker("draft", [*serve, "draft", "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS],
+        "target": Worker("target", [*serve, "target", "--model", str(model_dir), *WORKER_ARGS, *shared],
+                         logs / "target.log"),
+        "draft": Worker("draft", [*serve, "draft", "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS, *shared],
                         logs / "draft.log"),
         "faulty": Worker("faulty", [*faulty, "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS],
                          logs / "faulty.log"),
@@ -89,6 +92,19 @@ def workers(model_dir, tmp_path_factory):
     finally:
         codes = {name: worker.stop() for name, worker in started.items()}
     assert codes == {"target": 0, "draft": 0, "faulty": 0}, codes  # SIGTERM drains and exits cleanly
+
+
+def test_workers_sharing_a_startup_lock_load_and_warm_up_one_at_a_time(workers):
+    """The target and the draft name one --startup-lock: each one's span from loading to warmed up (its
+    calibration timings) overlaps no other's."""
+    spans = []
+    for name in ("target", "draft"):
+        text = workers[name].log_path.read_text()
+        start, end = (re.search(rf"^(\S+ \S+) .*{what}", text, re.M) for what in ("loading", "warmed up"))
+        assert start and end, text[-2000:]
+        spans.append(tuple(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f") for m in (start, end)))
+    (a_start, a_end), (b_start, b_end) = sorted(spans)
+    assert a_end <= b_start, spans
 
 
 def stubs(port: int, stub_class):
