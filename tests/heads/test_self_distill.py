@@ -300,3 +300,33 @@ def test_answers_from_the_command_line_build_prompts_from_the_machine_and_resume
     assert "0 answers written" in capsys.readouterr().err
     assert main([*flags[:-2], "--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_prepare_trains_the_default_heads_on_the_targets_own_answers(tiny_served_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`tandem heads prepare` writes the target's answers (kept, resumable), then trains on them alone; run
+    again, it trains nothing. The catalog's target is swapped for the tiny one, and the plan made small."""
+    from tandem.cli import heads as heads_cli
+    from tandem.cli import main
+    from tandem.heads.train.options import AnswerSettings, PrepareAnswers, TrainOptions
+
+    plan = PrepareAnswers(prompts=8, settings=AnswerSettings(max_new_tokens=6, batch_size=4))
+    options = TrainOptions(kind="eagle", tokens=100_000, seq_len=128, steps=3, batch_size=2, checkpoint_every=2,
+                           eagle_intermediate_size=32)
+    monkeypatch.setattr(heads_cli, "PREPARE_TARGET", str(tiny_served_dir))
+    monkeypatch.setattr(heads_cli, "PREPARE_ANSWERS", plan)
+    monkeypatch.setattr(heads_cli, "prepare_options", lambda kind: options)
+    assert main(["heads", "prepare", "--cache-dir", str(tmp_path)]) == 0
+    out = Path(capsys.readouterr().out.strip())
+    answers = tmp_path / "answers" / plan.file_name(tiny_served_dir.name)
+    assert out == tmp_path / "heads" / f"{tiny_served_dir.name}-eagle"
+    rows = read_answers(answers)
+    assert rows and all(row["answer_tokens"] <= 6 for row in rows)
+    training = json.loads((out / "heads.json").read_text())["training"]
+    assert training["corpus"]["source"] == "user" and str(answers) in training["command"]
+    assert training["options"] == options.to_json()
+    learned = training["corpus"]["learned_tokens"]
+    assert 0 < learned["train"] + learned["held_back"] <= sum(row["answer_tokens"] + 1 for row in rows)
+    assert not (out.parent / f".{out.name}.work").exists()  # the features went with the run
+    assert main(["heads", "prepare", "--cache-dir", str(tmp_path)]) == 0
+    assert "already prepared" in capsys.readouterr().err

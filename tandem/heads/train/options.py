@@ -7,7 +7,7 @@ asked differently); where the work goes and how it is reported is not.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,23 +95,23 @@ def default_eagle_intermediate_size(target: ModelConfig) -> int:
     return min(target.intermediate_size, width)
 
 
-# `tandem heads prepare` on the catalog's target (Qwen2.5-Coder-1.5B, bf16) must fit 90 minutes on the 2-core
-# Xeon (avx512_bf16, no AMX), features and training together. Measured there, alone: the target's forward
-# with features runs 50-64 tokens/s (one 512-token sequence a forward: 2 took longer per token); training
-# runs 275 tokens/s for EAGLE (2048-wide MLP, 16000 draft ids, 3 TTT steps, fp32) and 403 for 4 Medusa heads
-# (16000 draft ids). So: 110k corpus tokens (~37 min of features), then EAGLE 350 steps x 4 x 512 tokens
-# (~44 min, about 7 passes over the data) or Medusa 450 steps (~38-43 min): 75-85 minutes with loading,
-# the corpus, two held-back measurements and checkpoints. 16000 draft ids: the 10.4k distinct tokens of 105k
-# training tokens, then the lowest ids (the tokenizer's earliest merges), at 1.5x the training speed of 32000.
-PREPARE_COMMON: dict[str, Any] = dict(tokens=110_000, seq_len=512, batch_size=4, draft_vocab=16000, seed=0,
+# `tandem heads prepare` on the catalog's target (Qwen2.5-Coder-1.5B, bf16) must fit 90 minutes on a 2-core CPU:
+# the target's answers to PREPARE_ANSWERS' prompts first (self-distillation text: on the benchmark's own answers
+# a head trained on 121k answer tokens guessed step 1 right 17% of the time on the Spec-Bench mix, one trained
+# on 300k tokens of the machine's code and docs 12%; benchmarks/README.md), then the features pass over them
+# and the training. Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16), alone: answers at about 65 tokens/s
+# (32 in flight), features at about 224 tokens/s, EAGLE training about 2 s a step of 4 conversations.
+# Every answer token is learned (the cap on corpus tokens is far above what 1,000 answers hold); 16000 draft
+# ids cover every label of such a corpus (label coverage 1.0 on 119k learned tokens).
+PREPARE_COMMON: dict[str, Any] = dict(tokens=10_000_000, seq_len=1024, batch_size=4, draft_vocab=16000, seed=0,
                                       warmup_steps=20, checkpoint_every=50)
 
 
 def prepare_options(kind: str) -> TrainOptions:
     """`tandem heads prepare`'s fixed settings for the catalog's target (see ``PREPARE_COMMON``)."""
     if kind == "medusa":
-        return TrainOptions(kind="medusa", steps=450, num_heads=4, **PREPARE_COMMON)
-    return TrainOptions(kind="eagle", steps=350, eagle_intermediate_size=2048, ttt_steps=3, **PREPARE_COMMON)
+        return TrainOptions(kind="medusa", steps=900, num_heads=4, **PREPARE_COMMON)
+    return TrainOptions(kind="eagle", steps=900, eagle_intermediate_size=2048, ttt_steps=3, **PREPARE_COMMON)
 
 
 def feature_streams(kind: str, target: ModelConfig) -> tuple[int, ...]:
@@ -126,6 +126,11 @@ def feature_streams(kind: str, target: ModelConfig) -> tuple[int, ...]:
 def default_out_dir(root: Path, target_name: str, kind: str) -> Path:
     """``$TANDEM_HOME/heads/<target>-<kind>``: where ``prepare`` writes, ``list`` looks and ``--heads NAME`` finds."""
     return heads_root(root) / f"{target_name}-{kind}"
+
+
+def answers_root(root: Path) -> Path:
+    """``$TANDEM_HOME/answers``: the target's answers ``prepare`` trains on (``tandem heads answers`` output)."""
+    return root / "answers"
 
 
 def default_work_dir(out: Path) -> Path:
@@ -148,3 +153,19 @@ class AnswerSettings:
     def kv_tokens(self) -> int:
         """KV pool size for ``batch_size`` answers of the longest prompt, with a block of slack each."""
         return self.batch_size * (self.max_prompt_tokens + self.max_new_tokens + 16)
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareAnswers:
+    """The answers `tandem heads prepare` trains on: how many prompts, and how they are answered."""
+
+    prompts: int = 1000
+    seed: int = 0
+    settings: AnswerSettings = field(default_factory=AnswerSettings)  # 160 new tokens, 32 in flight
+
+    def file_name(self, target_name: str) -> str:
+        """Named by what decides its rows, so that other settings never resume it."""
+        return f"{target_name}-prepare-{self.prompts}-seed{self.seed}-max{self.settings.max_new_tokens}.jsonl"
+
+
+PREPARE_ANSWERS = PrepareAnswers()
