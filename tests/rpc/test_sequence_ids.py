@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from tandem.compute_thread import CallingThreadExecutor
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.rpc.batcher import Batcher
@@ -72,7 +73,9 @@ def test_a_rebuild_that_says_so_replaces_a_live_sequence(target):
 
 def test_over_grpc_a_duplicate_prefill_is_failed_precondition_and_a_rebuild_is_accepted(target):
     async def scenario():
-        batcher = Batcher(target.run_batch, target.call_cost, 2048, key=lambda call: call.seq_id)
+        # On the thread that built the engine (the loop's), as a worker's one model thread does.
+        batcher = Batcher(target.run_batch, target.call_cost, 2048, key=lambda call: call.seq_id,
+                          executor=CallingThreadExecutor())
         batcher.start()
         server = managed_server(role="target")
         server.add_service(target_pb2_grpc.add_TargetWorkerServicer_to_server,

@@ -14,6 +14,7 @@ import torch
 
 from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.block_pool import block_hash
+from tandem.compute_thread import CallingThreadExecutor
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.heads.serving import drafter_for
@@ -176,8 +177,8 @@ def test_the_batcher_runs_a_chunked_prompt_over_several_batches_while_a_stream_d
     batches: list[int] = []
 
     async def scenario() -> tuple[list[int], Prefilled]:
-        batcher = Batcher(target.run_batch, target.call_cost, token_budget=64,
-                          on_batch=lambda calls, tokens, s: batches.append(calls))
+        batcher = Batcher(target.run_batch, target.call_cost, token_budget=64,  # on the engine's own thread
+                          on_batch=lambda calls, tokens, s: batches.append(calls), executor=CallingThreadExecutor())
         batcher.start()
         try:
             long = asyncio.ensure_future(batcher.submit(PrefillCall("b", LONG, GREEDY)))
