@@ -47,7 +47,7 @@ models: setup  ## the benchmark pair (Qwen2.5-Coder 1.5B target, 0.5B draft; ~1.
 	$(PYTHON) -m tandem models prepare qwen-coder-0.5b qwen-coder-1.5b
 
 HEADS_KIND ?= eagle
-heads: setup models  ## train the target's default speculation heads (HEADS_KIND=eagle|medusa) into $TANDEM_HOME/heads (the target answers 1,000 prompts, then the heads learn its answers: about 75 min on 2 cores with native bf16)
+heads: setup models  ## train the target's default speculation heads (HEADS_KIND=eagle|medusa) into $TANDEM_HOME/heads (the target answers 1,000 prompts, then the heads learn its answers: about 77 min on 2 cores with native bf16)
 	$(PYTHON) -m tandem heads prepare --kind $(HEADS_KIND)
 
 demo: models  ## start the whole system locally (workers + coordinator), stream one answer over gRPC, stop

@@ -119,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prompts built from this machine's text (as `tandem heads answers` writes them, kept in <cache>/answers/), "
         f"then the heads trained on those answers with seed 0, into <cache>/heads/{PREPARE_TARGET}-<kind>, unless "
         "heads made with the same settings are there already. An interrupted run continues where it stopped. "
-        "About 75 minutes on a 2-core CPU with native bf16 (answers, the target's pass over them, the training).",
+        "About 77 minutes on a 2-core CPU with native bf16 (answers, the target's pass over them, the training).",
     )
     prepare.add_argument("--kind", default="eagle", choices=KINDS, help="which heads (default: %(default)s)")
     prepare.set_defaults(func=_prepare)

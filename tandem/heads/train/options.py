@@ -100,7 +100,8 @@ def default_eagle_intermediate_size(target: ModelConfig) -> int:
 # a head trained on 121k answer tokens guessed step 1 right 17% of the time on the Spec-Bench mix, one trained
 # on 300k tokens of the machine's code and docs 12%; benchmarks/README.md), then the features pass over them
 # and the training. Measured on a 2-core AMD EPYC (Zen 5, avx512_bf16), alone: answers at about 65 tokens/s
-# (32 in flight), features at about 224 tokens/s, EAGLE training about 2 s a step of 4 conversations.
+# (32 in flight), features at about 224 tokens/s, EAGLE training about 2 s a step of 4 conversations: the
+# whole prepare took 76 min 33 s there (benchmarks/README.md, "`tandem heads prepare` on the target's own answers").
 # Every answer token is learned (the cap on corpus tokens is far above what 1,000 answers hold); 16000 draft
 # ids cover every label of such a corpus (label coverage 1.0 on 119k learned tokens).
 PREPARE_COMMON: dict[str, Any] = dict(tokens=10_000_000, seq_len=1024, batch_size=4, draft_vocab=16000, seed=0,
