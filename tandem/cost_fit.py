@@ -6,7 +6,9 @@ plain arithmetic (no torch), so the coordinator reads the same type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -32,6 +34,13 @@ class ForwardCostFit:
     """
 
     decay: float = 0.98  # weight of the past per observation
+    # ... and per this many seconds between observations, when they come further apart: a line fitted
+    # a minute ago (a warm-up beside another worker's, before the load changed) fades on the first
+    # pass after it instead of outweighing it fifty to one. Back-to-back forwards decay per
+    # observation as before. Measured stale: a draft worker's warm-up fitted 102 ms a step beside
+    # its target (23 ms alone), adaptive k chose 0, and only exploring rounds computed on it again.
+    decay_period_s: float = 0.1
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     # Tokens: below this spread of recent batch sizes the slope is not trusted, and ``per_token_s`` reads 0:
     # speculation looks free, so adaptive k drafts again and the sizes vary again (a pessimistic slope kept
     # at k = 0 would never be corrected: measured, services stuck at k = 0 for whole runs). ``last_*`` keep
@@ -45,11 +54,15 @@ class ForwardCostFit:
     _xx: float = 0.0
     _xy: float = 0.0
     _slope: float = 0.0  # the last slope the spread of batch sizes allowed (0: none yet)
+    _last_at: float | None = None  # the clock at the last observation
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > self.max_tokens:
             return
-        d = self.decay
+        now = self.clock()
+        gap = 0.0 if self._last_at is None else now - self._last_at
+        self._last_at = now
+        d = self.decay ** max(1.0, gap / self.decay_period_s)
         self._w = d * self._w + 1.0
         self._x = d * self._x + tokens
         self._y = d * self._y + seconds

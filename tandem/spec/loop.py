@@ -53,6 +53,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeVar
 
 from tandem.spec.adaptive import (
+    EXPLORE_EVERY,
     MAX_K,
     MAX_TREE_DEPTHS,
     CostModel,
@@ -122,6 +123,7 @@ class SpeculationLoop:
         self._in_flight: set[asyncio.Task] = set()
         # Heads rounds ask for the next tree only while that measures faster (adaptive requests only).
         self._payoff = HeadsPayoff() if options.uses_heads and options.adaptive_k else None
+        self._rounds_at_zero = 0  # rounds adaptive k held a draft model at k = 0 (see _choose_k)
 
     # ----- the loop ------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
@@ -396,6 +398,15 @@ class SpeculationLoop:
             return min(opts.k_max, room)
         costs = self._round_costs()
         k = choose_k(s.tracker.rate, costs, opts.k_max)
+        if k == 0 and self.draft is not None:
+            # Explore: the request's acceptance and the draft worker's cost fit are measured only when
+            # the draft drafts, so a rate or a fit that turned against drafting (a noisy warm-up, an
+            # early patch of text the draft cannot guess) would hold k at 0 for good (measured: a whole
+            # distributed_bench run at mean k 0.00). Every EXPLORE_EVERY-th round at 0 drafts one token:
+            # one draft step and one verified row in that many plain steps.
+            self._rounds_at_zero += 1
+            if self._rounds_at_zero % EXPLORE_EVERY == 0:
+                k = 1
         if k > 0 and not self._catch_up_pays(k, costs):
             return 0
         return min(k, room)

@@ -193,6 +193,22 @@ def test_adaptive_k_drafts_when_cheap_and_stops_when_drafts_are_always_wrong(mon
     assert bad.stats.k_counts[0] > bad.stats.rounds // 2  # it learned to stop drafting
 
 
+def test_a_request_held_at_k_zero_still_explores_and_drafts_again_when_the_draft_turns_right(monkeypatch):
+    """The draft is wrong for the first 60 tokens, then right: k falls to 0, and must come back.
+
+    Without exploring rounds a request at k = 0 never measures its draft again (its rate only moves
+    when it drafts), and the 140 tokens the draft would guess are decoded one by one."""
+    prompt = [3, 1, 4, 1, 5]
+    turn = len(prompt) + 60
+    monkeypatch.setattr(sys.modules[__name__], "draft_next",
+                        lambda h: target_next(h) if len(h) >= turn else (target_next(h) + 1) % VOCAB)
+    state, _, _ = run(SpecOptions("draft", 4), prompt=prompt, n=200)
+    assert state.generated == target_only(prompt, 200)
+    assert state.stats.k_counts[0] > 0  # the wrong stretch pushed it to plain decoding
+    assert state.stats.accepted > 70  # and it drafted most of the right stretch again
+    assert state.stats.rounds < 140
+
+
 def test_a_failing_verifier_still_releases_both_sides():
     class Broken(FakeTarget):
         async def verify(self, *a):

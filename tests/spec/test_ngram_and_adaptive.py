@@ -145,6 +145,32 @@ def test_forward_cost_fit_keeps_its_slope_through_batches_of_one_size():
     assert fit.per_token_s == 0.0 and fit.base_s == pytest.approx(0.095, rel=1e-3)
 
 
+def test_forward_cost_fit_forgets_a_line_measured_long_ago():
+    """A warm-up that ran beside another worker fitted 102 ms a step; a pass a minute later, alone,
+    takes 23 ms: the fit must follow it, not average it against fifty stale passes."""
+    from tandem.cost_fit import ForwardCostFit
+
+    now = [0.0]
+    fit = ForwardCostFit(clock=lambda: now[0])
+    for tokens in [32, 1, 1, 8, 1] * 10:  # back to back: 50 ms apart
+        now[0] += 0.05
+        fit.observe(tokens, 0.102 + 0.011 * tokens)
+    assert fit.base_s == pytest.approx(0.102, rel=1e-3)
+    now[0] += 60.0
+    fit.observe(1, 0.029)
+    assert fit.base_s == pytest.approx(0.029, rel=0.01)
+    assert fit.last_per_token_s == pytest.approx(0.011, rel=1e-3)  # the heads' budget keeps the last slope
+
+    steady = ForwardCostFit(clock=lambda: now[0])
+    for _ in range(50):
+        now[0] += 0.05
+        steady.observe(1, 0.1)
+    now[0] += 0.05
+    steady.observe(1, 0.2)  # back to back, a pass weighs against the 50 before it decayed 0.98 each, as before
+    past = 0.98 * sum(0.98**i for i in range(50))
+    assert steady.base_s == pytest.approx((0.1 * past + 0.2) / (past + 1), rel=1e-6)
+
+
 def test_forward_cost_fit_leaves_prefills_out():
     from tandem.cost_fit import ForwardCostFit
 
