@@ -22,6 +22,8 @@ other than the live one it was built on.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -65,5 +67,19 @@ class HomeThread:
             f"{self.what} computes on thread {here.name!r} but was built on {self.thread.name!r}, which is still "
             "alive: with two OpenMP teams on the cores, every forward pass pays thread wake-ups (up to 1.5x "
             "slower on a 2-core CPU). Build it on the thread that will run it (tandem.compute_thread).",
-            ComputeThreadWarning, stacklevel=3,
+            ComputeThreadWarning, stacklevel=_outside_stacklevel(),
         )
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside Tandem and
+    torch: the code that asked for the compute, not an engine method or torch's inference_mode wrapper.
+    (Python 3.12's ``skip_file_prefixes`` does this; Tandem runs on 3.10 too.)"""
+    inside = [os.path.dirname(__file__)]
+    if (torch := sys.modules.get("torch")) is not None and torch.__file__:
+        inside.append(os.path.dirname(torch.__file__))
+    prefixes = tuple(os.path.join(path, "") for path in inside)
+    frame, level = sys._getframe(1), 1  # the caller: the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2

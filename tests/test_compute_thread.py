@@ -36,6 +36,7 @@ def test_an_engine_warns_once_when_a_second_live_thread_computes(tiny_qwen2_dir)
     thread_warnings = [w for w in caught if issubclass(w.category, ComputeThreadWarning)]
     assert len(thread_warnings) == 1
     assert "still alive" in str(thread_warnings[0].message)
+    assert thread_warnings[0].filename == __file__  # it names the code that computed, not an engine or torch frame
 
 
 def test_an_engine_built_on_a_thread_that_exited_belongs_to_the_next(tiny_qwen2_dir):

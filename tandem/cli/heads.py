@@ -253,14 +253,14 @@ def _prepare(args: argparse.Namespace) -> int:
     root = _root(args)
     name = Path(PREPARE_TARGET).name  # a catalog name (tests swap in a directory)
     out = default_out_dir(root, name, args.kind)
-    if _prepared_with(out, options):
+    plan = PREPARE_ANSWERS
+    answers = answers_root(root) / plan.file_name(name)  # named by its plan: another plan, another file
+    if _prepared_with(out, options, answers):
         print(f"heads already prepared in {out} (same settings)", file=sys.stderr)
         print(out)
         return 0
     # The target's own answers first (kept: both kinds train on them, and a stopped run resumes them), then
     # the heads trained on them.
-    plan = PREPARE_ANSWERS
-    answers = answers_root(root) / plan.file_name(name)
     answers.parent.mkdir(parents=True, exist_ok=True)
     _write_answers(PREPARE_TARGET, answers, plan.prompts, plan.seed, plan.settings, args)
     code = _run(PREPARE_TARGET, options, args, out, True, [answers], strict=False)  # continues an interrupted run
@@ -268,7 +268,8 @@ def _prepare(args: argparse.Namespace) -> int:
     return code
 
 
-def _prepared_with(out: Path, options: TrainOptions) -> bool:
+def _prepared_with(out: Path, options: TrainOptions, answers: Path) -> bool:
+    """Whether ``out`` holds heads trained with ``options`` on the answers file ``answers`` alone."""
     from tandem.heads.store import CONFIG_FILE, is_tandem_layout  # torch: not for the slim coordinator's CLI
 
     if not is_tandem_layout(out):
@@ -277,7 +278,8 @@ def _prepared_with(out: Path, options: TrainOptions) -> bool:
         cfg = HeadsConfig.load(out / CONFIG_FILE)
     except HeadsConfigError:
         return False
-    return cfg.training.get("options") == options.to_json()
+    origins = cfg.training.get("corpus", {}).get("origins", {})
+    return cfg.training.get("options") == options.to_json() and [Path(o).name for o in origins] == [answers.name]
 
 
 def _list(args: argparse.Namespace) -> int:

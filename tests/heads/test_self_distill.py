@@ -330,3 +330,10 @@ def test_prepare_trains_the_default_heads_on_the_targets_own_answers(tiny_served
     assert not (out.parent / f".{out.name}.work").exists()  # the features went with the run
     assert main(["heads", "prepare", "--cache-dir", str(tmp_path)]) == 0
     assert "already prepared" in capsys.readouterr().err
+    # Another answers plan (a release that answers with more tokens) is another corpus: trained again on it.
+    longer = PrepareAnswers(prompts=8, settings=AnswerSettings(max_new_tokens=7, batch_size=4))
+    monkeypatch.setattr(heads_cli, "PREPARE_ANSWERS", longer)
+    assert main(["heads", "prepare", "--cache-dir", str(tmp_path)]) == 0
+    assert "already prepared" not in capsys.readouterr().err
+    origins = json.loads((out / "heads.json").read_text())["training"]["corpus"]["origins"]
+    assert [Path(origin).name for origin in origins] == [longer.file_name(tiny_served_dir.name)]
