@@ -13,6 +13,8 @@ alike. Methods:
                     draft's next-best tokens and other n-gram continuations verified beside the chain
   spec-*-always     spec-medusa, spec-eagle asking the heads for a tree every round, whether or not that
                     measures faster (the plain methods ask only while it does: tandem.spec.heads_payoff)
+  spec-*-hybrid     spec-medusa, spec-eagle with the draft model beside the heads: hybrid rounds while the
+                    heads measure slower (what method auto runs when the target has heads and a draft is there)
   hf-plain          transformers generate(do_sample=False) (the second baseline of every speedup; always run)
   hf-assisted       transformers generate(assistant_model=draft), --hf-assistant-tokens per round
   hf-prompt-lookup  transformers generate(prompt_lookup_num_tokens=--hf-pld-tokens)
@@ -98,10 +100,13 @@ HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given
 BASELINES = (BASELINE, HF_BASELINE)
 METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "spec-draft-tree",
            "spec-hybrid-tree", "spec-ngram-tree", "spec-medusa", "spec-eagle", "spec-medusa-always",
-           "spec-eagle-always", "hf-plain", "hf-assisted", "hf-prompt-lookup")
-# the target's own heads (--medusa/--eagle-heads); "-always": asked every round (no payoff check)
+           "spec-eagle-always", "spec-medusa-hybrid", "spec-eagle-hybrid", "hf-plain", "hf-assisted",
+           "hf-prompt-lookup")
+# the target's own heads (--medusa/--eagle-heads); "-always": asked every round (no payoff check); "-hybrid":
+# the draft model's hybrid rounds while the heads do not pay
 HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle", "spec-medusa-always": "medusa",
-                 "spec-eagle-always": "eagle"}
+                 "spec-eagle-always": "eagle", "spec-medusa-hybrid": "medusa", "spec-eagle-hybrid": "eagle"}
+HEADS_WITH_DRAFT = ("spec-medusa-hybrid", "spec-eagle-hybrid")
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree")
                         and m not in HEADS_METHODS)
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
@@ -227,8 +232,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
     from tandem.spec.options import SpecOptions
     from tandem.tokenizer import load_tokenizer, stop_token_ids
 
-    needs_draft = bool({"spec-draft", "spec-hybrid", "spec-draft-tree", "spec-hybrid-tree", "hf-assisted"}
-                       & set(args.methods))
+    needs_draft = bool({"spec-draft", "spec-hybrid", "spec-draft-tree", "spec-hybrid-tree", "hf-assisted",
+                        *HEADS_WITH_DRAFT} & set(args.methods))
     target_dir = resolve_model_dir(args.target, args.cache_dir)
     draft_dir = resolve_model_dir(args.draft, args.cache_dir) if needs_draft else None
     tokenizer = load_tokenizer(target_dir)
@@ -240,17 +245,17 @@ def load_bench(args: argparse.Namespace) -> Bench:
     draft_engine = None
     for method in [m for m in args.methods if m in OURS_SPEC]:
         drafter = None  # the model that drafts (None: n-gram lookup)
-        if method in HEADS_METHODS:
-            bench.runners[method] = heads_runner(target, method, args, bench.stop_ids)
-            bench.cost_ratio[method] = 0.0  # the heads' cost is measured per round (draft_ms_per_round)
-            continue
-        if OURS_SPEC[method] in ("draft", "hybrid"):
+        if OURS_SPEC[method] in ("draft", "hybrid") or method in HEADS_WITH_DRAFT:
             assert draft_dir is not None
-            if draft_engine is None:  # one draft model serves both methods
+            if draft_engine is None:  # one draft model serves every method
                 draft_engine = ModelEngine.load(engine_config(draft_dir, args.dtype, args.packed_weights,
                                                                    draft_engine_options(args)))
                 draft_engine.warmup()
             drafter = draft_engine
+        if method in HEADS_METHODS:
+            bench.runners[method] = heads_runner(target, method, args, bench.stop_ids, drafter)
+            bench.cost_ratio[method] = 0.0  # the heads' cost is measured per round (draft_ms_per_round)
+            continue
         elif method == "spec-early-exit":
             drafter = early_exit_engine(target, args.early_exit_layers or max(1, target.config.num_layers // 4))
             drafter.warmup()
@@ -286,8 +291,10 @@ def ours_runner(target: Any, drafter: Any, options: Any, stop_ids: frozenset[int
     return lambda ids, n: run_ours(generator, ids, n, stop_ids)
 
 
-def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: frozenset[int]) -> Runner:
-    """A runner over the target with its heads; each run notes the seconds the heads spent drafting."""
+def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: frozenset[int],
+                 draft: Any = None) -> Runner:
+    """A runner over the target with its heads (and ``draft`` for the hybrid rounds of a ``-hybrid`` method);
+    each run notes the seconds the heads spent drafting."""
     from benchmarks.runners import run_ours
     from tandem import model_store
     from tandem.heads.locate import resolve_heads
@@ -301,8 +308,10 @@ def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: f
     heads = load_drafter(resolve_heads(spec, root), target)
     # adaptive_k off: heads rounds ask every time (the payoff check is part of adaptivity)
     adaptive = not args.fixed_k and not method.endswith("-always")
-    options = SpecOptions(kind, args.k, adaptive, heads_nodes=args.heads_nodes)
-    generator = SpeculativeGenerator(target, None, options, heads=heads)
+    options = SpecOptions(kind, args.k, adaptive, heads_nodes=args.heads_nodes, ngram_min=args.ngram_min,
+                          ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max),
+                          heads_fallback="hybrid" if method in HEADS_WITH_DRAFT else "plain")
+    generator = SpeculativeGenerator(target, draft, options, heads=heads)
 
     def run(ids: list[int], n: int) -> RunOutput:
         before = heads.seconds

@@ -31,9 +31,10 @@ from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
 from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
+from tandem.spec.heads_payoff import HeadsVerdicts
 from tandem.spec.heads_trees import heads_budget
 from tandem.spec.loop import SpeculationLoop
-from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, resolve_method
+from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, heads_fallback, resolve_method
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
 from tandem.text_stream import TextStream
@@ -101,6 +102,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.model_stop_ids: frozenset[int] = frozenset()
         self.costs = PairCosts(self._present)  # per (method, draft, target) pair of replicas the pools hold
         self.match_rates = match_rates or MatchRates()  # acceptance per kind of n-gram match, over every request here
+        self.heads_verdicts = HeadsVerdicts()  # which way (the heads or not) the requests here found faster
         self.public_name = ReplicaNames(cfg.expose_worker_addresses, self._present)
 
     # ----- RPCs ------------------------------------------------------------
@@ -155,7 +157,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         channel = placement.draft_channel()
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
-                               self.cache, match_rates=self.match_rates)
+                               self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
         return _Request(request_id, state, options, placement, loop)
 
     async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
@@ -227,10 +229,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         spec = request.speculation
         # auto drafts with a model only while a draft replica is healthy (n-gram until one is); an explicit
         # draft method needs one that is at least usable.
-        method = spec.method or "auto"
-        has_draft = self.drafts.has_healthy() if method == "auto" else self.drafts.has_routable()
+        requested = spec.method or "auto"
+        has_draft = self.drafts.has_healthy() if requested == "auto" else self.drafts.has_routable()
         heads = self.targets.heads_kind()
-        method = _field("speculation.method", lambda: resolve_method(method, has_draft, REMOTE_METHODS, heads))
+        method = _field("speculation.method", lambda: resolve_method(requested, has_draft, REMOTE_METHODS, heads))
         k = spec.k if spec.HasField("k") else self.cfg.default_k
         if not 0 <= k <= MAX_K:
             raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")
@@ -254,7 +256,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tree = _field("speculation.tree", lambda: check_tree_mode(spec.tree or "auto"))
         options = SpecOptions(method, k, adaptive_k=not spec.fixed_k,
                               pipelined=self.cfg.pipelining and not spec.disable_pipelining,
-                              ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree)
+                              ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
+                              heads_fallback=heads_fallback(requested, method, has_draft))
         text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
         return RequestState(prompt_ids, sampling, stop, text), options
 

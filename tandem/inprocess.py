@@ -33,6 +33,7 @@ from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling_params import SamplingParams
 from tandem.spec.adaptive import CostModel, MatchRates
+from tandem.spec.heads_payoff import HeadsVerdicts
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import GenerationStats, RequestState, StopConditions
@@ -143,6 +144,7 @@ class SpeculativeGenerator:
         self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
         self.costs = costs or CostModel()
         self.match_rates = MatchRates()  # acceptance per kind of n-gram match, over this generator's requests
+        self.heads_verdicts = HeadsVerdicts()  # which way (heads or not) its requests found faster
         self.max_len = target.config.max_position_embeddings
         self._ids = itertools.count()
         self._model_thread = CallingThreadExecutor()  # the engines' own thread (tandem.compute_thread)
@@ -175,7 +177,7 @@ class SpeculativeGenerator:
         try:
             loops = [
                 SpeculationLoop(state, f"seq-{next(self._ids)}", self._options_for(r), target, draft, self.costs,
-                                self.max_len, match_rates=self.match_rates)
+                                self.max_len, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
                 for r, state in zip(requests, states)
             ]
             await asyncio.gather(*(loop.run_to_end() for loop in loops))

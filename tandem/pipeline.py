@@ -20,7 +20,7 @@ from tandem.heads.drafters import HeadDrafter
 from tandem.heads.serving import load_drafter
 from tandem.inprocess import SpeculativeGenerator
 from tandem.spec.adaptive import CostModel
-from tandem.spec.options import SpecOptions, resolve_method
+from tandem.spec.options import HEADS_METHODS, SpecOptions, heads_fallback, resolve_method
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
 
 
@@ -53,13 +53,18 @@ class LocalPipeline:
         if heads_path is not None:  # the heads' kind decides what auto means: load them first
             target = ModelEngine.load(target_cfg)
             heads = load_drafter(heads_path, target)
+        requested = method
         method = resolve_method(method, draft_cfg is not None, heads=heads.kind if heads is not None else "")
         base = options or SpecOptions("none")
-        options = dataclasses.replace(base, method=method)
+        # auto with heads and a draft both there (or options that already asked for it): hybrid rounds while
+        # the heads do not pay
+        asked_hybrid = base.heads_fallback == "hybrid" and method in HEADS_METHODS and draft_cfg is not None
+        fallback = "hybrid" if asked_hybrid else heads_fallback(requested, method, draft_cfg is not None)
+        options = dataclasses.replace(base, method=method, heads_fallback=fallback)
         if early_exit_layers is not None and early_exit_layers < 1:
             raise InvalidRequestError(f"early-exit layers must be >= 1, got {early_exit_layers}")
         tokenizer = load_tokenizer(target_cfg.model_dir)
-        if method in ("draft", "hybrid"):
+        if method in ("draft", "hybrid") or options.draft_between_heads:
             assert draft_cfg is not None
             check_same_tokenizer(tokenizer, target_cfg.model_dir, draft_cfg.model_dir)
         target = target or ModelEngine.load(target_cfg)

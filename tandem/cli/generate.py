@@ -23,7 +23,7 @@ from tandem.cli.security_flags import add_client_flags, client_options
 from tandem.config import ATTENTION_BACKENDS, DTYPES, PACKED_WEIGHTS, PACKED_WEIGHTS_HELP, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
-from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, resolve_method
+from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, heads_fallback, resolve_method
 
 DEFAULT_TARGET = "qwen-coder-1.5b"
 
@@ -38,7 +38,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="proposer: none (target only), draft (draft model), ngram (prompt lookup), hybrid "
                         "(n-gram when the text repeats, else the draft model), early-exit (the target's first "
                         "layers; in process only), medusa / eagle (the target's own heads, --heads), auto (the "
-                        "target's heads if --heads is given, else hybrid if --draft is given, else ngram)")
+                        "target's heads if --heads is given, with hybrid rounds while they measure slower if "
+                        "--draft is given too; else hybrid if --draft is given, else ngram)")
     p.add_argument("--heads", default=None, metavar="PATH|NAME",
                    help="the target's speculation heads: a directory (Tandem's layout, the Medusa project's, or "
                         "EAGLE-3 as vLLM's speculators library writes it) or the name of heads prepared with "
@@ -117,7 +118,8 @@ def options_from_args(args: argparse.Namespace, heads: str = "") -> tuple[str, S
     if args.early_exit_layers is not None and args.early_exit_layers < 1:
         raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
     return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                               tree=args.tree, tree_width=args.tree_width)
+                               tree=args.tree, tree_width=args.tree_width,
+                               heads_fallback=heads_fallback(args.method, method, args.draft is not None))
 
 
 def configs_from_args(
@@ -143,7 +145,7 @@ def configs_from_args(
     target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device,
                           attention_backend=args.attention, packed_weights=args.packed_weights)
     draft = None
-    if method in ("draft", "hybrid"):
+    if method in ("draft", "hybrid") or options.draft_between_heads:
         draft = EngineConfig(resolve_or_prepare(args.draft, root), device=args.device,
                              attention_backend=args.attention, packed_weights=args.packed_weights,
                              **draft_engine_options(args))

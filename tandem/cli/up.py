@@ -63,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="draft model (default: %(default)s); 'none' for no draft workers (n-gram only)")
     p.add_argument("--heads", default=None, metavar="PATH|NAME",
                    help="speculation heads for every target worker (`tandem serve target --heads`): requests "
-                        "may use method medusa or eagle, and auto chooses them")
+                        "may use method medusa or eagle, and auto chooses them (with hybrid rounds, by the draft "
+                        "workers, while they measure slower)")
     p.add_argument("--port", type=int, default=50051, help="coordinator gRPC port (default: %(default)s)")
     p.add_argument("--http-port", type=int, default=None, metavar="PORT",
                    help=f"the coordinator's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT}; any free port "

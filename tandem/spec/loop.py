@@ -28,7 +28,9 @@ after the target's next token. The loop takes it as it takes a pipelined
 proposal (valid while the history is what it was drafted after), adds the
 request's own n-gram continuation as a branch when the text repeats, and
 verifies it: one RPC a round, no draft model. An adaptive request asks only
-while asking measures faster than not (``tandem.spec.heads_payoff``).
+while asking measures faster than not (``tandem.spec.heads_payoff``); the
+rounds that do not ask decode plainly, or, where ``auto`` found a draft model
+beside the heads (``options.draft_between_heads``), run as ``hybrid`` rounds.
 
 Invariant: the target's KV holds every committed token but the last, which
 the next verification feeds; k = 0 is plain decoding through the same path.
@@ -64,13 +66,14 @@ from tandem.spec.adaptive import (
     choose_tree,
     expected_tokens,
 )
-from tandem.spec.heads_payoff import HeadsPayoff
+from tandem.spec.heads_payoff import HeadsPayoff, HeadsVerdicts
 from tandem.spec.heads_trees import heads_budget, heads_proposal, round_tree
 from tandem.spec.ngram import NgramIndex
 from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import (
     CACHE,
     DRAFT,
+    HEADS,
     NGRAM,
     ContinuationCache,
     DraftProposer,
@@ -104,7 +107,7 @@ class SpeculationLoop:
     def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
                  draft: DraftChannel | None, costs: CostModel, max_context: int,
                  observer: RoundObserver | None = None, cache: ContinuationCache | None = None,
-                 match_rates: MatchRates | None = None) -> None:
+                 match_rates: MatchRates | None = None, heads_verdicts: HeadsVerdicts | None = None) -> None:
         if options.uses_draft and draft is None:
             raise ValueError(f"method {options.method!r} needs a draft channel")
         self.state = state
@@ -122,8 +125,10 @@ class SpeculationLoop:
         self._ngrams = NgramIndex()  # the history's n-grams, indexed as it grows: no rescan per round
         self._in_flight: set[asyncio.Task] = set()
         # Heads rounds ask for the next tree only while that measures faster (adaptive requests only).
-        self._payoff = HeadsPayoff() if options.uses_heads and options.adaptive_k else None
+        self._payoff = (HeadsPayoff.starting(heads_verdicts, options.heads_fallback)
+                        if options.uses_heads and options.adaptive_k else None)
         self._rounds_at_zero = 0  # rounds adaptive k held a draft model at k = 0 (see _choose_k)
+        self._heads_last_round = options.uses_heads  # the round before was a heads round (or the Prefill)
 
     # ----- the loop ------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
@@ -146,10 +151,10 @@ class SpeculationLoop:
         s = self.state
         k = self._choose_k(after_tokens=1)
         early: asyncio.Task | None = None
-        if self.draft is not None and k > 0 and self.options.pipelined:
+        if self.draft is not None and k > 0 and self.options.pipelined and not self.options.uses_heads:
             # Draft while the target prefills: its first token is a guess of the target's first token.
             early = self._spawn(self._propose(s.prompt_ids, k + 2))
-        propose = self._heads_budget(first=True)
+        propose = self._heads_budget(first=True)  # always: a worker drafts for a sequence whose Prefill asked
         prefilled = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose)
         first = prefilled.next_token
         s.stats.prompt_tokens_reused = prefilled.reused_tokens
@@ -167,7 +172,7 @@ class SpeculationLoop:
         return None
 
     async def _round(self, ready: Proposal | None) -> Proposal | None:
-        if self.options.uses_heads:
+        if self.options.uses_heads and not self._draft_instead_of_heads(ready):
             return await self._heads_round(ready)
         s, stats = self.state, self.state.stats
         started = time.perf_counter()
@@ -211,8 +216,19 @@ class SpeculationLoop:
             if accepted == chain and next_token == proposal.guess and tokens and not s.finish_reason:
                 next_proposal = Proposal(len(s.history), tokens[:-1], list(drafted.probs)[:-1], tokens[-1], DRAFT,
                                          list(drafted.alternatives)[:-1])
-        stats.round_wall_s += time.perf_counter() - started
+        wall = time.perf_counter() - started
+        stats.round_wall_s += wall
+        if self._payoff is not None:  # a hybrid round between heads rounds: the way that does not ask
+            self._payoff.observe(len(s.history) - committed, wall, catching_up=self._heads_last_round)
+        self._heads_last_round = False
         return next_proposal
+
+    def _draft_instead_of_heads(self, ready: Proposal | None) -> bool:
+        """Whether a heads request runs this round as a ``hybrid`` one: its heads measure slower
+        (``tandem.spec.heads_payoff``), a draft model is there, and no heads tree asked for in the round
+        before waits to be verified (the round that stops asking verifies it)."""
+        return (self.options.draft_between_heads and self.draft is not None and self._payoff is not None
+                and not self._payoff.ask() and (ready is None or ready.source != HEADS))
 
     async def _heads_round(self, ready: Proposal | None) -> Proposal | None:
         """A round with the target's heads: verify their last proposal, get the next one in the same reply."""
@@ -251,6 +267,7 @@ class SpeculationLoop:
         stats.round_wall_s += wall
         if self._payoff is not None:
             self._payoff.observe(len(s.history) - committed, wall)
+        self._heads_last_round = True
         return heads_proposal(verified.proposal, len(s.history)) if not s.finish_reason else None
 
     def _heads_tree(self, ready: Proposal | None) -> TokenTree | None:
@@ -259,7 +276,9 @@ class SpeculationLoop:
         room = min(MAX_K, self.max_context - len(s.history) - 1, max(0, s.remaining - 1)) if opts.k_max else 0
         repeat, matched = ngram_proposal(s.history, min(room, opts.k_max), opts.hybrid_min_match,
                                          max(opts.hybrid_min_match, opts.ngram_max), self._ngrams)
-        fits = ready if ready is not None and ready.base_len == len(s.history) else None
+        # Only the heads' own tree: a draft's proposal (pipelined by a hybrid round) carries the draft's
+        # probabilities, which a heads tree, verified as deterministic nodes, would drop (not lossless).
+        fits = ready if ready is not None and ready.source == HEADS and ready.base_len == len(s.history) else None
         return round_tree(fits, room, repeat.tokens if matched >= opts.hybrid_min_match else [])
 
     def _heads_budget(self, first: bool = False) -> int:

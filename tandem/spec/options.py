@@ -14,7 +14,10 @@ Methods:
   a round, no draft model;
 - ``auto``: the target's heads when it has them, else ``hybrid`` when a draft
   model is configured (spec_bench: 1.91x target-only against 1.73x for
-  ``draft``), else ``ngram``.
+  ``draft``), else ``ngram``. With heads and a draft model both there, a
+  request starts with its heads and runs ``hybrid`` rounds instead while the
+  heads measure slower (``heads_fallback``, ``tandem.spec.heads_payoff``): a
+  draft fleet is not left idle beside heads that do not pay.
 
 Any of them may verify a token tree instead of a chain (``tree``, ``tree_width``;
 ``tandem.spec.tree``): the draft's next-best tokens and other n-gram continuations
@@ -44,6 +47,15 @@ def check_tree_mode(mode: str) -> str:
     if mode not in TREE_MODES:
         raise InvalidRequestError(f"unknown tree mode {mode!r}; choose one of {', '.join(TREE_MODES)}")
     return mode
+
+
+HEADS_FALLBACKS = ("plain", "hybrid")  # what a heads request's rounds do while its heads do not pay
+
+
+def heads_fallback(requested: str, resolved: str, has_draft: bool) -> str:
+    """``hybrid`` where ``auto`` chose the heads and a draft model is there too, else ``plain``: a request
+    that names a heads method gets those heads (and plain decoding while they do not pay), nothing else."""
+    return "hybrid" if requested == "auto" and resolved in HEADS_METHODS and has_draft else "plain"
 
 
 def resolve_method(method: str, has_draft: bool, offered: tuple[str, ...] = METHODS, heads: str = "") -> str:
@@ -76,6 +88,9 @@ class SpecOptions:
     tree: str = "off"  # one of TREE_MODES (the CLI and the public request default to auto)
     tree_width: int = 2  # most other candidates per position in a tree
     heads_nodes: int = 0  # medusa/eagle: most nodes of the heads' tree; 0: chosen from the verification cost
+    # medusa/eagle: the rounds that do not ask the heads (they measure slower) decode plainly, verifying the
+    # text's own repeats, or run as ``hybrid`` rounds with the draft model (``heads_fallback``)
+    heads_fallback: str = "plain"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":
@@ -91,10 +106,22 @@ class SpecOptions:
             raise InvalidRequestError(f"tree width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
         if not 0 <= self.heads_nodes <= MAX_K:
             raise InvalidRequestError(f"heads nodes must be in 0..{MAX_K} (0: chosen by cost), got {self.heads_nodes}")
+        if self.heads_fallback not in HEADS_FALLBACKS:
+            raise InvalidRequestError(f"heads fallback must be one of {', '.join(HEADS_FALLBACKS)}, "
+                                      f"got {self.heads_fallback!r}")
+        if self.heads_fallback != "plain" and self.method not in HEADS_METHODS:
+            raise InvalidRequestError(f"heads fallback {self.heads_fallback!r} is for heads methods, "
+                                      f"not {self.method!r}")
+
+    @property
+    def draft_between_heads(self) -> bool:
+        """Heads rounds while the heads pay, ``hybrid`` rounds with the draft model while they do not (an
+        adaptive request: one with a fixed k asks its heads every round)."""
+        return self.heads_fallback == "hybrid" and self.uses_heads and self.adaptive_k
 
     @property
     def uses_draft(self) -> bool:
-        return self.method in DRAFT_METHODS and self.k_max > 0
+        return (self.method in DRAFT_METHODS and self.k_max > 0) or self.draft_between_heads
 
     @property
     def uses_heads(self) -> bool:
@@ -102,4 +129,4 @@ class SpecOptions:
 
     @property
     def uses_ngram(self) -> bool:
-        return self.method in ("ngram", "hybrid") and self.k_max > 0
+        return (self.method in ("ngram", "hybrid") and self.k_max > 0) or self.draft_between_heads

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem import inprocess
 from tandem.config import EngineConfig
 from tandem.engine import FINAL, FeatureSpec, ForwardItem, ModelEngine
 from tandem.heads import drafters
@@ -12,7 +13,9 @@ from tandem.heads.drafters import EagleDrafter
 from tandem.heads.serving import drafter_for
 from tandem.inprocess import GenerationRequest, SpeculativeGenerator
 from tandem.sampling import SamplingParams
+from tandem.spec.heads_payoff import PLAIN
 from tandem.spec.options import SpecOptions
+from tandem.spec.transport import FittedCost
 from target_worker.engine import PrefillCall, Proposed, ReleaseCall, TargetEngine, VerifyCall
 from tests.heads.tiny_heads import tiny_heads
 
@@ -50,6 +53,28 @@ def test_heads_greedy_output_is_the_targets(target, plain, kind):
     assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks  # every sequence released
     if isinstance(drafter, EagleDrafter):
         assert drafter.cache.num_free_blocks == drafter.cache.num_blocks  # the head's KV too
+
+
+def test_auto_with_heads_and_a_draft_model_keeps_output(target, plain, tiny_qwen2_dir, monkeypatch):
+    """Random heads beside a draft that is the target itself, priced as a small draft is (a tenth of a
+    step: the same tiny model would cost what the target does, and adaptive k would never draft): the
+    loop probes hybrid rounds after its first heads rounds, keeps the faster way, and every token is
+    still the target's."""
+    monkeypatch.setattr(inprocess.LocalDraft, "fitted_cost", lambda self: FittedCost(1e-4, 1e-5))
+    draft = load(tiny_qwen2_dir, "float32")
+    drafter = drafter_for(tiny_heads(target, "eagle"), target)
+    spec = SpecOptions("eagle", 4, heads_nodes=6, heads_fallback="hybrid")
+    requests = [GenerationRequest(p, max_new_tokens=40, sampling=SamplingParams()) for p in PROMPTS]
+    generator = SpeculativeGenerator(target, draft, spec, heads=drafter)
+    results = generator.generate(requests)
+    assert [r.token_ids for r in results] == plain
+    assert any(r.stats.draft_wait_s > 0 for r in results)  # the draft model drafted some rounds
+    generator.heads_verdicts.record("hybrid", PLAIN)  # as if the heads had lost: the next requests start hybrid
+    results = generator.generate(requests)
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.draft_wait_s > 0 for r in results)
+    for cache in (target.kv_cache, draft.kv_cache, drafter.cache):
+        assert cache.num_free_blocks == cache.num_blocks  # every sequence released on all three
 
 
 def test_untrained_medusa_heads_are_accepted_on_repetitive_text(target, plain):

@@ -1,10 +1,11 @@
 """The target's speculation heads through the services: real worker processes, gRPC, the coordinator.
 
 A target worker started with ``--heads`` (Tandem's layout, written here for a tiny target with
-``save_heads``) and a coordinator, no draft model. Greedy: requests for ``medusa`` / ``eagle``
-stream the target-only tokens, ``auto`` picks the heads, the coordinator's Info names them, and a
-request for the other kind is refused by name. Sampling: the six-token target of
-tests/integration/test_lossless_sampling.py serves Medusa or EAGLE-3 heads, and seeded requests'
+``save_heads``) and a coordinator. Greedy (with a draft worker of the same model beside them):
+requests for ``medusa`` / ``eagle`` stream the target-only tokens, ``auto`` picks the heads (and
+runs hybrid rounds with the draft model while they measure slower), the coordinator's Info names
+them, and a request for the other kind is refused by name. Sampling (no draft model): the six-token
+target of tests/integration/test_lossless_sampling.py serves Medusa or EAGLE-3 heads, and seeded requests'
 tokens 2 and 3 must follow the target's exact law (chi-square): the heads' nodes are deterministic,
 chains and trees verified by the multi-candidate rule, one RPC a round. At ``PAIR_SAMPLES`` the test
 fails (both kinds) when a deterministic node is kept whenever p(x) > 0 (p-value 0) or when siblings
@@ -56,9 +57,11 @@ def load_target(model_dir: Path) -> ModelEngine:
 
 
 @contextmanager
-def serving_heads(model_dir: Path, heads_dir: Path, log_dir: Path) -> Iterator[TandemClient]:
-    """One target worker serving the heads in ``heads_dir``, a coordinator, no draft; a client of it."""
-    spec = ClusterSpec(target=str(model_dir), dtype="float32", kv_cache_tokens=65536, log_dir=log_dir, metrics=False,
+def serving_heads(model_dir: Path, heads_dir: Path, log_dir: Path, draft: Path | None = None) -> Iterator[TandemClient]:
+    """One target worker serving the heads in ``heads_dir``, a coordinator, a draft worker of ``draft`` (if
+    given); a client of it."""
+    spec = ClusterSpec(target=str(model_dir), draft=str(draft) if draft else None, dtype="float32",
+                       kv_cache_tokens=65536, log_dir=log_dir, metrics=False,
                        target_args=("--heads", str(heads_dir)), worker_args=("--host", "127.0.0.1"),
                        coordinator_args=("--host", "127.0.0.1"))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
@@ -77,7 +80,8 @@ def heads_service(request, tiny_served_dir, tmp_path_factory) -> Iterator[tuple[
     kind = request.param
     heads_dir = tmp_path_factory.mktemp(f"{kind}-heads")
     save_heads(tiny_heads(load_target(tiny_served_dir), kind), heads_dir)
-    with serving_heads(tiny_served_dir, heads_dir, tmp_path_factory.mktemp(f"{kind}-logs")) as client:
+    with serving_heads(tiny_served_dir, heads_dir, tmp_path_factory.mktemp(f"{kind}-logs"),
+                       draft=tiny_served_dir) as client:
         yield kind, client
 
 
@@ -98,7 +102,7 @@ def test_greedy_heads_through_services_are_the_targets(heads_service, reference,
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: heads sequences batched in the worker
         results = list(pool.map(lambda p: stream(client, p, kind if method == "named" else "auto"), PROMPTS))
     assert [tokens for tokens, _ in results] == [reference[tuple(p)] for p in PROMPTS]
-    assert all(stats.method == kind for _, stats in results)  # auto: the target's heads
+    assert all(stats.method == kind for _, stats in results)  # auto: the target's heads (hybrid between)
     assert all(stats.drafted > 0 for _, stats in results)  # the heads proposed; the rule kept only the target's
 
 
