@@ -327,12 +327,22 @@ def test_an_out_directory_holding_other_things_is_refused(tiny_served_dir, tmp_p
         main(["heads", "train", "--target", str(tiny_served_dir), "--kind", "lookahead"])
 
 
-def test_prepare_skips_heads_made_with_its_own_settings(tmp_path, capsys):
+def test_prepare_skips_heads_made_with_its_own_settings(tmp_path, capsys, monkeypatch):
+    from tandem.cli import heads as heads_cli
+    from tandem.heads.train.options import PREPARE_ANSWERS
+
+    answers = tmp_path / "answers" / PREPARE_ANSWERS.file_name("qwen-coder-1.5b")  # what its plan trains on
     cfg = HeadsConfig(kind="eagle", hidden_size=32, vocab_size=50, draft_vocab_size=50, feature_streams=(0, 1, 2),
                       num_attention_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
-                      training={"options": prepare_options("eagle").to_json()})
+                      training={"options": prepare_options("eagle").to_json(),
+                                "corpus": {"origins": {str(answers): {"kind": "user", "tokens": 1}}}})
     out = tmp_path / "heads" / "qwen-coder-1.5b-eagle"
     save_heads(build_heads(cfg), out)
+
+    def answering(*args, **kwargs):  # a prepare that does not skip would load the 1.5B target here, for minutes
+        raise AssertionError("prepare went on to answer prompts")
+
+    monkeypatch.setattr(heads_cli, "_write_answers", answering)
     assert main(["heads", "prepare", "--cache-dir", str(tmp_path)]) == 0  # no target loaded: it is not prepared here
     captured = capsys.readouterr()
     assert captured.out.strip() == str(out) and "already prepared" in captured.err
