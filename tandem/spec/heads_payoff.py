@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HEADS, PLAIN = "heads", "plain"
-WARMUP_ROUNDS = 4  # measured heads rounds before the first plain probe
+WARMUP_ROUNDS = 4  # measured rounds of the way a request starts with, before the first probe of the other
 PROBE_ROUNDS = 3  # measured rounds of the other way per probe
 REPROBE_EVERY = 32  # rounds the faster way runs between probes
 DECAY = 0.7  # weight of a way's earlier rounds against its newest one
