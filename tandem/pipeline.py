@@ -20,7 +20,7 @@ from tandem.heads.drafters import HeadDrafter
 from tandem.heads.serving import load_drafter
 from tandem.inprocess import SpeculativeGenerator
 from tandem.spec.adaptive import CostModel
-from tandem.spec.options import HEADS_METHODS, SpecOptions, heads_fallback, resolve_method
+from tandem.spec.options import SpecOptions, heads_fallback, resolve_method
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
 
 
@@ -56,11 +56,11 @@ class LocalPipeline:
         requested = method
         method = resolve_method(method, draft_cfg is not None, heads=heads.kind if heads is not None else "")
         base = options or SpecOptions("none")
-        # auto with heads and a draft both there (or options that already asked for it): hybrid rounds while
+        # auto with heads and a draft both there (or options already resolved from auto so): hybrid rounds while
         # the heads do not pay
-        asked_hybrid = base.heads_fallback == "hybrid" and method in HEADS_METHODS and draft_cfg is not None
-        fallback = "hybrid" if asked_hybrid else heads_fallback(requested, method, draft_cfg is not None)
-        options = dataclasses.replace(base, method=method, heads_fallback=fallback)
+        chosen_as = "auto" if base.heads_fallback == "hybrid" else requested
+        options = dataclasses.replace(base, method=method,
+                                      heads_fallback=heads_fallback(chosen_as, method, draft_cfg is not None))
         if early_exit_layers is not None and early_exit_layers < 1:
             raise InvalidRequestError(f"early-exit layers must be >= 1, got {early_exit_layers}")
         tokenizer = load_tokenizer(target_cfg.model_dir)
