@@ -87,3 +87,31 @@ def test_heads_rows_report_tokens_per_round_draft_cost_and_acceptance_per_head_p
     assert row["depth_acceptance"] == "0.90 0.70 0.00"  # depth 1: 9 of 10 rounds, depth 2: 7/10, depth 3: 0/5
     target = next(r for r in rows if r["method"] == "target-only" and r["category"] == "qa")
     assert target["depth_acceptance"] is None and target["tokens_per_round"] is None
+
+
+def test_verify_cost_times_every_shape_at_every_context(tiny_qwen2_dir, tmp_path):
+    import json
+
+    from benchmarks import verify_cost
+
+    assert verify_cost.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--contexts", "8,40",
+                             "--reps", "1", "--out", str(tmp_path), "--name", "vc"]) == 0
+    rows = json.loads((tmp_path / "vc.json").read_text())["rows"]
+    assert [r["context"] for r in rows] == [8, 40]
+    for row in rows:
+        assert row["decode / decode"] == 1.0
+        for shape in verify_cost.SHAPES:
+            assert row[f"{shape} ms"] > 0
+            assert row[f"{shape} / decode"] == row[f"{shape} ms"] / row["decode ms"]
+    assert (tmp_path / "vc.md").is_file() and (tmp_path / "vc.png").is_file()
+
+
+def test_verify_cost_refuses_contexts_that_are_not_lengths():
+    import pytest
+
+    from benchmarks import verify_cost
+
+    with pytest.raises(SystemExit, match="--contexts"):
+        verify_cost.contexts_from("300,a")
+    with pytest.raises(SystemExit, match="--contexts"):
+        verify_cost.contexts_from("0")
