@@ -226,7 +226,7 @@ def lossless(plan: Plan, work: Path) -> dict[str, Any]:
     exact = exact.reshape(-1)
     pvalues = {}
     for tree in ("off", "on"):
-        requests = [GenerationRequest(prompt, 4, SamplingParams(temperature, seed=s))
+        requests = [GenerationRequest(prompt, 4, SamplingParams(temperature, seed=s, rejection_rule=True))
                     for s in range(plan.lossless_samples)]
         options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
         results = SpeculativeGenerator(target, draft, options).generate(requests)

@@ -64,7 +64,7 @@ from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.prefill_chunks import PrefillChunks
 from tandem.rpc.sequence_engine import Run, SequenceEngine, history_runs, prefix_limit
-from tandem.sampling import SamplingParams, probabilities, sample
+from tandem.sampling import SamplingParams, draw_coupled, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len
 from tandem.v1 import common_pb2
@@ -319,8 +319,17 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         ])  # [R, vocab], on the model's device
         wire = distributions.encode_for_sampling(q)  # one device-to-host copy for all R rows
         for r, plan in enumerate(order):
-            # Draw from decode(message) itself, over its support (the rest of the row is 0).
-            index = int(sample(wire.probs[r][None], self.sequences[plan.call.seq_id].generator)[0])
+            generator = self.sequences[plan.call.seq_id].generator
+            if plan.call.sampling.exact_seed:
+                # Seeded: the target keeps a token when it is the target's own seeded draw at its position
+                # (tandem.spec.rejection, "Seeded sampling"), so draw it from that draw's very noise.
+                # ``plan.tokens`` has grown by the tokens drafted so far: its length is this token's position.
+                plan.call.sampling.seed_at(generator, len(plan.tokens))
+                ids = torch.from_numpy(wire.token_ids[r])  # [N_r]
+                index = draw_coupled(wire.probs[r], ids, self.engine.config.vocab_size, generator)
+            else:
+                # Draw from decode(message) itself, over its support (the rest of the row is 0).
+                index = int(sample(wire.probs[r][None], generator)[0])
             plan.drafted.append(int(wire.token_ids[r][index]))
             plan.probs.append(wire.messages[r])
 

@@ -12,7 +12,7 @@ import torch
 
 from tandem.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "pick_tokens", "probabilities", "sample"]
+__all__ = ["SamplingParams", "pick_tokens", "probabilities", "draw_coupled", "race_noise", "sample"]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -43,6 +43,27 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row of ``[R, V]`` probabilities -> ``[R]`` int64."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def race_noise(vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """``[vocab_size]`` float32: the noise ``sample`` races a ``[1, vocab_size]`` row against.
+
+    ``torch.multinomial`` draws one token as ``argmax(p / E)``, E standard exponential noise
+    drawn from the generator for the row. A sampler that divides its own q by the same E
+    (the same generator state) draws the token ``sample`` would draw from p whenever p and q
+    agree enough (Gumbel-max coupling): what a seeded draft does so that the target keeps its
+    draws (``tandem.spec.rejection``). Only the acceptance rests on this, never correctness;
+    tests/test_sampling.py checks that torch still draws this way.
+    """
+    return torch.empty(1, vocab_size, device=generator.device).exponential_(generator=generator)[0]
+
+
+def draw_coupled(probs: torch.Tensor, token_ids: torch.Tensor, vocab_size: int, generator: torch.Generator) -> int:
+    """An index into ``probs`` ``[N]`` (a distribution over ``token_ids`` ``[N]`` of a ``vocab_size``-token
+    vocabulary), raced against ``race_noise``: the token ``sample`` draws from p with this generator
+    state, whenever ``probs`` is near p."""
+    noise = race_noise(vocab_size, generator)  # [vocab_size]
+    return int((probs / noise[token_ids.to(noise.device)]).argmax())
 
 
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

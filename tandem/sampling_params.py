@@ -27,6 +27,14 @@ class SamplingParams:
     # The target's log-probabilities of the emitted tokens, with this many top alternatives each; None: none.
     # Reported only: it changes no token.
     logprobs: int | None = None
+    # A seeded request is verified by the target's own seeded draw per position (tandem.spec.rejection,
+    # "Seeded sampling"); True: by the rejection rule, as an unseeded one (its statistical tests ask this).
+    rejection_rule: bool = False
+
+    @property
+    def exact_seed(self) -> bool:
+        """Whether verification keeps the target's own seeded draw at each position (sampled and seeded)."""
+        return self.seed is not None and not self.rejection_rule and not self.is_greedy
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # also rejects NaN; inf would divide logits into NaN

@@ -457,9 +457,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if isinstance(call, PrefillCall):
             return first_token(logits, seq.sampling, seq.generator)
         q = None if plan.q is None else plan.q.dense(logits.device)
+        # position: a seeded request's rows take plain decoding's draws at their positions (rejection's doc)
         if plan.children is None:
-            return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator)
-        return verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator)
+            return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator, position=call.committed_len)
+        return verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator,
+                           position=call.committed_len)
 
     def _free(self, seq_id: str) -> bool:
         if self.drafter is not None:

@@ -23,11 +23,13 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        rejection_rule=msg.rejection_rule,
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
-    msg = common_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    msg = common_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                     rejection_rule=params.rejection_rule)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

@@ -37,6 +37,19 @@ products (a node is kept when it is its parent's first accepted child and so
 are all its ancestors). The verifiers return a ``PendingVerdict``; ``fetch``
 reads a whole batch's verdicts with one device-to-host copy.
 
+Seeded sampling (``params.exact_seed``: a seed, and no ``rejection_rule``; the position of the first
+scored token given):
+every row's token is drawn as plain decoding draws it, ``sample`` with the generator
+seeded at (seed, that token's position), and a node is kept when it equals the draw at its
+parent's row (``_coupled``). Each position's token is then the one plain seeded decoding
+makes, whatever was proposed, in how many rounds and from which cache: the output of a
+seeded request repeats exactly and equals its plain output. Lossless by construction
+(every token is a draw from the target's own p); a deterministic proposal is kept with
+probability p(x), as under the rule above. A sampled draft proposal is kept when the draft
+drew the same token: the draft worker draws it from the same seeded exponential noise (the
+race ``torch.multinomial`` runs), so a draft with q = p is always kept, and one with q
+near p nearly always (see ``draft_worker.engine``).
+
 Log-probabilities (``params.logprobs`` set): the target's own, the log-softmax of
 its logits (before temperature, top-k and top-p), at the rows that decided the
 emitted tokens: each kept node's token at its parent's row, the next token at
@@ -191,11 +204,20 @@ def verify(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator | None,
+    position: int | None = None,
 ) -> PendingVerdict:
-    """Greedy fast path (no softmax at all) or rejection sampling."""
+    """Greedy fast path (no softmax at all), seeded draws per position, or rejection sampling.
+
+    ``position``: that of the token row 0 decides (the sequence's committed length); with it a
+    seeded request is verified by its seeded draws (the module doc).
+    """
     if params.is_greedy:
         return verify_greedy(target_logits, draft_tokens, params)
     assert generator is not None, "sampling needs the request's generator"
+    if params.exact_seed and position is not None:
+        shape = _Shape.chain(len(draft_tokens), target_logits.device)
+        return _coupled(target_logits, draft_tokens, shape, list(range(len(draft_tokens) + 1)), params, generator,
+                        position)
     return verify_sampled(target_logits, draft_tokens, draft_probs, params, generator)
 
 
@@ -206,13 +228,29 @@ def verify_tree(
     draft_probs: torch.Tensor | None,  # [N, vocab], each node's q (a point mass for a deterministic one), or None
     params: SamplingParams,
     generator: torch.Generator | None,
+    position: int | None = None,
 ) -> PendingVerdict:
-    """The path a token tree keeps and the target's token after it (see the module doc)."""
+    """The path a token tree keeps and the target's token after it (see the module doc; ``position``
+    as in ``verify``)."""
     shape = _Shape.tree(children, len(tokens), target_logits.device)
     if params.is_greedy:
         return _greedy(target_logits, tokens, shape, params)
     assert generator is not None, "sampling needs the request's generator"
+    if params.exact_seed and position is not None:
+        return _coupled(target_logits, tokens, shape, _row_depths(children, len(tokens)), params, generator, position)
     return _sampled(target_logits, tokens, shape, draft_probs, params, generator)
+
+
+def _row_depths(children: dict[int, list[int]], n: int) -> list[int]:
+    """``[N+1]`` each row's depth: row 0 (the root) 0, row i + 1 (node i) one more than its parent's row."""
+    depths = [0] * (n + 1)
+    pending = [-1]
+    while pending:
+        parent = pending.pop()
+        for child in children.get(parent, []):
+            depths[child + 1] = depths[parent + 1] + 1
+            pending.append(child)
+    return depths
 
 
 @dataclass(slots=True)
@@ -307,7 +345,31 @@ def _scores(logits: torch.Tensor, shape: _Shape, drafted: torch.Tensor | None, n
 
 def _greedy(target_logits: torch.Tensor, tokens: list[int], shape: _Shape,
             params: SamplingParams | None = None) -> PendingVerdict:
-    choices = target_logits.argmax(-1)  # [N+1]
+    return _matching(target_logits, target_logits.argmax(-1), tokens, shape, params)
+
+
+def _coupled(
+    target_logits: torch.Tensor,  # [N+1, vocab]
+    tokens: list[int],  # [N]
+    shape: _Shape,
+    depths: list[int],  # [N+1] each row's depth (``_row_depths``)
+    params: SamplingParams,
+    generator: torch.Generator,
+    position: int,
+) -> PendingVerdict:
+    """Seeded: each row's token drawn as plain decoding draws the token at its position; drafts kept
+    while they equal those draws (the module doc). One reseed and one draw per row, no host sync."""
+    p = probabilities(target_logits, params)  # [N+1, vocab]
+    draws = []
+    for row, depth in enumerate(depths):
+        params.seed_at(generator, position + depth)
+        draws.append(sample(p[row : row + 1], generator))  # [1]: as ``sample`` draws it from a [1, vocab] row
+    return _matching(target_logits, torch.cat(draws), tokens, shape, params)
+
+
+def _matching(target_logits: torch.Tensor, choices: torch.Tensor, tokens: list[int], shape: _Shape,
+              params: SamplingParams | None) -> PendingVerdict:
+    """Nodes kept while they equal the target's choice at their parent's row (``choices`` ``[N+1]``)."""
     drafted = _node_tokens(tokens, choices.device)  # [N]
     ok = drafted == choices[shape.parent_row_of]  # [N]
     kept = shape.kept(ok)

@@ -221,7 +221,8 @@ def test_sampled_drafts_come_with_the_messages_of_the_q_they_were_drawn_from(dra
 
     monkeypatch.setattr(engine_module, "sample", spy_sample)
     monkeypatch.setattr(distributions, "encode_for_sampling", spy_encode)
-    sampled = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, top_p=0.9, seed=2)]
+    sampled = [SamplingParams(temperature=1.0, seed=1, rejection_rule=True),
+               SamplingParams(temperature=0.7, top_p=0.9, seed=2, rejection_rule=True)]
     replies = ok(draft.run_batch([ProposeCall("a", 0, PROMPT, 4, sampled[0]),
                                   ProposeCall("b", 0, PROMPT[:3], 4, sampled[1])]))
     assert encodings == [2, 2, 2, 2]  # one encoding per step for both rows

@@ -58,7 +58,7 @@ def ok(results: list) -> list:
 def tokens_two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range, temperature: float) -> list[int]:
     """Tokens 2 and 3 (as ``t2 * VOCAB + t3``) of one run per seed: prefill, a k=2 round, a k=1 round if needed."""
     ids = [f"s{seed}" for seed in seeds]
-    sampling = {i: SamplingParams(temperature, seed=seed) for i, seed in zip(ids, seeds)}
+    sampling = {i: SamplingParams(temperature, seed=seed, rejection_rule=True) for i, seed in zip(ids, seeds)}
     first = [p.next_token for p in ok(target.run_batch([PrefillCall(i, PROMPT, sampling[i]) for i in ids]))]
     proposals = ok(draft.run_batch([ProposeCall(i, 0, [*PROMPT, t1], 2, sampling[i]) for i, t1 in zip(ids, first)]))
     assert all(len(p.tokens) == len(p.probs) == 2 for p in proposals)

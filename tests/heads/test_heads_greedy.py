@@ -26,11 +26,15 @@ def load(model_dir, dtype: str) -> ModelEngine:
     return ModelEngine.load(EngineConfig(model_dir, dtype=dtype, kv_cache_tokens=4096, block_size=4))
 
 
-def run(target: ModelEngine, method: str, heads=None, n: int = 40, **options) -> list:
+GREEDY = SamplingParams()
+
+
+def run(target: ModelEngine, method: str, heads=None, n: int = 40, sampling: SamplingParams = GREEDY,
+        **options) -> list:
     if heads is not None:
         options.setdefault("heads_nodes", 6)  # fixed: the cost-chosen budget depends on this machine's timings
     spec = SpecOptions(method, 4 if method != "none" else 0, **options)
-    requests = [GenerationRequest(p, max_new_tokens=n, sampling=SamplingParams()) for p in PROMPTS]
+    requests = [GenerationRequest(p, max_new_tokens=n, sampling=sampling) for p in PROMPTS]
     return SpeculativeGenerator(target, None, spec, heads=heads).generate(requests)
 
 
@@ -53,6 +57,16 @@ def test_heads_greedy_output_is_the_targets(target, plain, kind):
     assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks  # every sequence released
     if isinstance(drafter, EagleDrafter):
         assert drafter.cache.num_free_blocks == drafter.cache.num_blocks  # the head's KV too
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_seeded_output_is_the_targets_seeded_output(target, kind):
+    """Seeded: the target keeps its own seeded draw at each position (tandem.spec.rejection), heads or not."""
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+    plain = [r.token_ids for r in run(target, "none", sampling=sampling)]
+    results = run(target, kind, drafter_for(tiny_heads(target, kind), target), sampling=sampling)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.stats.drafted for r in results) > 0
 
 
 def test_auto_with_heads_and_a_draft_model_keeps_output(target, plain, tiny_qwen2_dir, monkeypatch):

@@ -150,7 +150,9 @@ def sample_with_heads(pair_target: Path, heads: tuple[str, Path], log_dir: Path,
     kind, heads_dir = heads
 
     def one(seed: int):
-        request = build_request(PAIR_PROMPT, max_new_tokens=6, sampling=SamplingParams(temperature, seed=seed),
+        # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws)
+        sampling = SamplingParams(temperature, seed=seed, rejection_rule=True)
+        request = build_request(PAIR_PROMPT, max_new_tokens=6, sampling=sampling,
                                 method=kind, k=4, ignore_eos=True)
         return client.generate(request)
 

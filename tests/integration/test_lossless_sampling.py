@@ -93,7 +93,9 @@ def sample(client: TandemClient, tree: str, samples: int, temperature: float) ->
     """Tokens 2 and 3 of ``samples`` seeded requests, and the drafted / accepted / tree-round totals."""
     def one(seed: int):
         # 4 tokens: the first from the prefill, the next two from one k=2 round (or a round after it)
-        request = build_request(PAIR_PROMPT, max_new_tokens=4, sampling=SamplingParams(temperature, seed=seed),
+        # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws)
+        sampling = SamplingParams(temperature, seed=seed, rejection_rule=True)
+        request = build_request(PAIR_PROMPT, max_new_tokens=4, sampling=sampling,
                                 method="draft", k=2, fixed_k=True, ignore_eos=True, tree=tree)
         return client.generate(request)
 

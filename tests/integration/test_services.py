@@ -153,6 +153,15 @@ def test_seeded_sampling_is_reproducible_through_services(client):
     assert first.stats.drafted > 0
 
 
+def test_seeded_speculative_output_is_the_plain_seeded_output_through_services(client):
+    """The target keeps its own seeded draw at every position (tandem.spec.rejection, "Seeded sampling")."""
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    plain = list(generate(client, PROMPTS[1], sampling=sampling, method="none").token_ids)
+    drafted = generate(client, PROMPTS[1], sampling=sampling, method="draft", fixed_k=True)
+    assert list(drafted.token_ids) == plain and drafted.stats.drafted > 0
+    assert list(generate(client, PROMPTS[1], sampling=sampling, method="hybrid").token_ids) == plain
+
+
 def test_stop_string_cuts_text_and_stop_token_ends(client, reference):
     full = generate(client, PROMPTS[1], method="draft")
     cut_at = full.text[5:15]

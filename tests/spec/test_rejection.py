@@ -123,13 +123,14 @@ def sample_through_the_loop(pair, monkeypatch, lossless: bool, draft_options: di
 
         monkeypatch.setattr(rejection, "_without", lambda residual, token, q: residual)
     elif not lossless:
-        broken = lambda logits, tokens, probs, params, gen: (  # noqa: E731
+        broken = lambda logits, tokens, probs, params, gen, position=None: (  # noqa: E731
             broken_resample_from_p(logits, tokens, probs, params, gen) if tokens
-            else verify(logits, tokens, probs, params, gen))
+            else verify(logits, tokens, probs, params, gen, position=position))
         monkeypatch.setattr(target_engine_module, "verify", broken)
     # Token 1 comes from the target's prefill, tokens 2 and 3 from speculative rounds.
-    requests = [GenerationRequest(prompt, max_new_tokens=4, sampling=SamplingParams(temperature, seed=s))
-                for s in range(n)]
+    # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws)
+    requests = [GenerationRequest(prompt, max_new_tokens=4,
+                                  sampling=SamplingParams(temperature, seed=s, rejection_rule=True)) for s in range(n)]
     options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
     with one_torch_thread():
         results = SpeculativeGenerator(target, draft, options).generate(requests)
