@@ -83,6 +83,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/engine_speed.py
 	$(PYTHON) benchmarks/verify_cost.py
 	$(PYTHON) benchmarks/spec_bench.py
+	$(PYTHON) benchmarks/seeded_sampling.py
 	$(PYTHON) benchmarks/greedy_equivalence.py
 	$(PYTHON) benchmarks/distributed_bench.py
 

@@ -62,8 +62,8 @@ def draw_coupled(probs: torch.Tensor, token_ids: torch.Tensor, vocab_size: int, 
     """An index into ``probs`` ``[N]`` (a distribution over ``token_ids`` ``[N]`` of a ``vocab_size``-token
     vocabulary), raced against ``race_noise``: the token ``sample`` draws from p with this generator
     state, whenever ``probs`` is near p."""
-    noise = race_noise(vocab_size, generator)  # [vocab_size]
-    return int((probs / noise[token_ids.to(noise.device)]).argmax())
+    noise = race_noise(vocab_size, generator)[token_ids.to(generator.device)]  # [N], on the generator's device
+    return int((probs / noise.to(probs.device)).argmax())
 
 
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -115,3 +115,34 @@ def test_verify_cost_refuses_contexts_that_are_not_lengths():
         verify_cost.contexts_from("300,a")
     with pytest.raises(SystemExit, match="--contexts"):
         verify_cost.contexts_from("0")
+
+
+def test_seeded_sampling_gives_plain_output_under_exact_draws_and_reports_both_rules(tiny_qwen2_dir, tmp_path):
+    import json
+
+    from benchmarks import seeded_sampling
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+
+    target, draft = (ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32")) for _ in range(2))
+    prompts = [[5, 17, 33], [9, 9, 9, 9, 9, 9]]
+    rows = seeded_sampling.measure(target, draft, prompts, ["draft", "ngram"], 16, 0.9, 0.95, 0, 3, adaptive_k=False)
+    assert len(rows) == 2 * (1 + 2 * len(seeded_sampling.RULES))
+    assert all(r["same_as_plain"] for r in rows if r["rule"] == "exact" and r["method"] != "none")
+    summary = seeded_sampling.summarize(rows)
+    by = {(s["method"], s["rule"]): s for s in summary}
+    assert by[("draft", "exact")]["same_as_plain"] == 2 and by[("none", "-")]["x_plain"] == 1.0
+    assert by[("draft", "exact")]["acceptance"] > 0.9  # a draft of the target's own model draws the target's tokens
+    seeded_sampling.report(rows, summary, {"test": True}, tmp_path, "ss")
+    saved = json.loads((tmp_path / "ss.json").read_text())
+    assert len(saved["summary"]) == 1 + 2 * len(seeded_sampling.RULES) and "token_ids" not in saved["runs"][0]
+    assert (tmp_path / "ss.md").is_file() and (tmp_path / "ss.png").is_file()
+
+
+def test_seeded_sampling_refuses_unknown_methods():
+    import pytest
+
+    from benchmarks import seeded_sampling
+
+    with pytest.raises(SystemExit, match="--methods"):
+        seeded_sampling.methods_from("draft,medusa")
