@@ -103,9 +103,11 @@ def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequ
                 "token_ids": result.token_ids, "seconds": seconds, "drafted": stats.drafted,
                 "accepted": stats.accepted, "rounds": stats.rounds}
 
+    from tqdm import tqdm
+
     runs = [(m, rule) for m in methods for rule in RULES]
     rows = []
-    for i in range(len(prompts)):
+    for i in tqdm(range(len(prompts)), desc=NAME, unit="prompt", file=sys.stderr):
         plain = one(i, "none", "exact")
         rows.append(plain)
         shift = i % len(runs)
