@@ -322,7 +322,6 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         ])  # [R, vocab], on the model's device
         wire = distributions.encode_for_sampling(q)  # one device-to-host copy for all R rows
         for r, plan in enumerate(order):
-            generator = self.sequences[plan.call.seq_id].generator
             if plan.call.sampling.exact_seed:
                 # Seeded: the target keeps a token when it is the target's own seeded draw at its position
                 # (tandem.spec.rejection, "Seeded sampling"), so draw it from that draw's very noise.
@@ -333,7 +332,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                 index = draw_coupled(wire.probs[r], ids, self.engine.config.vocab_size, self.race_generator)
             else:
                 # Draw from decode(message) itself, over its support (the rest of the row is 0).
-                index = int(sample(wire.probs[r][None], generator)[0])
+                index = int(sample(wire.probs[r][None], self.sequences[plan.call.seq_id].generator)[0])
             plan.drafted.append(int(wire.token_ids[r][index]))
             plan.probs.append(wire.messages[r])
 

@@ -53,7 +53,7 @@ def race_noise(vocab_size: int, generator: torch.Generator) -> torch.Tensor:
     (the same generator state) draws the token ``sample`` would draw from p whenever p and q
     agree enough (Gumbel-max coupling): what a seeded draft does so that the target keeps its
     draws (``tandem.spec.rejection``). Only the acceptance rests on this, never correctness;
-    tests/test_sampling.py checks that torch still draws this way.
+    tests/spec/test_seeded_rounds.py checks that torch still draws this way.
     """
     return torch.empty(1, vocab_size, device=generator.device).exponential_(generator=generator)[0]
 

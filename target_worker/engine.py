@@ -456,7 +456,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
         if isinstance(call, PrefillCall):
             return first_token(logits, seq.sampling, seq.generator)
-        q = None if plan.q is None else plan.q.dense(logits.device)
+        # (a seeded request's verdict is its own draws: the draft's q, checked when decoded, goes unused)
+        q = None if plan.q is None or seq.sampling.exact_seed else plan.q.dense(logits.device)
         # position: a seeded request's rows take plain decoding's draws at their positions (rejection's doc)
         if plan.children is None:
             return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator, position=call.committed_len)

@@ -202,7 +202,7 @@ def test_sampled_verify_tests_against_the_decoded_draft_probs(target, monkeypatc
 
     real_verify = engine_module.verify
     monkeypatch.setattr(engine_module, "verify", spy)
-    sampled = SamplingParams(temperature=0.8, top_k=20, seed=1)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=1, rejection_rule=True)  # the rule reads q
     ok(target.run_batch([PrefillCall("a", PROMPT, sampled)]))
     q = torch.softmax(torch.randn(3, target.vocab_size, generator=torch.Generator().manual_seed(2)) * 3, -1)
     drafts = [int(t) for t in q.argmax(-1)]
@@ -374,7 +374,7 @@ def test_a_sampled_tree_reads_empty_messages_as_point_masses(target, monkeypatch
 
     real = engine_module.verify_tree
     monkeypatch.setattr(engine_module, "verify_tree", spy)
-    sampled = SamplingParams(temperature=1.0, seed=4)
+    sampled = SamplingParams(temperature=1.0, seed=4, rejection_rule=True)  # the rule reads q
     ok(target.run_batch([PrefillCall("a", PROMPT, sampled)]))
     q = torch.softmax(torch.randn(1, target.vocab_size, generator=torch.Generator().manual_seed(3)), -1)
     drafted = int(q.argmax())
