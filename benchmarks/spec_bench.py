@@ -369,7 +369,7 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
                        k_sum=sum(k * n for k, n in s.k_counts.items()), k_rounds=s.rounds,
                        k_counts=dict(s.k_counts), tree_rounds=s.tree_rounds, branch_tokens=s.branch_tokens,
                        depth_offered=dict(s.depth_offered), depth_kept=dict(s.depth_kept),
-                       draft_seconds=out.draft_seconds)
+                       draft_wait_rounds=s.draft_wait_rounds, draft_seconds=out.draft_seconds)
         elif out.first_token_s is not None and out.token_ids:  # hf-plain: the same phase, by its streamer
             row.update(decode_tokens=len(out.token_ids) - 1, decode_seconds=out.seconds - out.first_token_s)
         rows.append(row)

@@ -309,7 +309,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             time_to_first_token_s=st.first_token_s, elapsed_s=st.elapsed_s, method=run.options.method,
             draft_worker=self.public_name(run.placement.draft), target_worker=self.public_name(run.placement.target),
             target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions,
-            tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused)
+            tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused,
+            draft_wait_rounds=st.draft_wait_rounds)
 
 
 def _conversation(messages: Any) -> list[dict[str, str]]:

@@ -139,7 +139,7 @@ class WorkerClient:
             return None
         info = self.info
         return FittedCost(info.forward_base_s, info.forward_per_token_s, info.last_forward_base_s,
-                          info.last_forward_per_token_s)
+                          info.last_forward_per_token_s, info.prompt_token_s)
 
     def for_request(self, deadline: float | None) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time)."""

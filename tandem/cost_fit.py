@@ -148,6 +148,10 @@ class PromptTokenCost:
             self._short = d * self._short + 1.0
             self._fixed = d * self._fixed + max(0.0, extra - self.per_token_s * prompt_tokens)
 
+    def reset(self) -> None:
+        """Forget every pass (the warm-up's first one, which paid for touching the KV pages)."""
+        self._tokens = self._seconds = self._short = self._fixed = 0.0
+
     @property
     def ready(self) -> bool:
         """Whether a token has been priced (a pass of at least ``min_tokens`` prompt tokens seen)."""

@@ -61,6 +61,9 @@ class ForwardBatch:
     prompt_runs: list[bool]  # [B] whether each sequence's new tokens are prompt tokens (``ForwardItem.prompt``)
 
 
+# The warm-up's prompt pass, which prices a prompt token (``ModelEngine.warmup``): long enough that a pass's
+# fixed part weighs on the price about as on the long prompts it is used for.
+WARMUP_PROMPT_TOKENS = 128
 FINAL = -1  # in a FeatureSpec: the last layer's output after the final norm (what lm_head reads)
 
 
@@ -216,11 +219,21 @@ class ModelEngine:
         prefill would pass for the price of a decode step and adaptive k would never draft.
         """
         scratch = "__warmup__"
-        # The last pass, a prompt's, prices a prompt token (``prompt_cost``) against the cost the ones before fitted.
-        for tokens, prompt in (([1] * 32, False), ([1], False), ([1], False), ([1] * 8, False), ([1], False),
-                               ([1] * 32, True)):
-            self.forward([ForwardItem(scratch, tokens, prompt=prompt)])
+        for tokens in ([1] * 32, [1], [1], [1] * 8, [1]):
+            self.forward([ForwardItem(scratch, tokens)])
         self.release(scratch)
+        # Then a prompt's pass prices a prompt token (``prompt_cost``) against the cost the ones before fitted,
+        # twice: the first writes KV pages for the first time (page faults: measured 11 ms a token on a lean
+        # draft, against 2 warm) and is forgotten. Long, as the pool allows: a pass has a fixed part (a lean
+        # draft dequantizes its weights per call, ~80 ms on a 2-core CPU) that a short one would spread over
+        # too few tokens, and a loop weighs a draft's read of a long prompt with this price.
+        room = self.kv_cache.num_free_blocks * self.kv_cache.block_size
+        prompt = [1] * max(1, min(WARMUP_PROMPT_TOKENS, room))
+        for keep in (False, True):
+            self.forward([ForwardItem(scratch, prompt, prompt=True)])
+            self.release(scratch)
+            if not keep:
+                self.prompt_cost.reset()
 
     # ----- sequences ---------------------------------------------------
     def seq_len(self, seq_id: SeqId) -> int:

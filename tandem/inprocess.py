@@ -63,7 +63,10 @@ class GenerationResult:
 
 def _fitted(engine: ModelEngine) -> FittedCost | None:
     fit = engine.cost_fit
-    return FittedCost(fit.base_s, fit.per_token_s, fit.last_base_s, fit.last_per_token_s) if fit.ready else None
+    if not fit.ready:
+        return None
+    return FittedCost(fit.base_s, fit.per_token_s, fit.last_base_s, fit.last_per_token_s,
+                      engine.prompt_cost.per_token_s)
 
 
 class LocalTarget:

@@ -204,3 +204,27 @@ def test_smollm2_token_is_bitwise_the_same_decoded_verified_or_batched(smollm2_d
         ForwardItem("b", [7]), ForwardItem("a", drafts, num_logits=5), ForwardItem("c", list(range(2000, 2030))),
     ])
     assert torch.equal(batched[1], steps)
+
+
+def test_warmup_prices_a_prompt_token_from_one_warm_long_pass(tiny_qwen2_dir, monkeypatch):
+    """The warm-up's first prompt pass pays for touching the KV pages and is forgotten; the kept one is as
+    long as the pool allows (up to WARMUP_PROMPT_TOKENS), so a pass's fixed part is spread as on long prompts."""
+    import tandem.engine as engine_module
+    from tandem.cost_fit import PromptTokenCost
+
+    seen: list[tuple[int, float]] = []
+    real = PromptTokenCost.observe
+
+    def spy(self, prompt_tokens, extra_s):
+        seen.append((prompt_tokens, extra_s))
+        real(self, prompt_tokens, extra_s)
+
+    monkeypatch.setattr(PromptTokenCost, "observe", spy)
+    for pool, expected in ((4096, engine_module.WARMUP_PROMPT_TOKENS), (96, 96)):
+        seen.clear()
+        engine = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=pool))
+        engine.warmup()
+        assert [n for n, _ in seen] == [expected, expected]  # two prompt passes, no other pass priced
+        kept = max(0.0, seen[1][1])
+        assert engine.prompt_cost.per_token_s == pytest.approx(kept / expected)  # the first one forgotten
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # the scratch sequence released

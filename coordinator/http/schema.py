@@ -227,7 +227,12 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
         spec.k = k
     spec.fixed_k = bool(ext.boolean("fixed_k"))
     spec.disable_pipelining = ext.boolean("pipelining") is False
-    spec.tree = ext.string("tree") or ""
+    tree = ext.take("tree")
+    if isinstance(tree, bool):  # ``true``: always a tree where there are candidates, as ``on``
+        tree = "on" if tree else "off"
+    if tree is not None and not isinstance(tree, str):
+        raise bad_field("tandem.tree", f"one of auto, on, off (or true, false), got {_kind(tree)}")
+    spec.tree = tree or ""
     request.sampling.top_k = ext.integer("top_k", 0, INT32_MAX) or 0
     request.stopping.ignore_eos = bool(ext.boolean("ignore_eos"))
     ids = ext.take("stop_token_ids")

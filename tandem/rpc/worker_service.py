@@ -59,7 +59,8 @@ class WorkerServiceBase:
             active_sequences=self.engine.num_sequences, tokenizer_fingerprint=self.fingerprint,
             stop_token_ids=self.stop_token_ids, forward_base_s=model.cost_fit.base_s,
             forward_per_token_s=model.cost_fit.per_token_s, last_forward_base_s=model.cost_fit.last_base_s,
-            last_forward_per_token_s=model.cost_fit.last_per_token_s, lease_s=self.engine.leases.lease_s,
+            last_forward_per_token_s=model.cost_fit.last_per_token_s,
+            prompt_token_s=model.prompt_cost.per_token_s, lease_s=self.engine.leases.lease_s,
             heads=self.engine.heads_kind, prefix_cache=_prefix_cache_info(cache.prefix_stats()),
         )
 

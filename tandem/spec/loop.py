@@ -91,6 +91,10 @@ RELEASE_WAIT_S = 60.0  # longest wait for calls still in flight before a sequenc
 # The continuation cache learns a prompt's last tokens only: learning costs ~20 us a token on the
 # coordinator's event loop, and a long prompt's distant tokens rarely predict its continuation.
 PROMPT_TOKENS_LEARNED = 256
+# A lone request whose draft has yet to read a long prompt drafts once the tokens expected to come, at
+# least this many, would repay that read (``SpeculationLoop._draft_waits``): a prompt of a few hundred
+# tokens is read at once, Spec-Bench's 800-token rag prompts (19-token answers) wait.
+DRAFT_WAIT_FLOOR_TOKENS = 16
 
 class RoundObserver(Protocol):
     """Where a loop reports what it does (the coordinator's Prometheus metrics)."""
@@ -128,6 +132,7 @@ class SpeculationLoop:
         self._payoff = (HeadsPayoff.starting(heads_verdicts, options.heads_fallback)
                         if options.uses_heads and options.adaptive_k else None)
         self._rounds_at_zero = 0  # rounds adaptive k held a draft model at k = 0 (see _choose_k)
+        self._draft_waiting = False  # this round goes without the draft model (see _draft_waits)
         self._heads_last_round = options.uses_heads  # the round before was a heads round (or the Prefill)
 
     # ----- the loop ------------------------------------------------------
@@ -176,6 +181,8 @@ class SpeculationLoop:
             return await self._heads_round(ready)
         s, stats = self.state, self.state.stats
         started = time.perf_counter()
+        self._draft_waiting = self._draft_waits()
+        stats.draft_wait_rounds += int(self._draft_waiting)
         k = self._choose_k(after_tokens=0)
         committed = len(s.history)
         proposal = await self._proposal(k, ready, self._choose_tree(k))
@@ -300,8 +307,9 @@ class SpeculationLoop:
             return Proposal(committed, [])
         branches: list[list[int]] = []  # the request's own other continuations: cut at the tree's depths
         runs: list[list[int]] = []  # the continuation cache's runs after the matched context: whole
-        if opts.uses_ngram or self.draft is None:  # (a request whose draft is lost goes on with n-grams)
-            min_n = opts.ngram_min if opts.method == "ngram" or self.draft is None else opts.hybrid_min_match
+        drafter = self._drafter
+        if opts.uses_ngram or drafter is None:  # (a request whose draft is lost, or waits, goes on with n-grams)
+            min_n = opts.ngram_min if opts.method == "ngram" or drafter is None else opts.hybrid_min_match
             max_n = max(min_n, opts.ngram_max)
             proposal, matched = ngram_proposal(s.history, k, min_n, max_n, self._ngrams)
             if shape is not None:  # the other continuations of the request's text, of any match length
@@ -317,7 +325,7 @@ class SpeculationLoop:
             if self._by_evidence() and proposal.tokens:
                 k = self._evidence_k(proposal, k)
                 proposal.tokens = proposal.tokens[:k]
-            if self.draft is None or (matched >= opts.hybrid_min_match and proposal.tokens):
+            if drafter is None or (matched >= opts.hybrid_min_match and proposal.tokens):
                 return self._with_tree(proposal, k, shape, branches, runs)
         if ready is not None and ready.base_len == committed:
             return self._with_tree(ready, k, shape, branches, runs)
@@ -400,7 +408,7 @@ class SpeculationLoop:
     # ----- adaptive k ------------------------------------------------------
     def _by_evidence(self) -> bool:
         """Whether this round's k is chosen after the lookup, by the kind of match (n-gram rounds alone)."""
-        return self.match_rates is not None and self.draft is None and self.options.adaptive_k
+        return self.match_rates is not None and self._drafter is None and self.options.adaptive_k
 
     def _evidence_k(self, proposal: Proposal, k: int) -> int:
         """How many of an n-gram proposal's tokens to verify, at its kind's acceptance and the round costs."""
@@ -417,7 +425,7 @@ class SpeculationLoop:
             return min(opts.k_max, room)
         costs = self._round_costs()
         k = choose_k(s.tracker.rate, costs, opts.k_max)
-        if k == 0 and self.draft is not None:
+        if k == 0 and self._drafter is not None:
             # Explore: the request's acceptance and the draft worker's cost fit are measured only when
             # the draft drafts, so a rate or a fit that turned against drafting (a noisy warm-up, an
             # early patch of text the draft cannot guess) would hold k at 0 for good (measured: a whole
@@ -445,8 +453,9 @@ class SpeculationLoop:
         tracker = self.state.tracker
         return choose_tree(tracker.rate, tracker.branch_rate, self._round_costs(), k, opts.tree_width, max_nodes)
 
-    def _round_costs(self) -> LoadAwareCost:
-        """What a round costs at the current load, from the workers' fitted forward costs.
+    def _round_costs(self, drafting: bool | None = None) -> LoadAwareCost:
+        """What a round costs at the current load, from the workers' fitted forward costs; with the draft
+        model's steps when ``drafting`` (default: whether this round drafts with it).
 
         (Timing whole propose calls would count the draft's prefill of a long prompt as
         drafting cost and talk adaptive k out of speculating for good.)
@@ -455,7 +464,9 @@ class SpeculationLoop:
         fit = self.verifier.fitted_cost()
         if fit is not None:
             costs.target_base_s, costs.target_per_token_s = fit.base_s, fit.per_token_s
-        if self.draft is None:
+        if drafting is None:
+            drafting = self._drafter is not None
+        if not drafting or self.draft is None:
             costs.draft_base_s = 1e-9  # a lookup, not a model: drafting is free
         elif (fit := self.draft.channel.fitted_cost()) is not None:
             # hybrid plans with the draft model's cost: the expensive case
@@ -476,8 +487,8 @@ class SpeculationLoop:
         overstates a catch-up, which runs through the dense weights; applied alone, it kept
         single streams at k = 0 after a bad patch (measured: mean k 1.3 instead of 2.8).
         """
-        if self.draft is None or costs.streams <= 1:
-            return True
+        if self._drafter is None or costs.streams <= 1:
+            return True  # (a lone stream: _draft_waits weighs its catch-up)
         behind = self.draft.lag(self.state.history)
         if behind <= MAX_K + 1:
             return True  # a draft that took part in the last round: what it lacks rides on the next Propose
@@ -486,6 +497,47 @@ class SpeculationLoop:
         plain_s_per_token = costs.round_seconds(0)
         spec_s_per_token = costs.round_seconds(k) / expected_tokens(self.state.tracker.rate, k)
         return self.state.remaining * (plain_s_per_token - spec_s_per_token) > catch_up_s
+
+    @property
+    def _drafter(self) -> DraftProposer | None:
+        """The draft model this round drafts with: none when the request has none, or while it waits."""
+        return None if self._draft_waiting else self.draft
+
+    def _draft_waits(self) -> bool:
+        """Whether this round goes without the draft model: reading what it lacks would not pay yet.
+
+        A draft that has not read the prompt (or fell far behind) must first read it: one long draft
+        forward, a prefill. Where it is hidden behind the target's own prefill (pipelined, on hardware
+        of its own) or shared by other streams (``_catch_up_pays``), that is accounted elsewhere; a lone
+        unpipelined stream pays it in full, before its first drafted token. For an 800-token prompt on
+        a 2-core CPU that is a second or more, and a short answer never repays it (Spec-Bench's rag,
+        19-token answers: 0.9x target-only with the draft, 1.15x with n-grams alone; measured).
+
+        The answer's length is unknown, so this is a ski rental: the request runs n-gram rounds (a
+        ``draft`` request: its own text's repeats) until the tokens still expected, taken as
+        the ones generated so far (at least ``DRAFT_WAIT_FLOOR_TOKENS``, at most what is left), times
+        what drafting saves per token (the cost model at the request's rate, which waiting rounds do
+        not move: ``_record``) exceed the catch-up at the draft worker's measured price of a prompt
+        token (``PromptTokenCost``, first priced by the warm-up). A long answer then loses at most about
+        the catch-up's price; a short one never pays it. A prompt of a few hundred tokens is read at
+        once. The catch-up counts the prompt tokens the target found in its prefix cache as read: the
+        draft worker's cache most likely holds them too.
+        """
+        draft, opts, s = self.draft, self.options, self.state
+        if draft is None or opts.pipelined or not opts.adaptive_k or self.verifier.streams > 1:
+            return False
+        behind = draft.lag(s.history) - (0 if draft.opened else s.stats.prompt_tokens_reused)
+        fit = draft.channel.fitted_cost()
+        if behind <= MAX_K + 1 or fit is None or fit.prompt_token_s <= 0:
+            return False
+        costs = self._round_costs(drafting=True)
+        rate = s.tracker.rate
+        k = choose_k(rate, costs, opts.k_max)
+        if k == 0:
+            return False  # drafting does not pay at all: adaptive k holds the draft at 0 (and explores)
+        saved_per_token = costs.round_seconds(0) - costs.round_seconds(k) / expected_tokens(rate, k)
+        to_come = min(s.remaining, max(s.num_generated, DRAFT_WAIT_FLOOR_TOKENS))
+        return to_come * saved_per_token < behind * fit.prompt_token_s
 
     # ----- bookkeeping -----------------------------------------------------
     def _record(self, k: int, drafted: int, accepted: int, proposal: Proposal, chain_len: int, along: int) -> None:
@@ -501,7 +553,8 @@ class SpeculationLoop:
             stats.rejected += along < chain_len
             stats.ngram_rounds += source in (NGRAM, CACHE)
             stats.cache_rounds += source == CACHE
-            self.state.tracker.observe(chain_len, along)
+            if not self._draft_waiting:  # (a waiting round's n-gram guesses say nothing of the draft's)
+                self.state.tracker.observe(chain_len, along)
             if self._by_evidence() and source in (NGRAM, CACHE):
                 assert self.match_rates is not None
                 self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,

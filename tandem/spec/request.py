@@ -49,6 +49,8 @@ class GenerationStats:
     tree_nodes: int = 0  # draft tokens those trees held (all counted in drafted)
     branch_tokens: int = 0  # accepted tokens off the trees' first branch: what trees added
     prompt_tokens_reused: int = 0  # prompt tokens the target took from its prefix cache at the first Prefill
+    # Rounds without the draft model while reading what it lacked (a long prompt) would not have paid yet
+    draft_wait_rounds: int = 0
     # Heads rounds (medusa, eagle), per depth d >= 1 of the heads' tree: rounds whose tree reached depth d,
     # and rounds that kept a token at depth d (their ratio: the acceptance of head position d).
     depth_offered: Counter[int] = field(default_factory=Counter)
@@ -116,6 +118,7 @@ class GenerationStats:
             "tree_rounds": self.tree_rounds,
             "branch_tokens": self.branch_tokens,
             "prompt_tokens_reused": self.prompt_tokens_reused,
+            "draft_wait_rounds": self.draft_wait_rounds,
             "acceptance_rate": round(self.acceptance_rate, 4),
             **({"depth_acceptance": self.depth_acceptance} if self.depth_offered else {}),
         }

@@ -73,6 +73,9 @@ class FittedCost:
     # reads 0 there.
     last_base_s: float = 0.0
     last_per_token_s: float = 0.0
+    # What a prompt token adds to a pass (a prefill's price per token; 0: not measured yet). A draft
+    # that must first read a long prompt pays about this per token (``SpeculationLoop._draft_waits``).
+    prompt_token_s: float = 0.0
 
 
 class Verifier(Protocol):

@@ -104,5 +104,8 @@ def test_a_workers_info_carries_the_last_trusted_line_to_the_heads_budget():
                                    last_forward_per_token_s=0.005)
     fit = c.fitted_cost()
     assert (fit.last_base_s, fit.last_per_token_s) == (0.05, 0.005)
+    assert fit.prompt_token_s == 0.0  # not measured yet: a loop then never keeps its draft waiting
+    c.info.prompt_token_s = 0.0016
+    assert c.fitted_cost().prompt_token_s == 0.0016  # what a draft's read of a long prompt is weighed with
     state = RequestState([1, 2, 3], SamplingParams(), StopConditions(100))
     assert heads_budget(SpecOptions("eagle", 4), state, 1000, fit) == 2

@@ -263,6 +263,16 @@ def test_completion_fields_refused(tokenizer, change, param):
     run(go())
 
 
+@pytest.mark.parametrize("tree,mode", [(True, "on"), (False, "off"), ("auto", "auto"), (None, "")])
+def test_the_tree_option_takes_a_mode_or_a_boolean(tree, mode):
+    from coordinator.http.schema import parse_completion
+
+    parsed = parse_completion({"prompt": "hi", "tandem": {"tree": tree}})
+    assert parsed.request.speculation.tree == mode
+    with pytest.raises(Exception, match="tandem.tree"):
+        parse_completion({"prompt": "hi", "tandem": {"tree": 2}})
+
+
 def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):
     """What SDKs send by default asks for nothing: accepted as if absent."""
     async def go():

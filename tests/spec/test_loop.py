@@ -209,6 +209,43 @@ def test_a_request_held_at_k_zero_still_explores_and_drafts_again_when_the_draft
     assert state.stats.rounds < 140
 
 
+class PricedPromptDraft(FakeDraft):
+    """A draft worker that has measured what a prompt token costs it (2 ms), and records what each call read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[int, int]] = []  # (committed_len, new tokens) per Propose
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.01, 0.001, prompt_token_s=0.002)
+
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0):
+        self.reads.append((committed_len, len(new_tokens)))
+        return await super().propose(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len)
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_a_long_prompt_waits_for_its_draft_until_the_answer_repays_the_read(method):
+    """600 prompt tokens cost the draft 1.2 s to read, about 20 drafted tokens' savings: the first rounds
+    go without it (n-gram rounds), then it reads the prompt and what was generated in one call."""
+    prompt = [(i * 7) % VOCAB for i in range(600)]
+    target, draft = FakeTarget(), PricedPromptDraft()
+    state = RequestState(list(prompt), SamplingParams(), StopConditions(80))
+    loop = SpeculationLoop(state, "s", SpecOptions(method, 4), target, draft, CostModel(), 10_000)
+    asyncio.run(loop.run_to_end())
+    assert state.generated == target_only(prompt, 80)
+    assert state.stats.draft_wait_rounds > 5
+    first_read, later = draft.reads[0], draft.reads[1:]
+    assert first_read[0] == 0 and first_read[1] > 600 + state.stats.draft_wait_rounds  # the prompt and the answer
+    assert all(new < 10 for _, new in later)  # then it kept up, round by round
+    assert state.stats.accepted > 20
+
+    short = RequestState(prompt[:40], SamplingParams(), StopConditions(80))
+    asyncio.run(SpeculationLoop(short, "s", SpecOptions(method, 4), FakeTarget(), PricedPromptDraft(), CostModel(),
+                                10_000).run_to_end())
+    assert short.stats.draft_wait_rounds == 0  # a short prompt is read at once
+
+
 def test_a_failing_verifier_still_releases_both_sides():
     class Broken(FakeTarget):
         async def verify(self, *a):
