@@ -524,7 +524,8 @@ class SpeculationLoop:
         draft worker's cache most likely holds them too.
         """
         draft, opts, s = self.draft, self.options, self.state
-        if draft is None or opts.pipelined or not opts.adaptive_k or self.verifier.streams > 1:
+        if (draft is None or not opts.draft_waits or opts.pipelined or not opts.adaptive_k
+                or self.verifier.streams > 1):
             return False
         behind = draft.lag(s.history) - (0 if draft.opened else s.stats.prompt_tokens_reused)
         fit = draft.channel.fitted_cost()

@@ -91,6 +91,9 @@ class SpecOptions:
     # medusa/eagle: the rounds that do not ask the heads (they measure slower) decode plainly, verifying the
     # text's own repeats, or run as ``hybrid`` rounds with the draft model (``heads_fallback``)
     heads_fallback: str = "plain"
+    # A lone unpipelined request runs n-gram rounds while its draft's read of a long prompt would not pay yet
+    # (``SpeculationLoop._draft_waits``); False: the draft reads it at once (spec_bench's ``*-eager`` methods)
+    draft_waits: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":

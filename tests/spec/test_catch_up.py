@@ -54,12 +54,12 @@ TARGET_STEP_S, DRAFT_STEP_S, DRAFT_PROMPT_TOKEN_S = 0.087, 0.019, 0.0016
 
 
 def lone_loop(prompt_len: int, method: str = "hybrid", pipelined: bool = False,
-              prompt_token_s: float = DRAFT_PROMPT_TOKEN_S, max_new: int = 128) -> SpeculationLoop:
+              prompt_token_s: float = DRAFT_PROMPT_TOKEN_S, max_new: int = 128, waits: bool = True) -> SpeculationLoop:
     state = RequestState(list(range(1, prompt_len + 1)), SamplingParams(), StopConditions(max_new))
     target, draft = Worker(TARGET_STEP_S, 0.0027, 1), Worker(DRAFT_STEP_S, 0.0, 1)
     draft.cost = FittedCost(DRAFT_STEP_S, 0.0, prompt_token_s=prompt_token_s)
-    loop = SpeculationLoop(state, "s", SpecOptions(method, 4, pipelined=pipelined), target, draft, CostModel(),
-                           max_context=32768)
+    loop = SpeculationLoop(state, "s", SpecOptions(method, 4, pipelined=pipelined, draft_waits=waits), target, draft,
+                           CostModel(), max_context=32768)
     state.tracker.accepted, state.tracker.rejected = 30.0, 10.0  # drafts land three times in four
     state.commit([7])  # the target's first token, from its prefill
     return loop
@@ -91,6 +91,7 @@ def test_a_waiting_round_proposes_from_the_text_and_never_asks_the_draft():
 def test_the_draft_is_not_kept_waiting_where_its_read_is_hidden_or_unpriced():
     assert not lone_loop(prompt_len=800, pipelined=True)._draft_waits()  # read during the target's prefill
     assert not lone_loop(prompt_len=800, prompt_token_s=0.0)._draft_waits()  # no prompt measured yet
+    assert not lone_loop(prompt_len=800, waits=False)._draft_waits()  # spec_bench's eager methods
     near_the_end = lone_loop(prompt_len=800, max_new=3)
     assert near_the_end._draft_waits()  # two tokens left can never repay 800 read
     cached = lone_loop(prompt_len=800)
