@@ -147,9 +147,6 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         super().__init__(engine, leases)
         # None: chunks sized from the measured step cost; 0: prompts always fed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
-        # Seeded draws race against the noise the target draws on its device, and a generator's noise
-        # depends on its device type: this one is on the model's (reseeded per draw, so it keeps no state).
-        self.race_generator = torch.Generator(device=engine.device)
 
     def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
         if not isinstance(call, ProposeCall):
@@ -326,10 +323,10 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                 # Seeded: the target keeps a token when it is the target's own seeded draw at its position
                 # (tandem.spec.rejection, "Seeded sampling"), so draw it from that draw's very noise.
                 # ``plan.tokens`` has grown by the tokens drafted so far: its length is this token's position.
-                # (A draft on another device type than its target's draws other noise: fewer drafts are kept.)
-                plan.call.sampling.seed_at(self.race_generator, len(plan.tokens))
+                # The noise is a hash of (seed, position, token id): the target's on any device, here for the
+                # support's ids alone.
                 ids = torch.from_numpy(wire.token_ids[r])  # [N_r]
-                index = draw_coupled(wire.probs[r], ids, self.engine.config.vocab_size, self.race_generator)
+                index = draw_coupled(wire.probs[r], ids, plan.call.sampling.noise_key(len(plan.tokens)))
             else:
                 # Draw from decode(message) itself, over its support (the rest of the row is 0).
                 index = int(sample(wire.probs[r][None], self.sequences[plan.call.seq_id].generator)[0])

@@ -57,6 +57,12 @@ class SamplingParams:
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         return torch.Generator(device=device).manual_seed(seed)
 
+    def noise_key(self, position: int, stream: int = 0) -> int:
+        """A seeded request's key of the noise its token at ``position`` races (``tandem.sampling.seeded_race``):
+        (seed, stream, position) hashed to a signed 64-bit integer, so every replica and device draws alike."""
+        digest = hashlib.blake2b(f"{self.seed}:{stream}:{position}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
     def seed_at(self, generator: torch.Generator, position: int, stream: int = 0) -> None:
         """Seeded requests draw the randomness of each position from (seed, stream, position) alone.
 

@@ -452,10 +452,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall) and call.prompt_len:
             return Verdict(0, seq.history[-1])  # a rebuild: the history is known, nothing to sample
-        if seq.generator is not None:  # seeded: this position's draws, wherever the sequence was rebuilt
+        if seq.generator is not None:  # seeded (rejection rule): this position's draws, wherever it was rebuilt
             seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
         if isinstance(call, PrefillCall):
-            return first_token(logits, seq.sampling, seq.generator)
+            return first_token(logits, seq.sampling, seq.generator, position=plan.kv_len)
         # (a seeded request's verdict is its own draws: the draft's q, checked when decoded, goes unused)
         q = None if plan.q is None or seq.sampling.exact_seed else plan.q.dense(logits.device)
         # position: a seeded request's rows take plain decoding's draws at their positions (rejection's doc)

@@ -37,18 +37,18 @@ products (a node is kept when it is its parent's first accepted child and so
 are all its ancestors). The verifiers return a ``PendingVerdict``; ``fetch``
 reads a whole batch's verdicts with one device-to-host copy.
 
-Seeded sampling (``params.exact_seed``: a seed, and no ``rejection_rule``; the position of the first
-scored token given):
-every row's token is drawn as plain decoding draws it, ``sample`` with the generator
-seeded at (seed, that token's position), and a node is kept when it equals the draw at its
-parent's row (``_coupled``). Each position's token is then the one plain seeded decoding
-makes, whatever was proposed, in how many rounds and from which cache: the output of a
-seeded request repeats exactly and equals its plain output. Lossless by construction
+Seeded sampling (``params.exact_seed``: a seed, and no ``rejection_rule``; the position of the
+first scored token given): every row's token is drawn as plain decoding draws it,
+``seeded_race``: the exponential race (the Gumbel-max trick) against noise hashed from (seed,
+that token's position), and a node is kept when it equals the draw at its parent's row
+(``_coupled``). Each position's token is then the one plain seeded decoding makes, whatever was
+proposed, in how many rounds and from which cache: the output of a seeded request repeats
+exactly and equals its plain output. Lossless by construction
 (every token is a draw from the target's own p); a deterministic proposal is kept with
 probability p(x), as under the rule above. A sampled draft proposal is kept when the draft
-drew the same token: the draft worker draws it from the same seeded exponential noise (the
-race ``torch.multinomial`` runs), so a draft with q = p is always kept, and one with q
-near p nearly always (see ``draft_worker.engine``).
+drew the same token: the draft worker races its q against the same noise (``draw_coupled``:
+the noise is a hash of key and token id, the same on every device), so a draft with q = p is
+always kept, and one with q near p nearly always (see ``draft_worker.engine``).
 
 Log-probabilities (``params.logprobs`` set): the target's own, the log-softmax of
 its logits (before temperature, top-k and top-p), at the rows that decided the
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.sampling import SamplingParams, pick_tokens, probabilities, sample
+from tandem.sampling import SamplingParams, pick_tokens, probabilities, sample, seeded_race
 from tandem.spec.transport import TokenLogprob
 
 
@@ -172,9 +172,15 @@ def fetch(verdicts: Sequence[Verdict | PendingVerdict]) -> list[Verdict]:
     return [v if isinstance(v, Verdict) else v.result() for v in verdicts]
 
 
-def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> PendingVerdict:
-    """A prefill's first token from its ``[1, vocab]`` logits (and its log-probabilities when asked)."""
-    token = pick_tokens(logits, params, generator)  # [1]
+def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                position: int | None = None) -> PendingVerdict:
+    """A prefill's first token from its ``[1, vocab]`` logits (and its log-probabilities when asked);
+    ``position``: the token's (the prompt's length), where a seeded request draws as ``verify`` does."""
+    if params.exact_seed and position is not None:
+        key = torch.tensor([params.noise_key(position)], device=logits.device)
+        token = seeded_race(probabilities(logits, params), key)  # [1]
+    else:
+        token = pick_tokens(logits, params, generator)  # [1]
     root = torch.zeros(1, dtype=torch.int64, device=logits.device)  # the one row
     return PendingVerdict(token, 0, tree=False, **_asked(logits, params, _Shape.chain(0, logits.device), None, token,
                                                          root))
@@ -216,8 +222,7 @@ def verify(
     assert generator is not None, "sampling needs the request's generator"
     if params.exact_seed and position is not None:
         shape = _Shape.chain(len(draft_tokens), target_logits.device)
-        return _coupled(target_logits, draft_tokens, shape, list(range(len(draft_tokens) + 1)), params, generator,
-                        position)
+        return _coupled(target_logits, draft_tokens, shape, list(range(len(draft_tokens) + 1)), params, position)
     return verify_sampled(target_logits, draft_tokens, draft_probs, params, generator)
 
 
@@ -237,7 +242,7 @@ def verify_tree(
         return _greedy(target_logits, tokens, shape, params)
     assert generator is not None, "sampling needs the request's generator"
     if params.exact_seed and position is not None:
-        return _coupled(target_logits, tokens, shape, _row_depths(children, len(tokens)), params, generator, position)
+        return _coupled(target_logits, tokens, shape, _row_depths(children, len(tokens)), params, position)
     return _sampled(target_logits, tokens, shape, draft_probs, params, generator)
 
 
@@ -354,17 +359,13 @@ def _coupled(
     shape: _Shape,
     depths: list[int],  # [N+1] each row's depth (``_row_depths``)
     params: SamplingParams,
-    generator: torch.Generator,
     position: int,
 ) -> PendingVerdict:
     """Seeded: each row's token drawn as plain decoding draws the token at its position; drafts kept
-    while they equal those draws (the module doc). One reseed and one draw per row, no host sync."""
+    while they equal those draws (the module doc). One race for all rows, no host sync."""
     p = probabilities(target_logits, params)  # [N+1, vocab]
-    draws = []
-    for row, depth in enumerate(depths):
-        params.seed_at(generator, position + depth)
-        draws.append(sample(p[row : row + 1], generator))  # [1]: as ``sample`` draws it from a [1, vocab] row
-    return _matching(target_logits, torch.cat(draws), tokens, shape, params)
+    keys = torch.tensor([params.noise_key(position + depth) for depth in depths], device=p.device)  # [N+1]
+    return _matching(target_logits, seeded_race(p, keys), tokens, shape, params)
 
 
 def _matching(target_logits: torch.Tensor, choices: torch.Tensor, tokens: list[int], shape: _Shape,
