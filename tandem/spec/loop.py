@@ -520,14 +520,17 @@ class SpeculationLoop:
         not move: ``_record``) exceed the catch-up at the draft worker's measured price of a prompt
         token (``PromptTokenCost``, first priced by the warm-up). A long answer then loses at most about
         the catch-up's price; a short one never pays it. A prompt of a few hundred tokens is read at
-        once. The catch-up counts the prompt tokens the target found in its prefix cache as read: the
-        draft worker's cache most likely holds them too.
+        once. The prompt tokens the target found in its prefix cache are counted as unread all the
+        same: the draft's cache holds them only if an earlier request drafted after them, and one that
+        waited to the end, or ran without a draft, did not (a repeated rag prompt: 1.3 s of reading
+        for a request that assumed otherwise). Where it does hold them, the read is quicker than priced
+        and the wait at most that price.
         """
         draft, opts, s = self.draft, self.options, self.state
         if (draft is None or not opts.draft_waits or opts.pipelined or not opts.adaptive_k
                 or self.verifier.streams > 1):
             return False
-        behind = draft.lag(s.history) - (0 if draft.opened else s.stats.prompt_tokens_reused)
+        behind = draft.lag(s.history)
         fit = draft.channel.fitted_cost()
         if behind <= MAX_K + 1 or fit is None or fit.prompt_token_s <= 0:
             return False

@@ -92,11 +92,14 @@ def test_the_draft_is_not_kept_waiting_where_its_read_is_hidden_or_unpriced():
     assert not lone_loop(prompt_len=800, pipelined=True)._draft_waits()  # read during the target's prefill
     assert not lone_loop(prompt_len=800, prompt_token_s=0.0)._draft_waits()  # no prompt measured yet
     assert not lone_loop(prompt_len=800, waits=False)._draft_waits()  # spec_bench's eager methods
+
+
+def test_a_draft_waits_near_the_end_and_where_only_the_targets_cache_held_the_prompt():
     near_the_end = lone_loop(prompt_len=800, max_new=3)
     assert near_the_end._draft_waits()  # two tokens left can never repay 800 read
     cached = lone_loop(prompt_len=800)
-    cached.state.stats.prompt_tokens_reused = 784  # the prompt's blocks were cached: little left to read
-    assert not cached._draft_waits()
+    cached.state.stats.prompt_tokens_reused = 784  # the target's cache held the prompt; the draft's may not
+    assert cached._draft_waits()
 
 
 def test_waiting_rounds_leave_the_rate_the_draft_is_valued_at_alone():
