@@ -66,15 +66,28 @@ def test_bad_draft_options_are_named(tiny_qwen2_dir, options, field):
         EngineConfig(tiny_qwen2_dir, **options)
 
 
+def test_the_int8_kernel_keeps_the_inputs_it_is_measured_faster_on(monkeypatch):
+    """fp32: above 16 rows a dequantized weight (MKL); bf16 with native bf16: above 48 (dequantizing costs a
+    pass ~80 ms there); emulated bf16: never (the int8 kernel wins at every size measured)."""
+    import tandem.models.quantize as quantize
+
+    dense = quantize._dense_beats_int8
+    assert not dense(torch.float32, 16) and dense(torch.float32, 17)
+    monkeypatch.setattr(quantize, "_NATIVE_BF16", True)
+    assert not dense(torch.bfloat16, 48) and dense(torch.bfloat16, 49)
+    monkeypatch.setattr(quantize, "_NATIVE_BF16", False)
+    assert not dense(torch.bfloat16, 4096)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_sized_inputs_use_the_int8_weights_too(dtype):
     """Long inputs may take a faster kernel (see Int8Linear), never a different weight."""
-    from tandem.models.quantize import INT8_MAX_ROWS
+    from tandem.models.quantize import INT8_MAX_ROWS, INT8_MAX_ROWS_NATIVE_BF16
 
     torch.manual_seed(2)
     weight = torch.randn(32, 16)
     layer = Int8Linear.from_weight(weight.to(dtype), bias=torch.randn(32).to(dtype))
-    long_x = torch.randn(3 * INT8_MAX_ROWS, 16).to(dtype)
+    long_x = torch.randn(3 * INT8_MAX_ROWS_NATIVE_BF16, 16).to(dtype)  # past every crossover
     in_short_calls = torch.cat([layer(part) for part in long_x.split(INT8_MAX_ROWS)])  # int8 kernel only
     on_dequantized = torch.nn.functional.linear(long_x, layer.dequantized(dtype), layer.bias)
     # bf16: the dequantized weight itself is rounded to bf16 (2^-9 relative), over 16 inputs of size ~1.

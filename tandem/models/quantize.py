@@ -33,6 +33,10 @@ from tandem.models.transformer import CausalLM
 
 # Above this many rows a dense matmul may beat the int8 one (crossover measured at 8..32 rows where it does).
 INT8_MAX_ROWS = 16
+# ... and in bf16 on a CPU with native bf16, where a dense pass also pays dequantizing every weight (measured,
+# whole passes of the lean Qwen2.5-0.5B draft on a 2-core AMD EPYC Zen 5: 17 rows 63 ms int8 against 115 ms
+# dense, 32 rows 96 against 128, 48 rows 137 against 141, 56 rows 155 against 146).
+INT8_MAX_ROWS_NATIVE_BF16 = 48
 
 
 class Int8Linear(nn.Module):
@@ -55,9 +59,11 @@ class Int8Linear(nn.Module):
       40 ms for MKL), so inputs of more than ``INT8_MAX_ROWS`` rows dequantize the
       weight for the call (a transient ``[out, in]`` tensor) and use MKL: the
       128-token prefill took 3.3 s that way, 1.7 s with a dense copy, 127 s in int8.
-    * bf16 with avx512_bf16 or AMX: oneDNN's bf16 matmul was the faster one at
-      prefill sizes where this was first measured, so long inputs dequantize for the
-      call as in fp32 (not measured here: this machine has neither).
+    * bf16 with avx512_bf16 or AMX: oneDNN's bf16 matmul is the faster one at
+      prefill sizes, so long inputs dequantize for the call as in fp32; the dequantizing
+      costs about 80 ms a pass for the 0.5B draft on 2 Zen 5 cores, so the int8 kernel
+      keeps inputs of up to ``INT8_MAX_ROWS_NATIVE_BF16`` rows (800-token prefill: 1.25 s
+      dense, 2.2 s int8; 17 rows: 115 ms dense, 63 ms int8).
     """
 
     def __init__(self, weight_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -77,7 +83,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
         """``blocks`` is accepted for RowStableLinear's signature and ignored: drafts make no bitwise promise."""
-        if x.shape[0] > INT8_MAX_ROWS and _dense_beats_int8(x.dtype):
+        if _dense_beats_int8(x.dtype, x.shape[0]):
             return onednn_linear(x, self.dequantized(x.dtype), self.bias)
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scales.to(x.dtype))  # [T, out]
         return out if self.bias is None else out + self.bias
@@ -90,9 +96,11 @@ class Int8Linear(nn.Module):
 _NATIVE_BF16 = native_cpu_bf16()
 
 
-def _dense_beats_int8(dtype: torch.dtype) -> bool:
-    """Whether a prompt-sized input is faster on a per-call dequantized weight (see Int8Linear)."""
-    return dtype != torch.bfloat16 or _NATIVE_BF16
+def _dense_beats_int8(dtype: torch.dtype, rows: int) -> bool:
+    """Whether an input of ``rows`` rows is faster on a per-call dequantized weight (see Int8Linear)."""
+    if dtype == torch.bfloat16:
+        return _NATIVE_BF16 and rows > INT8_MAX_ROWS_NATIVE_BF16
+    return rows > INT8_MAX_ROWS
 
 
 def shrink_for_drafting(model: CausalLM, quantization: str, vocab_limit: int | None) -> CausalLM:
