@@ -114,6 +114,17 @@ def load_prompts(
 
 
 # ----- flags -------------------------------------------------------------
+def positive_ints(text: str, flag: str) -> list[int]:
+    """``--flag`` given as comma-separated whole numbers, each >= 1; SystemExit naming the flag otherwise."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag}: at least one length, each >= 1, got {text!r}")
+    return values
+
+
 def quick_default(value: int | None, quick: bool, quick_value: int, full_value: int) -> int:
     """A flag's value if given, else its --quick or its full-run default (an explicit 0 stays 0)."""
     if value is not None:

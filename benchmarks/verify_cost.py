@@ -31,6 +31,7 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     markdown_table,
     new_figure,
+    positive_ints,
     save_figure,
     write_json,
     write_markdown,
@@ -62,13 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def contexts_from(text: str) -> list[int]:
-    try:
-        contexts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SystemExit(f"--contexts: comma-separated whole numbers, got {text!r}") from None
-    if not contexts or min(contexts) < 1:
-        raise SystemExit(f"--contexts: at least one length, each >= 1, got {text!r}")
-    return contexts
+    return positive_ints(text, "--contexts")
 
 
 def measure(engine: Any, context: int, reps: int) -> dict[str, float]:

@@ -146,3 +146,24 @@ def test_seeded_sampling_refuses_unknown_methods():
 
     with pytest.raises(SystemExit, match="--methods"):
         seeded_sampling.methods_from("draft,medusa")
+
+
+def test_int8_rows_times_both_ways_and_names_the_rules_choice(tiny_qwen2_dir, tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks import int8_rows
+
+    assert int8_rows.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--rows", "4,40",
+                           "--reps", "1", "--out", str(tmp_path), "--name", "ir"]) == 0
+    rows = json.loads((tmp_path / "ir.json").read_text())["rows"]
+    assert [r["rows"] for r in rows] == [4, 40]
+    for row in rows:
+        assert row["int8 ms"] > 0 and row["dense ms"] > 0
+        assert row["faster"] == min(("int8", "dense"), key=lambda way: row[f"{way} ms"])
+        assert row["rule's loss ms"] >= 0
+    assert [r["rule takes"] for r in rows] == ["int8", "dense"]  # float32: dense past 16 rows
+    assert (tmp_path / "ir.md").is_file() and (tmp_path / "ir.png").is_file()
+    with pytest.raises(SystemExit, match="--rows"):
+        int8_rows.rows_from("8,x")

@@ -33,10 +33,12 @@ from tandem.models.transformer import CausalLM
 
 # Above this many rows a dense matmul may beat the int8 one (crossover measured at 8..32 rows where it does).
 INT8_MAX_ROWS = 16
-# ... and in bf16 on a CPU with native bf16, where a dense pass also pays dequantizing every weight (measured,
-# whole passes of the lean Qwen2.5-0.5B draft on a 2-core AMD EPYC Zen 5: 17 rows 63 ms int8 against 115 ms
-# dense, 32 rows 96 against 128, 48 rows 137 against 141, 56 rows 155 against 146).
-INT8_MAX_ROWS_NATIVE_BF16 = 48
+# ... and in bf16 on a CPU with native bf16, where a dense pass also pays dequantizing every weight. Whole
+# prompt passes of the lean Qwen2.5-0.5B draft on a 2-core AMD EPYC Zen 5 (benchmarks/int8_rows.py, the two
+# ways taking turns, as a draft worker's decode steps and prompt passes do): int8 faster up to about 80 rows
+# (48: 146 against 191 ms; 64: 185 against 207; 80: 224 against 224; 128: 339 against 265). Run back to back,
+# each way alone, dense won from about 50 rows (56: 146 against 155 ms); 64 sits between the two.
+INT8_MAX_ROWS_NATIVE_BF16 = 64
 
 
 class Int8Linear(nn.Module):
@@ -61,9 +63,9 @@ class Int8Linear(nn.Module):
       128-token prefill took 3.3 s that way, 1.7 s with a dense copy, 127 s in int8.
     * bf16 with avx512_bf16 or AMX: oneDNN's bf16 matmul is the faster one at
       prefill sizes, so long inputs dequantize for the call as in fp32; the dequantizing
-      costs about 80 ms a pass for the 0.5B draft on 2 Zen 5 cores, so the int8 kernel
-      keeps inputs of up to ``INT8_MAX_ROWS_NATIVE_BF16`` rows (800-token prefill: 1.25 s
-      dense, 2.2 s int8; 17 rows: 115 ms dense, 63 ms int8).
+      costs about 80-120 ms a pass for the 0.5B draft on 2 Zen 5 cores, so the int8
+      kernel keeps inputs of up to ``INT8_MAX_ROWS_NATIVE_BF16`` rows (800-token prefill:
+      1.25 s dense, 2.2 s int8; 16 rows: 141 ms dense, 62 ms int8).
     """
 
     def __init__(self, weight_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
