@@ -27,7 +27,7 @@ def test_generate_json_is_the_target_only_output_with_its_stats(tiny_served_dir,
     expected = target_only(tiny_served_dir, [prompt], dtype="float32", max_new_tokens=24)[prompt]
     # --fixed-k: the draft drafts every round (adaptive k rightly declines a draft as dear as the target);
     # dense and in float32, the draft is the target itself (a lean one, int8 in bf16 where the CPU has native
-    # bf16, may disagree with it: on the tiny model it did once in 18 tokens when its 17-48-row passes took the
+    # bf16, may disagree with it: on the tiny model it did once in 18 tokens when its 17-64-row passes took the
     # int8 kernel)
     draft = (["--draft", str(tiny_served_dir), "--fixed-k", "--draft-quantization", "none", "--draft-dtype", "float32"]
              if method == "hybrid" else [])
