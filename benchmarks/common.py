@@ -125,6 +125,14 @@ def positive_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def names_from(text: str, allowed: Sequence[str], flag: str = "--methods") -> list[str]:
+    """``--flag`` given as comma-separated names, each one of ``allowed``; SystemExit naming the flag otherwise."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or set(names) - set(allowed):
+        raise SystemExit(f"{flag}: a comma-separated list of {', '.join(allowed)}, got {text!r}")
+    return names
+
+
 def quick_default(value: int | None, quick: bool, quick_value: int, full_value: int) -> int:
     """A flag's value if given, else its --quick or its full-run default (an explicit 0 stays 0)."""
     if value is not None:

@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     machine_line,
     markdown_table,
+    names_from,
     new_figure,
     save_figure,
     timed,
@@ -74,11 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def methods_from(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
-    if not methods or unknown:
-        raise SystemExit(f"--methods: a comma-separated list of {', '.join(METHODS)}, got {text!r}")
-    return methods
+    return names_from(text, METHODS)
 
 
 def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequence[str], max_new_tokens: int,

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from coordinator import prefix_routing
+from coordinator.prefix_mirror import PrefixMirror
 from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
@@ -85,6 +86,7 @@ class WorkerClient:
         self.rejected = False  # its Info answered with another tokenizer: never used
         self.leaving = False  # discovery no longer lists it: no new requests, closed once idle
         self.closed = False  # its channel is closed: a poll still holding it gets no answer, and no error
+        self.prompt_blocks = PrefixMirror()  # a draft's: the prompts this coordinator has seen it cache
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         try:
@@ -115,6 +117,8 @@ class WorkerClient:
                 raise
             self.healthy = False
             return grpc.StatusCode.UNAVAILABLE
+        if not self.healthy:
+            self.prompt_blocks.clear()  # it stopped answering: it may be back with an empty cache
         self.healthy = True
         return grpc.StatusCode.OK
 
@@ -140,6 +144,18 @@ class WorkerClient:
         info = self.info
         return FittedCost(info.forward_base_s, info.forward_per_token_s, info.last_forward_base_s,
                           info.last_forward_per_token_s, info.prompt_token_s)
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of ``token_ids`` this (draft) replica should hold in its prefix cache, as far as
+        this coordinator saw it read them (``PrefixMirror``: a hint); 0 with its prefix cache off."""
+        if self.info is None or not self.info.prefix_cache.enabled or self.info.block_size < 1:
+            return 0
+        return self.prompt_blocks.match(token_ids, self.info.block_size)
+
+    def read_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """This (draft) replica drafted after reading ``prompt_ids``: it cached the prompt's full blocks."""
+        if self.info is not None and self.info.prefix_cache.enabled and self.info.block_size >= 1:
+            self.prompt_blocks.record(prompt_ids, self.info.block_size, self.info.total_blocks)
 
     def for_request(self, deadline: float | None) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time)."""
@@ -228,7 +244,12 @@ class RequestChannel:
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
             sampling=sampling_to_proto(sampling), alternatives=alternatives, prompt_len=prompt_len,
             owner=self.owner))
+        if committed_len == 0 and k > 0 and 0 < prompt_len <= len(new_tokens):
+            self.client.read_prompt(new_tokens[:prompt_len])  # (a draft offers a prompt it drafted after)
         return Drafted(list(reply.tokens), list(reply.probs), [list(a.token_ids) for a in reply.alternatives])
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        return self.client.cached_prefix(token_ids)
 
     async def release(self, seq_id: str) -> None:
         """Best effort: a worker that is gone has freed the KV anyway."""

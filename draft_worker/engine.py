@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.block_pool import prefix_limit
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
@@ -63,7 +64,7 @@ from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.prefill_chunks import PrefillChunks
-from tandem.rpc.sequence_engine import Run, SequenceEngine, history_runs, prefix_limit
+from tandem.rpc.sequence_engine import Run, SequenceEngine, history_runs
 from tandem.sampling import SamplingParams, draw_coupled, probabilities, sample
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.proposers import common_prefix_len

@@ -34,6 +34,13 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def prefix_limit(prompt_len: int) -> int:
+    """Most prompt tokens a sequence may take from the prefix cache: at least its last token is computed
+    (its logits give the first generated token). Prompt rows are bitwise the same after a cached prefix
+    of any length (prompt attention is fixed by position: tandem/attention/sdpa.py)."""
+    return max(0, prompt_len - 1)
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Cumulative since the pool was made, plus the index's size now (``WorkerInfo.prefix_cache``)."""

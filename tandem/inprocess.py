@@ -115,6 +115,9 @@ class LocalDraft:
     def fitted_cost(self) -> FittedCost | None:
         return _fitted(self.engine.engine)
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        return self.engine.engine.kv_cache.cached_prefix_len(token_ids)
+
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
         reply = await self.batcher.submit(

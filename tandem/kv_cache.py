@@ -19,7 +19,7 @@ never reach a block another sequence reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -206,21 +206,34 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq_id!r} exists: only a new sequence starts on a cached prefix")
         if not self.prefix_caching:
             return 0
-        bs, parent = self.block_size, self.salt
         seq = SequenceBlocks()
+        for block, content in self._cached_blocks(tokens, limit):
+            self.pool.hold(block)
+            seq.block_ids.append(block)
+            seq.hashes.append(content)
+        seq.length = len(seq.block_ids) * self.block_size
+        self._seqs[seq_id] = seq
+        self.pool.count_lookup(len(tokens), seq.length)
+        return seq.length
+
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` a new sequence would take from the cache now (full blocks),
+        changing nothing: no block held, no lookup counted. A reader on another thread than the one that
+        computes sees the index as it stands (each lookup is one dict read): a hint, not a promise."""
+        return sum(1 for _ in self._cached_blocks(tokens, len(tokens))) * self.block_size
+
+    def _cached_blocks(self, tokens: Sequence[int], limit: int) -> Iterator[tuple[int, bytes]]:
+        """(block, content hash) of the cached full blocks ``tokens[:limit]`` begins with, in order."""
+        if not self.prefix_caching:
+            return
+        bs, parent = self.block_size, self.salt
         for i in range(min(limit, len(tokens)) // bs):
             content = block_hash(parent, tokens[i * bs:(i + 1) * bs])
             block = self.pool.lookup(content)
             if block is None:
-                break
-            self.pool.hold(block)
-            seq.block_ids.append(block)
-            seq.hashes.append(content)
+                return
+            yield block, content
             parent = content
-        seq.length = len(seq.block_ids) * bs
-        self._seqs[seq_id] = seq
-        self.pool.count_lookup(len(tokens), seq.length)
-        return seq.length
 
     def commit(self, seq_id: SeqId, tokens: Sequence[int], upto: int) -> None:
         """``tokens[:upto]`` are committed (verified) and their KV is in place: register the full blocks

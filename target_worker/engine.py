@@ -25,7 +25,7 @@ A batch runs in phases, all on the model thread (the batcher's):
 
 Prefix caching: a new prompt starts on the KV blocks it shares with earlier
 prompts (``ModelEngine.reuse_prefix``) and computes only the rest, at least its
-last token (``tandem.rpc.sequence_engine.prefix_limit``); once computed, its own
+last token (``tandem.block_pool.prefix_limit``); once computed, its own
 full blocks are offered to the cache (prompt blocks only: generated tokens may be
 rolled back, and their rows are computed another way).
 Chunked prefill (``tandem/rpc/prefill_chunks.py``): while other sequences are
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
+from tandem.block_pool import prefix_limit
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
@@ -67,7 +68,6 @@ from tandem.rpc.sequence_engine import (
     SequenceEngine,
     SequenceOwnedError,
     history_runs,
-    prefix_limit,
 )
 from tandem.sampling import SamplingParams
 from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, verify, verify_tree

@@ -167,3 +167,43 @@ def test_int8_rows_times_both_ways_and_names_the_rules_choice(tiny_qwen2_dir, tm
     assert (tmp_path / "ir.md").is_file() and (tmp_path / "ir.png").is_file()
     with pytest.raises(SystemExit, match="--rows"):
         int8_rows.rows_from("8,x")
+
+
+def test_shared_prompt_runs_each_method_on_engines_of_its_own_and_finds_the_system_prompt_cached(tiny_qwen2_dir,
+                                                                                                 tmp_path):
+    import json
+
+    from benchmarks import shared_prompt
+    from tandem.config import EngineConfig
+
+    config = EngineConfig(tiny_qwen2_dir, dtype="float32", block_size=4)  # prefix caching on, as a server's
+    generators = {m: shared_prompt.generator_for(m, config, config, 3) for m in shared_prompt.METHODS}
+    assert len({id(g.target.engine) for g in generators.values()}) == len(shared_prompt.METHODS)  # fresh caches
+    system = list(range(10, 60))
+    rows = shared_prompt.measure(generators, [[*system, 5, 6], [*system, 7, 8, 9]], 12, frozenset())
+    assert len(rows) == 2 * len(shared_prompt.METHODS)
+    assert all(r["target_reused"] == 0 for r in rows if r["question"] == 0)  # cold for every method
+    assert all(r["target_reused"] >= 48 for r in rows if r["question"] == 1)  # then the system prompt is cached
+    summary = shared_prompt.summarize(rows)
+    assert [(s["group"], s["method"]) for s in summary] == [(g, m) for g in shared_prompt.GROUPS
+                                                            for m in shared_prompt.METHODS]
+    assert all(s["mismatches"] == 0 for s in summary)  # greedy: every method gives target-only's output
+    assert all(s["x_target_only"] == 1.0 for s in summary if s["method"] == shared_prompt.BASELINE)
+    shared_prompt.report(rows, summary, {"test": True}, tmp_path, "sp")
+    saved = json.loads((tmp_path / "sp.json").read_text())
+    assert len(saved["runs"]) == len(rows) and "token_ids" not in saved["runs"][0]
+    assert (tmp_path / "sp.md").is_file() and (tmp_path / "sp.png").is_file()
+
+
+def test_shared_prompt_checks_its_flags():
+    import pytest
+
+    from benchmarks import shared_prompt
+    from benchmarks.common import DEFAULT_SPEC_BENCH
+
+    assert shared_prompt.methods_from("spec-hybrid") == [shared_prompt.BASELINE, "spec-hybrid"]
+    with pytest.raises(SystemExit, match="--methods"):
+        shared_prompt.methods_from("spec-draft")
+    assert len(shared_prompt.system_prompt(DEFAULT_SPEC_BENCH, 0)) > 2000  # a retrieved passage and its question
+    with pytest.raises(SystemExit, match="--system-from"):
+        shared_prompt.system_prompt(DEFAULT_SPEC_BENCH, 10_000)

@@ -76,6 +76,23 @@ def test_reuse_is_bounded_by_the_limit_and_off_when_disabled():
     assert off.reuse_prefix("b", PROMPT, limit=9) == 0 and off.prefix_stats().cached_blocks == 0
 
 
+def test_a_peek_at_the_cached_prefix_counts_what_reuse_would_take_and_changes_nothing():
+    """``cached_prefix_len`` prices a draft's read before it is made: it must see what ``reuse_prefix`` takes,
+    yet hold no block and count no lookup (a request that never reads must leave the pool as it was)."""
+    cache = make_cache()
+    fill(cache, "a", PROMPT)
+    cache.commit("a", PROMPT, upto=len(PROMPT))
+    cache.release("a")
+    before = (cache.num_free_blocks, cache.prefix_stats())
+    assert cache.cached_prefix_len(PROMPT) == 8
+    assert cache.cached_prefix_len([*PROMPT[:5], 0, *PROMPT[6:]]) == 4  # the second block differs
+    assert cache.cached_prefix_len(PROMPT[:7]) == 4  # whole blocks only
+    assert cache.cached_prefix_len([0, *PROMPT[1:]]) == 0  # a chain: nothing after a miss
+    assert (cache.num_free_blocks, cache.prefix_stats()) == before
+    assert cache.reuse_prefix("b", PROMPT, limit=len(PROMPT)) == 8
+    assert make_cache(prefix_caching=False).cached_prefix_len(PROMPT) == 0
+
+
 def test_only_committed_tokens_are_registered():
     cache = make_cache()
     fill(cache, "a", PROMPT)

@@ -53,13 +53,6 @@ def history_runs(tokens: list[int], start: int, prompt_len: int) -> list[Run]:
     return runs
 
 
-def prefix_limit(prompt_len: int) -> int:
-    """Most prompt tokens a sequence may take from the prefix cache: at least its last token is computed
-    (its logits give the first generated token). Prompt rows are bitwise the same after a cached prefix
-    of any length (prompt attention is fixed by position: tandem/attention/sdpa.py)."""
-    return max(0, prompt_len - 1)
-
-
 class SequenceOwnedError(StaleSequenceError):
     """A call names a sequence that is live under another owner, or a Prefill names a live sequence
     without saying it rebuilds it (FAILED_PRECONDITION): the sequence is left as it was."""

@@ -141,6 +141,9 @@ class FailoverDraft:
     def fitted_cost(self) -> FittedCost | None:
         return self.channel.fitted_cost() if self.channel is not None else None
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        return self.channel.cached_prefix(token_ids) if self.channel is not None else 0
+
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
         channel = self.channel

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tandem.block_pool import prefix_limit
 from tandem.sampling_params import SamplingParams
 from tandem.spec.ngram import NgramIndex, lookup_match
 from tandem.spec.transport import DraftChannel, Drafted
@@ -79,6 +80,15 @@ class DraftProposer:
     def lag(self, history: list[int]) -> int:
         """Committed tokens the draft has not seen (it must read them before it can draft)."""
         return len(history) - common_prefix_len(self.sent, history)
+
+    def unread(self, history: list[int]) -> int:
+        """Of those, the ones the draft must compute: a sequence new there starts on the prompt blocks its
+        prefix cache holds (at most all but the prompt's last token: ``prefix_limit``), as far as the
+        channel can tell (``DraftChannel.cached_prefix``, a hint)."""
+        behind = self.lag(history)
+        if self.sent or behind == 0:
+            return behind  # the draft holds the sequence: it goes on from there, not from its cache
+        return behind - self.channel.cached_prefix(history[:prefix_limit(self.prompt_len)])
 
     async def propose(self, tokens: list[int], k: int, alternatives: int = 0) -> Drafted:
         """Draft ``k`` tokens after ``tokens``, sending only what the draft does not hold yet."""

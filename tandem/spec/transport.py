@@ -116,6 +116,10 @@ class DraftChannel(Protocol):
 
     def fitted_cost(self) -> FittedCost | None: ...
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` (a prompt) the draft's prefix cache holds, as far as this
+        side can tell without a call (a hint for pricing a read, never for correctness; 0: none known)."""
+
 
 class ReplicaSource(Protocol):
     """Where a request finds another replica when one fails it (the coordinator's pools).

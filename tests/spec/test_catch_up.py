@@ -15,9 +15,13 @@ class Worker:
 
     def __init__(self, base_s: float, per_token_s: float, streams: int) -> None:
         self.cost, self.streams = FittedCost(base_s, per_token_s), streams
+        self.cached = 0  # a draft's: leading prompt tokens its prefix cache holds
 
     def fitted_cost(self) -> FittedCost:
         return self.cost
+
+    def cached_prefix(self, token_ids) -> int:
+        return min(self.cached, len(token_ids))
 
 
 def loop_with(streams: int, prompt_len: int = 300, max_new: int = 100) -> SpeculationLoop:
@@ -100,6 +104,37 @@ def test_a_draft_waits_near_the_end_and_where_only_the_targets_cache_held_the_pr
     cached = lone_loop(prompt_len=800)
     cached.state.stats.prompt_tokens_reused = 784  # the target's cache held the prompt; the draft's may not
     assert cached._draft_waits()
+
+
+def test_a_prompt_the_drafts_own_cache_holds_is_read_at_once():
+    """One long system prompt before every question: the draft reads only what its cache lacks."""
+    loop = lone_loop(prompt_len=800)
+    loop.draft.channel.cached = 768  # 48 blocks of the system prompt; 32 prompt tokens and the first token to read
+    assert loop.draft.unread(loop.state.history) == 801 - 768
+    assert not loop._draft_waits()
+    loop.draft.channel.cached = 400  # half of it: still 400 to read, too dear for an answer not yet begun
+    assert loop._draft_waits()
+
+
+def test_the_drafts_cache_counts_only_for_a_sequence_it_does_not_hold_yet():
+    """A draft that holds the sequence goes on from its own KV: a catch-up after rounds at k = 0 is priced
+    whole, whatever its cache holds (it starts on cached blocks only as a new sequence)."""
+    loop = lone_loop(prompt_len=800)
+    loop.draft.channel.cached = 784
+    loop.draft.sent = list(loop.state.history[:10])  # it read the first 10 tokens, then fell behind
+    assert loop.draft.unread(loop.state.history) == 791
+    loop.draft.sent = []
+    asked: list[int] = []
+    loop.draft.channel.cached_prefix = lambda ids: asked.append(len(ids)) or 784
+    assert loop.draft.unread(loop.state.history) == 801 - 784
+    assert asked == [799]  # the prompt less its last token, which a draft always computes (prefix_limit)
+
+
+def test_under_load_a_cached_prompt_does_not_hold_a_stream_at_k_zero():
+    busy = loop_with(streams=3, max_new=50)
+    assert busy._choose_k(after_tokens=0) == 0  # 300 prompt tokens to feed, charged to 3 streams
+    busy.draft.channel.cached = 288  # its prefix cache holds all but the last block
+    assert busy._choose_k(after_tokens=0) > 0
 
 
 def test_waiting_rounds_leave_the_rate_the_draft_is_valued_at_alone():

@@ -39,6 +39,9 @@ class Replica:
     def fitted_cost(self) -> FittedCost:
         return FittedCost(self.cost, 0.001)
 
+    def cached_prefix(self, token_ids) -> int:
+        return 0
+
     def _answer(self, call: tuple) -> None:
         self.calls.append(call)
         error = self.errors.pop(0) if self.errors else None

@@ -19,7 +19,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec.adaptive import EXPLORE_EVERY, AcceptanceTracker, CostModel, MatchRates
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
-from tandem.spec.proposers import NGRAM
+from tandem.spec.proposers import NGRAM, common_prefix_len
 from tandem.spec.request import RequestState, StopConditions
 from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
 from tandem.spec.tree import children_of
@@ -101,6 +101,7 @@ class FakeDraft:
         self.calls = 0
         self.released: list[str] = []
         self.prompt_lens: set[int] = set()
+        self.cached_prompts: list[list[int]] = []  # the prompts it read, as its prefix cache would hold them
 
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.01, 0.001)
@@ -118,7 +119,14 @@ class FakeDraft:
             drafted.append(draft_next(history + drafted))
         # Next-best: the token one below the drafted one, which is the target's where the draft errs.
         others = [[(t - 1 - i) % VOCAB for i in range(alternatives)] for t in drafted] if alternatives else []
+        if committed_len == 0 and k and prompt_len:
+            self.cached_prompts.append(list(new_tokens[:prompt_len]))  # as a draft worker offers a read prompt
         return Drafted(drafted, [], others)
+
+    def cached_prefix(self, token_ids) -> int:
+        """Whole 16-token blocks of the longest prompt read before that ``token_ids`` begins with."""
+        held = max((common_prefix_len(p, token_ids) for p in self.cached_prompts), default=0)
+        return held // 16 * 16
 
     async def release(self, seq_id):
         self.released.append(seq_id)
@@ -244,6 +252,23 @@ def test_a_long_prompt_waits_for_its_draft_until_the_answer_repays_the_read(meth
     asyncio.run(SpeculationLoop(short, "s", SpecOptions(method, 4), FakeTarget(), PricedPromptDraft(), CostModel(),
                                 10_000).run_to_end())
     assert short.stats.draft_wait_rounds == 0  # a short prompt is read at once
+
+
+def test_a_system_prompt_the_draft_has_read_is_not_waited_for_again():
+    """Questions after one 600-token system prompt: the first request's draft waits, then reads it (the
+    answer is long enough); the second's draft finds it cached, and drafts from its first round."""
+    system = [(i * 7) % VOCAB for i in range(600)]
+    draft = PricedPromptDraft()
+    for question in ([1, 2, 3], [4, 5, 6]):
+        prompt = system + question
+        state = RequestState(prompt, SamplingParams(), StopConditions(80))
+        asyncio.run(SpeculationLoop(state, "s", SpecOptions("hybrid", 4), FakeTarget(), draft, CostModel(),
+                                    10_000).run_to_end())
+        assert state.generated == target_only(prompt, 80)
+        if question == [1, 2, 3]:
+            assert state.stats.draft_wait_rounds > 5
+        else:
+            assert state.stats.draft_wait_rounds == 0
 
 
 def test_a_failing_verifier_still_releases_both_sides():

@@ -18,7 +18,7 @@ from tandem.compute_thread import CallingThreadExecutor
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.heads.serving import drafter_for
-from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+from tandem.inprocess import GenerationRequest, LocalDraft, SpeculativeGenerator
 from tandem.models import packed
 from tandem.rpc.batcher import Batcher, Unfinished
 from tandem.sampling import SamplingParams
@@ -124,10 +124,13 @@ def test_eviction_under_a_small_pool_keeps_output_unchanged(tiny_qwen2_dir, dtyp
 
 def test_a_draft_registers_only_its_prompt(tiny_qwen2_dir):
     draft = DraftEngine(load(tiny_qwen2_dir, caching=True))
+    channel = LocalDraft(draft, batcher=None)  # (its hint reads the index alone)
     prompt = list(range(10, 34))  # 6 blocks
-    ok(draft.run_batch([ProposeCall("a", 0, prompt, 6, GREEDY, prompt_len=len(prompt))]))
+    assert channel.cached_prefix(prompt) == 0
+    [reply] = ok(draft.run_batch([ProposeCall("a", 0, prompt, 6, GREEDY, prompt_len=len(prompt))]))
     # The KV holds the prompt and 5 drafted tokens (more full blocks' worth): only the prompt is cached.
     assert draft.engine.kv_cache.prefix_stats().cached_blocks == 6
+    assert channel.cached_prefix([*prompt, *reply.tokens]) == 24  # what the next request's read is priced by
     ok(draft.run_batch([ProposeCall("b", 0, [*prompt, 7], 2, GREEDY, prompt_len=25)]))
     assert draft.engine.kv_cache.sequence("b").block_ids[:2] == draft.engine.kv_cache.sequence("a").block_ids[:2]
 
