@@ -136,11 +136,16 @@ class Shapes:
         return text
 
 
-def usage(choices: list[Choice]) -> dict[str, int]:
-    """OpenAI's usage: the prompt once (every choice has the same), the completions of all choices."""
-    prompt = next((c.stats.prompt_tokens for c in choices if c.stats is not None), 0)
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once (every choice has the same), the completions of all choices, and
+    (``prompt_tokens_details.cached_tokens``) the prompt tokens the first choice's target took from its
+    prefix cache. Choices after the first usually find the first one's prompt cached; OpenAI counts a
+    request's prompt once, so they are not added."""
+    stats = next((c.stats for c in choices if c.stats is not None), None)
+    prompt = stats.prompt_tokens if stats is not None else 0
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens_reused if stats is not None else 0}}
 
 
 def tandem_stats(stats: generation_pb2.GenerationStats | None) -> dict[str, Any] | None:

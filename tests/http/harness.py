@@ -20,10 +20,12 @@ from coordinator.access import AccessControl
 from coordinator.http import HttpApi
 from coordinator.service import GenerationService
 from coordinator.workers import WorkerPool
+from tandem.block_pool import prefix_limit
 from tandem.config import CoordinatorConfig, ServerOptions
 from tandem.rpc.auth import BearerAuth
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.tls import ServerTLS
+from tandem.spec.proposers import common_prefix_len
 from tandem.tokenizer import tokenizer_fingerprint
 from tandem.v1 import common_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.coordinator.inprocess import FakeTarget
@@ -32,6 +34,7 @@ from tests.serving import managed_server, serving
 TOKENS = (7, 9, 11, 13)  # what the scripted target emits, in turn, for every sequence
 LOGPROB = -0.25  # the log-probability it gives every emitted token
 MODEL = "fake-target"  # its Info's model: the served model's id
+CACHE_BLOCK = 16  # the block size of its pretend prefix cache
 
 
 class ScriptedTarget(FakeTarget):
@@ -54,11 +57,16 @@ class ScriptedTarget(FakeTarget):
 
     async def Prefill(self, request, context):
         self.calls["Prefill"] += 1
-        self.prompts.append(list(request.token_ids))
+        prompt = list(request.token_ids)
+        # As a prefix cache answers: whole blocks of the longest earlier prompt this one starts with, at most
+        # all but its last token.
+        seen = max((common_prefix_len(earlier, prompt) for earlier in self.prompts), default=0)
+        reused = min(seen, prefix_limit(len(prompt))) // CACHE_BLOCK * CACHE_BLOCK
+        self.prompts.append(prompt)
         if request.sampling.HasField("logprobs"):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)
-        return target_pb2.PrefillResponse(next_token=token, logprobs=scores)
+        return target_pb2.PrefillResponse(next_token=token, logprobs=scores, reused_tokens=reused)
 
     async def Verify(self, request, context):
         self.calls["Verify"] += 1

@@ -65,6 +65,28 @@ def test_chat_completion_through_the_openai_client(tokenizer):
     run(go())
 
 
+def test_usage_counts_the_prompt_tokens_the_target_found_cached(tokenizer):
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: what the target's prefix cache served of the
+    prompt (the scripted target answers as a cache of 16-token blocks would)."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            messages = [{"role": "system", "content": "answer as a ship's log"},
+                        {"role": "user", "content": "hi"}]
+            cold = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+            warm = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+            prompt = cold.usage.prompt_tokens
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            assert warm.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16 > 0
+            assert warm.usage.prompt_tokens_details.cached_tokens == warm.choices[0].model_extra["tandem"][
+                "prompt_tokens_reused"]
+            chunks = [c async for c in await api.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, temperature=0, stream=True,
+                stream_options={"include_usage": True})]
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16
+    run(go())
+
+
 def test_completions_take_text_token_ids_and_a_list_of_one(tokenizer):
     async def go():
         async with http_coordinator(tokenizer) as running:

@@ -65,6 +65,7 @@ def test_greedy_text_equals_grpc_and_target_only_and_logprobs_are_the_targets(ap
         assert choice.message.content == grpc_reply.text, prompt
         assert reply.usage.completion_tokens == len(expected) == len(choice.logprobs.content)
         assert reply.usage.prompt_tokens == len(encode_prompt(tokenizer, prompt, chat=True))
+        assert reply.usage.prompt_tokens_details.cached_tokens == choice.model_extra["tandem"]["prompt_tokens_reused"]
         assert [t.token for t in choice.logprobs.content] == [tokenizer.decode([t]) for t in expected]
         scored[prompt] = [t.logprob for t in choice.logprobs.content], [
             [a.logprob for a in t.top_logprobs] for t in choice.logprobs.content]
