@@ -18,7 +18,7 @@ STUBS := $(foreach name,common draft target generation,tandem/v1/$(name)_pb2.py 
 SETUP_STAMP := $(VENV)/.tandem-setup
 SETUP_DEV_STAMP := $(VENV)/.tandem-setup-dev
 
-.PHONY: setup setup-dev models-ci models heads demo test test-unit test-long soak install-check deploy-check bench bench-quick gpu-check lint clean
+.PHONY: setup setup-dev models-ci models heads demo test test-unit test-long soak install-check deploy-check bench bench-quick gpu-check gpu-wheels lint clean
 
 setup: $(SETUP_STAMP)  ## .venv with Tandem installed editable (CPU torch first; stubs generated)
 
@@ -99,6 +99,9 @@ bench-quick: setup-dev models
 DEVICE ?= cuda
 gpu-check:  ## one NVIDIA GPU, no network: engine vs transformers, speculation, processes, costs (DEVICE=cpu: tiny)
 	$(PYTHON) benchmarks/gpu_check.py --device $(DEVICE)
+
+gpu-wheels: setup  ## what a GPU machine without network lacks for gpu-check, into .whl/ (then: benchmarks/gpu_check_device.sh)
+	$(PYTHON) benchmarks/gpu_wheels.py
 
 lint: setup-dev  ## ruff (configured in pyproject.toml); fails on any finding
 	$(PYTHON) -m ruff check .

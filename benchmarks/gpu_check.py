@@ -104,6 +104,9 @@ class Plan:
 class Report:
     checks: list[dict[str, Any]] = field(default_factory=list)
     measurements: dict[str, Any] = field(default_factory=dict)
+    # Called after every check: a run stopped at its time limit (a lent GPU machine's is minutes) still
+    # leaves what it had done.
+    after_each: Callable[[Report], None] | None = None
 
     def check(self, name: str, subject: str, run: Callable[[], dict[str, Any]]) -> None:
         """Run one check; its failure (an AssertionError or any exception) is recorded, not raised."""
@@ -115,6 +118,8 @@ class Report:
         self.checks.append({"check": name, "subject": subject, "passed": passed,
                             "seconds": round(time.perf_counter() - started, 2), **details})
         print(f"[{'PASS' if passed else 'FAIL'}] {name} ({subject}) {details.get('error', '')}", flush=True)
+        if self.after_each is not None:
+            self.after_each(self)
 
     @property
     def passed(self) -> bool:
@@ -383,9 +388,10 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset()) -> Report:
+def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset(),
+        after_each: Callable[[Report], None] | None = None) -> Report:
     """Every check and measurement of ``plan`` not in ``skip``; models are made under ``work``."""
-    report = Report()
+    report = Report(after_each=after_each)
     dirs: dict[str, Path] = {}
 
     def model(shape: str) -> Path:
@@ -458,14 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.for_device(args.device, args.quick)
     device = describe_device(args.device)
     started = time.perf_counter()
+
+    def save(report: Report, complete: bool = False) -> None:
+        """The results so far (``complete`` False: the run is still going, or was stopped before its end)."""
+        payload = {"device": device, "settings": {"device": args.device, "quick": args.quick, "skip": args.skip},
+                   "complete": complete, "passed": report.passed, "seconds": round(time.perf_counter() - started, 1),
+                   "checks": [{k: v for k, v in c.items() if k != "trace"} for c in report.checks],
+                   "measurements": report.measurements}
+        write_json(args.out, "gpu_check", payload)
+        title = "GPU check" if complete else "GPU check (incomplete: the run had not ended when this was written)"
+        write_markdown(args.out, "gpu_check", title, tables(report, device))
+
     with tempfile.TemporaryDirectory(prefix="tandem-gpu-check-") as work:
-        report = run(plan, Path(work), frozenset(s for s in args.skip.split(",") if s))
-    payload = {"device": device, "settings": {"device": args.device, "quick": args.quick, "skip": args.skip},
-               "passed": report.passed, "seconds": round(time.perf_counter() - started, 1),
-               "checks": [{k: v for k, v in c.items() if k != "trace"} for c in report.checks],
-               "measurements": report.measurements}
-    write_json(args.out, "gpu_check", payload)
-    write_markdown(args.out, "gpu_check", "GPU check", tables(report, device))
+        report = run(plan, Path(work), frozenset(s for s in args.skip.split(",") if s), after_each=save)
+    save(report, complete=True)
     print(tables(report, device))
     for failed in (c for c in report.checks if not c["passed"]):
         print(f"\n{failed['check']} ({failed['subject']}):\n{failed.get('trace', failed['error'])}", file=sys.stderr)

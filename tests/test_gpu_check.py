@@ -41,3 +41,39 @@ def test_cuda_without_a_gpu_says_how_to_run_on_cpu(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         gpu_check.main(["--device", "cuda"])
     assert "--device cpu" in capsys.readouterr().err
+
+
+def test_results_are_written_after_every_check_so_a_stopped_run_leaves_them(tmp_path, monkeypatch):
+    """A lent GPU machine gives a run minutes: one stopped at its limit must still leave what it had done."""
+    seen_on_disk = []
+
+    def attention(*args):  # runs after tensor-parallel: its result must already be on disk
+        seen_on_disk.append((json.loads((tmp_path / "gpu_check.json").read_text()),
+                             (tmp_path / "gpu_check.md").read_text()))
+        return {}
+
+    monkeypatch.setattr(gpu_check, "tensor_parallel", lambda *args: {"backend": "stub"})
+    monkeypatch.setattr(gpu_check, "attention", attention)
+    skip = ",".join((CHECKS | MEASUREMENTS) - {"tensor-parallel", "attention"})
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--skip", skip]) == 0
+    [(partial, partial_md)] = seen_on_disk
+    assert partial["complete"] is False and [c["check"] for c in partial["checks"]] == ["tensor-parallel"]
+    assert "incomplete" in partial_md
+    final = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert final["complete"] is True and [c["check"] for c in final["checks"]] == ["tensor-parallel", "attention"]
+    assert "incomplete" not in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_wheels_for_a_machine_without_network_are_this_environments_versions_for_its_python():
+    from importlib import metadata
+
+    from benchmarks import gpu_wheels
+
+    pins = gpu_wheels.pins()
+    assert pins == [f"{name}=={metadata.version(name)}" for name in gpu_wheels.PACKAGES]
+    command = gpu_wheels.download_command(pins, "3.12", gpu_wheels._REPO_ROOT / ".whl")
+    assert command[-len(pins):] == pins and "--no-deps" in command and "--only-binary=:all:" in command
+    assert command[command.index("--python-version") + 1] == "3.12"
+    assert "manylinux2014_x86_64" in command
+    with pytest.raises(SystemExit, match="no-such-package"):
+        gpu_wheels.pins(("no-such-package",))

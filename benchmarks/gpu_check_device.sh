@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU check on a machine with one NVIDIA GPU and no network, from a copy of the checkout that
+# carries .whl (python benchmarks/gpu_wheels.py, run where there is network) and tandem/v1 (the
+# generated gRPC stubs). Uses the machine's own python3 (the one with PyTorch and CUDA); installs the
+# wheels beside it, not into it. Results and the log go to $OUT when set, else benchmarks/results.
+# Arguments pass on to benchmarks/gpu_check.py (--quick, --skip ...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/tandem-site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/tandem-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+# A copy's file times are arbitrary, and tandem/v1 refuses stubs older than their .proto: these were
+# made from this very proto/ (gpu_wheels.py regenerates stale ones before they travel).
+touch tandem/v1/*_pb2*.py
+nvidia-smi -L || true
+python3 -c "import torch, transformers, grpc, google.protobuf as pb
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(),
+      '| transformers', transformers.__version__, '| grpcio', grpc.__version__, '| protobuf', pb.__version__)"
+python3 benchmarks/gpu_check.py --device "${DEVICE:-cuda}" --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
