@@ -13,7 +13,7 @@ from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 
 def build_request(
-    prompt: str | list[int],
+    prompt: str | list[int] | list[dict[str, str]],
     *,
     max_new_tokens: int = 0,
     sampling: SamplingParams | None = None,
@@ -28,6 +28,8 @@ def build_request(
     request_id: str = "",
     tree: str = "",
 ) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest of ``prompt``: text (through the chat template with ``chat``), token ids, or a
+    conversation (``{"role", "content"}`` turns, always through the chat template)."""
     request = generation_pb2.GenerateRequest(
         chat=chat, request_id=request_id,
         stopping=generation_pb2.StoppingOptions(max_new_tokens=max_new_tokens, stop_strings=stop_strings,
@@ -41,6 +43,8 @@ def build_request(
         request.sampling.CopyFrom(sampling_to_proto(sampling))
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):  # a conversation: its turns through the chat template
+        request.messages.messages.extend(generation_pb2.ChatMessage(**turn) for turn in prompt)
     else:
         request.token_ids.ids.extend(prompt)
     return request

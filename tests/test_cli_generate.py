@@ -47,6 +47,29 @@ def test_generate_json_is_the_target_only_output_with_its_stats(tiny_served_dir,
         assert stats["rounds"] < len(expected)
 
 
+def test_a_system_turn_goes_before_the_prompt_through_the_chat_template(tiny_served_dir, capsys):
+    from tandem.tokenizer import encode_messages, encode_prompt, load_tokenizer
+    from tests.references import target_only
+
+    turns = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a color."}]
+    ids = encode_messages(load_tokenizer(tiny_served_dir), turns)
+    expected = target_only(tiny_served_dir, [ids], dtype="float32", max_new_tokens=16)[tuple(ids)]
+    out = generate_json(capsys, "Name a color.", "--system", "Answer in one word.", "--target", str(tiny_served_dir),
+                        "--method", "none", "--max-new-tokens", "16", "--dtype", "float32")
+    assert out["token_ids"] == expected
+    assert encode_prompt(load_tokenizer(tiny_served_dir), "Name a color.", chat=True) != ids  # (the turn counts)
+
+
+def test_the_client_sends_a_conversation_as_chat_messages():
+    from tandem.client import build_request
+
+    request = build_request([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                            max_new_tokens=4)
+    assert request.WhichOneof("input") == "messages"
+    assert [(m.role, m.content) for m in request.messages.messages] == [("system", "be brief"), ("user", "hi")]
+    assert build_request([5, 6]).token_ids.ids == [5, 6] and build_request("hi").text == "hi"
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),

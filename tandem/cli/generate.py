@@ -87,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system turn before the prompt (implies --chat): instructions, or reference text that "
+                        "every request repeats (workers cache it: a repeat reads only what follows it)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
     p.add_argument("--addr", default=None, metavar="HOST:PORT",
                    help="send the request to a running coordinator instead of loading models here")
@@ -152,19 +155,27 @@ def configs_from_args(
     return sampling, options, target, draft
 
 
+def chat_turns(system: str, prompt: str) -> list[dict[str, str]]:
+    """The conversation ``--system`` makes of the prompt: a system turn, then the prompt as the user's."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.addr:
         return run_remote(args)
     from tandem.inprocess import GenerationRequest
     from tandem.pipeline import LocalPipeline
-    from tandem.tokenizer import encode_prompt
+    from tandem.tokenizer import encode_messages, encode_prompt
 
     sampling, options, target_cfg, draft_cfg = configs_from_args(args)
     t0 = time.perf_counter()
     pipeline = LocalPipeline.load(target_cfg, options.method, options, draft_cfg, args.early_exit_layers,
                                   heads_path=args.heads)
     print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
+    if args.system is not None:
+        prompt_ids = encode_messages(pipeline.tokenizer, chat_turns(args.system, args.prompt))
+    else:
+        prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids)
     result = pipeline.generator().generate([request])[0]
     text = pipeline.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -188,7 +199,8 @@ def run_remote(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     method = "" if args.method == "auto" else args.method
-    request = build_request(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
+    prompt = args.prompt if args.system is None else chat_turns(args.system, args.prompt)
+    request = build_request(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
                             stop_strings=tuple(args.stop), tree=args.tree)
     tokens: list[int] = []
