@@ -523,9 +523,10 @@ class SpeculationLoop:
         the catch-up's price; a short one never pays it. A prompt of a few hundred tokens is read at
         once. The tokens to read are those the draft lacks less the prompt blocks the draft's own prefix
         cache holds (``DraftProposer.unread``): one long system prompt before every question is read once,
-        not priced whole per request (measured, 8 questions after a 680-token system prompt: 1.05x
-        target-only priced whole, 1.25x read at once). The target's cache says nothing here: the draft
-        caches a prompt only once it drafted after it, and a request that waited to the end did not.
+        not priced whole per request (``benchmarks/shared_prompt.py``, 7 questions after a cached
+        650-token system prompt: 1.11x target-only priced whole, 1.35x now). The target's cache says
+        nothing here: the draft caches a prompt only once it drafted after it, and a request that waited
+        to the end did not.
         """
         draft, opts, s = self.draft, self.options, self.state
         if (draft is None or not opts.draft_waits or opts.pipelined or not opts.adaptive_k
