@@ -9,9 +9,8 @@ same bearer tokens and per-client budget (``AccessControl``: ``identify``,
 it), then ``GenerationService.start`` (the one validation, the operator's
 limits, placement, the client's deadline) and ``GenerationService.stream`` (the
 speculation loop). ``n`` choices are n requests of the same prompt, run
-concurrently once the first has its prompt in (``SharedPrefill``). A client
-that goes away cancels its requests (aiohttp cancels the handler,
-``handler_cancellation``), which frees their KV on the workers as a
+concurrently. A client that goes away cancels its requests (aiohttp cancels the
+handler, ``handler_cancellation``), which frees their KV on the workers as a
 cancelled gRPC call does.
 
 Errors are OpenAI's JSON (``coordinator.http.errors``), also for routes and
@@ -27,7 +26,7 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -126,25 +125,23 @@ class HttpApi:
                 raise from_domain(exc, parsed.params) from None
             shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs)
             choices = [Choice(i) for i in range(parsed.n)]
-            prefill = SharedPrefill()
             if parsed.stream:
-                return await self._stream(request, runs, choices, shapes, parsed, prefill)
+                return await self._stream(request, runs, choices, shapes, parsed)
             try:
-                await _together([self._collect(run, choice, prefill) for run, choice in zip(runs, choices)])
+                await _together([self._collect(run, choice) for run, choice in zip(runs, choices)])
             except Exception as exc:  # noqa: BLE001
                 raise from_domain(exc, parsed.params) from None
             return web.json_response(shapes.completion(choices), headers={"X-Request-Id": parsed.request.request_id})
 
-    async def _collect(self, run: Any, choice: Choice, prefill: SharedPrefill,
-                       queue: asyncio.Queue | None = None) -> None:
+    async def _collect(self, run: Any, choice: Choice, queue: asyncio.Queue | None = None) -> None:
         """Run one choice's request into ``choice``; streaming, each message also goes to ``queue``."""
-        async for msg in prefill.messages(self.service, run, first=choice.index == 0):
+        async for msg in self.service.stream(run):
             choice.add(msg)
             if queue is not None:
                 queue.put_nowait((choice, msg))
 
     async def _stream(self, request: web.Request, runs: list[Any], choices: list[Choice], shapes: Shapes,
-                      parsed: ParsedRequest, prefill: SharedPrefill) -> web.StreamResponse:
+                      parsed: ParsedRequest) -> web.StreamResponse:
         """Server-sent events: each choice's chunks as its rounds finish, the usage if asked, then ``[DONE]``.
         A failure after the first byte is an ``error`` event (OpenAI's shape), then ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -154,7 +151,7 @@ class HttpApi:
 
         async def run_one(run: Any, choice: Choice) -> None:
             try:
-                await self._collect(run, choice, prefill, queue)
+                await self._collect(run, choice, queue)
                 queue.put_nowait((choice, None))
             except Exception as exc:  # noqa: BLE001 - passed to the writer, which reports it in the stream
                 queue.put_nowait((choice, exc))
@@ -253,28 +250,6 @@ def ssl_context(tls: ServerTLS) -> ssl.SSLContext:
         context.load_verify_locations(tls.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
-
-
-class SharedPrefill:
-    """``n`` choices of one prompt: the first runs alone until its prompt is in (its first message), then the
-    others start. Each worker caches a prompt's blocks once computed, so they take the prompt from there;
-    started together, the target would compute the same prompt n times in one batch (a worker shares
-    only blocks already computed), and n choices of a long prompt waited n prefills for their first token.
-    The others start anyway once the first ends or fails."""
-
-    def __init__(self) -> None:
-        self.prompt_in = asyncio.Event()
-
-    async def messages(self, service: Any, run: Any, first: bool) -> AsyncIterator[Any]:
-        """``run``'s stream, after the first choice's prompt is in unless this is the first choice."""
-        if not first:
-            await self.prompt_in.wait()
-        try:
-            async for msg in service.stream(run):
-                self.prompt_in.set()
-                yield msg
-        finally:
-            self.prompt_in.set()
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any] | None) -> None:

@@ -45,7 +45,6 @@ class ScriptedTarget(FakeTarget):
         self.live: dict[str, int] = {}  # seq_id -> tokens emitted; a released sequence is gone
         self.logprobs: dict[str, int] = {}  # seq_id -> alternatives asked
         self.prompts: list[list[int]] = []
-        self.prefills: list[tuple[str, str]] = []  # ("start" or "end", seq_id), in the order they happened
 
     def _emit(self, seq_id: str, count: int) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
         start = self.live.get(seq_id, 0)
@@ -64,12 +63,9 @@ class ScriptedTarget(FakeTarget):
         seen = max((common_prefix_len(earlier, prompt) for earlier in self.prompts), default=0)
         reused = min(seen, prefix_limit(len(prompt))) // CACHE_BLOCK * CACHE_BLOCK
         self.prompts.append(prompt)
-        self.prefills.append(("start", request.seq_id))
-        await asyncio.sleep(0.01)  # a prefill takes time: concurrent ones overlap, as on a worker
         if request.sampling.HasField("logprobs"):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)
-        self.prefills.append(("end", request.seq_id))
         return target_pb2.PrefillResponse(next_token=token, logprobs=scores, reused_tokens=reused)
 
     async def Verify(self, request, context):

@@ -159,25 +159,6 @@ def test_n_choices_are_indexed_and_counted(tokenizer):
     run(go())
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_n_choices_wait_for_the_first_ones_prompt_and_find_it_cached(tokenizer, stream):
-    """Started together, n choices of a long prompt would make the target compute it n times in one batch;
-    the first runs alone until its prompt is in, then the others start and reuse its blocks."""
-    async def go():
-        async with http_coordinator(tokenizer) as running:
-            reply = await client(running).completions.create(
-                model=MODEL, prompt="a prompt of two blocks and more", max_tokens=3, n=3, stream=stream)
-            if stream:
-                [_ async for _ in reply]
-            events = running.target.prefills
-            first = events[0][1]
-            assert events[:2] == [("start", first), ("end", first)]  # alone, to its end
-            assert sorted(e for e in events[2:] if e[0] == "start") == sorted(
-                ("start", s) for s in {seq for _, seq in events} - {first})
-            assert [p == running.target.prompts[0] for p in running.target.prompts] == [True] * 3
-    run(go())
-
-
 def test_logprobs_in_each_endpoints_format(tokenizer):
     async def go():
         async with http_coordinator(tokenizer) as running:
