@@ -210,6 +210,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stats = state.stats
             if stats.preemptions:
                 metrics.preemptions.inc(stats.preemptions)
+            if stats.draft_wait_rounds:
+                metrics.draft_wait_rounds.inc(stats.draft_wait_rounds)
             if stats.drafted:
                 metrics.acceptance_rate.observe(stats.acceptance_rate)
             if stats.rounds:

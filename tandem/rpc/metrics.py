@@ -150,6 +150,9 @@ class CoordinatorMetrics:
                              ["role"], registry=registry)
         self.preemptions = Counter(f"{p}_preemptions", "times a request's target KV was freed for a full pool "
                                    "and rebuilt later", registry=registry)
+        self.draft_wait_rounds = Counter(f"{p}_draft_wait_rounds", "rounds a request ran without its draft model "
+                                         "because reading what the draft lacked (a long prompt) would not pay yet",
+                                         registry=registry)
         # Per proposal source: "ngram" (the request's own text), "cache" (what all requests generated), "draft",
         # "medusa" / "eagle" (the target's heads).
         self.proposals = Counter(f"{p}_proposals", "speculative rounds by proposal source", ["source"],
