@@ -13,9 +13,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         --target /tmp/tandem-site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/tandem-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # A copy's file times are arbitrary, and tandem/v1 refuses stubs older than their .proto: these were
 # made from this very proto/ (gpu_wheels.py regenerates stale ones before they travel).
+if ! compgen -G "tandem/v1/*_pb2.py" > /dev/null; then
+    echo "no gRPC stubs in tandem/v1: bring them with the copy (python benchmarks/gpu_wheels.py makes them fresh)" >&2
+    exit 1
+fi
 touch tandem/v1/*_pb2*.py
 nvidia-smi -L || true
 python3 -c "import torch, transformers, grpc, google.protobuf as pb
