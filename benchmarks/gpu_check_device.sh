@@ -7,10 +7,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
+wheels="${TANDEM_WHEELS:-.whl}"  # (another folder, or an empty one for none)
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if compgen -G "$wheels/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/tandem-site .whl/*.whl || exit 1
+        --target /tmp/tandem-site "$wheels"/*.whl || exit 1
     export PYTHONPATH="/tmp/tandem-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -77,3 +77,24 @@ def test_the_wheels_for_a_machine_without_network_are_this_environments_versions
     assert "manylinux2014_x86_64" in command
     with pytest.raises(SystemExit, match="no-such-package"):
         gpu_wheels.pins(("no-such-package",))
+
+
+@pytest.mark.slow  # a second interpreter loads torch
+def test_the_device_script_runs_the_check_with_the_machines_python3(tmp_path):
+    """benchmarks/gpu_check_device.sh is what a lent GPU machine runs: it must not rot while none is lent."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(gpu_check.__file__).resolve().parents[1]
+    skip = ",".join((CHECKS | MEASUREMENTS) - {"attention"})
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OUT": str(tmp_path), "DEVICE": "cpu", "TANDEM_WHEELS": str(tmp_path / "no-wheels")}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check_device.sh"), "--skip", skip], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["complete"] is True and [c["check"] for c in report["checks"]] == ["attention"]
+    assert "[PASS] attention" in (tmp_path / "gpu_check.log").read_text()
