@@ -29,6 +29,7 @@ from tandem.compute_thread import CallingThreadExecutor
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.heads.drafters import HeadDrafter
+from tandem.kv_admission import KVAdmission
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling_params import SamplingParams
@@ -178,16 +179,31 @@ class SpeculativeGenerator:
                                     executor=self._model_thread)
             draft = LocalDraft(self.draft, draft_batcher)
             batchers.append(draft_batcher)
+        pools = [self.target.engine.kv_cache, *([self.draft.engine.kv_cache] if self.draft is not None else [])]
+        admission = KVAdmission(pools)
+
+        async def run(loop: SpeculationLoop, r: GenerationRequest) -> None:
+            async with admission.hold(len(r.prompt_ids), r.max_new_tokens):
+                await loop.run_to_end()
+
         for b in batchers:
             b.start()
+        tasks: list[asyncio.Task] = []
         try:
             loops = [
                 SpeculationLoop(state, f"seq-{next(self._ids)}", self._options_for(r), target, draft, self.costs,
                                 self.max_len, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
                 for r, state in zip(requests, states)
             ]
-            await asyncio.gather(*(loop.run_to_end() for loop in loops))
+            tasks = [asyncio.ensure_future(run(loop, r)) for loop, r in zip(loops, requests)]
+            await asyncio.gather(*tasks)
         finally:
+            # One request failed (or the call was cancelled): the others stop, and release their KV through the
+            # batchers, so those must still run until every loop has ended (stopped first, the releases waited
+            # on them forever and generate() hung instead of raising).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for b in batchers:
                 await b.stop()
 
