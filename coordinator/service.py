@@ -251,6 +251,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"stopping.max_new_tokens: prompt ({len(prompt_ids)} tokens) + {max_new} new tokens exceeds "
                 f"the model's context of {self.max_context}")
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
+        check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
         stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)

@@ -60,6 +60,7 @@ from tandem.errors import (
     UnknownSequenceError,
     check_token_ids,
 )
+from tandem.penalties import adjust_logits, prompt_presence
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
@@ -273,6 +274,10 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                                              prompt=runs[p.index][step].prompt)
                                  for p in plans if step < len(runs[p.index]) - 1])
         feed = {p.index: runs[p.index][-1] for p in plans}
+        # Penalties: where each sequence's generated text starts (prompt_len 0, not said: all it holds now is
+        # taken as prompt), and its prompt's tokens once made.
+        prompts: dict[int, tuple[int, torch.Tensor | None]] = {
+            p.index: (p.call.prompt_len or len(p.tokens), None) for p in plans if p.call.sampling.adjusts_logits}
         active = list(plans)
         while active:
             logits = self.engine.forward([ForwardItem(p.call.seq_id, feed[p.index].tokens, num_logits=1,
@@ -281,6 +286,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                 if plan.drafted:
                     self.sequences[plan.call.seq_id].tokens.append(plan.drafted[-1])
             rows = dict(zip((p.index for p in active), logits))  # each [1, vocab]
+            self._adjust([p for p in active if p.index in prompts], rows, prompts)
             greedy = [p for p in active if p.call.sampling.is_greedy]
             if greedy:
                 picks = torch.cat([rows[p.index] for p in greedy]).argmax(-1).tolist()
@@ -290,6 +296,20 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             self._alternatives([p for p in active if p.call.alternatives], rows)
             active = [p for p in active if len(p.drafted) < p.call.k]
             feed = {p.index: Run([p.drafted[-1]], False) for p in active}
+
+    def _adjust(self, plans: list[_Plan], rows: dict[int, torch.Tensor],
+                prompts: dict[int, tuple[int, torch.Tensor | None]]) -> None:
+        """Each plan's row with its request's penalties and bias, for the context it holds now (the drafts
+        so far included), as the target will judge that position (``tandem.penalties``): a draft that
+        ignored them would propose what the target's adjusted rows turn down. Proposals only: what the
+        target keeps does not depend on it."""
+        for plan in plans:
+            sampling, row = plan.call.sampling, rows[plan.index]  # row [1, vocab]
+            start, seen = prompts[plan.index]
+            if seen is None and sampling.repetition_penalty != 1.0:
+                seen = prompt_presence(plan.tokens[:start], row.shape[-1], row.device)  # [vocab] bool
+                prompts[plan.index] = start, seen
+            rows[plan.index] = adjust_logits(row, sampling, seen, plan.tokens[start:], [[]])
 
     def _alternatives(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
         """Each plan's next-best tokens at the position just drafted, other than the drafted one.

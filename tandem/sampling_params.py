@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 from tandem.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most alternatives per position a request may ask the target's log-probabilities of
+MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
+MAX_LOGIT_BIAS_TOKENS = 300  # most token ids one request may bias (OpenAI refuses more)
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +33,21 @@ class SamplingParams:
     # A seeded request is verified by the target's own seeded draw per position (tandem.spec.rejection,
     # "Seeded sampling"); True: by the rejection rule, as an unseeded one (its statistical tests ask this).
     rejection_rule: bool = False
+    # Logit processing before temperature (``tandem.penalties``), as vLLM and OpenAI define it: each row's logits
+    # get the bias, then the repetition penalty (Keskar et al. 2019, transformers' rule) for every token the row's
+    # context holds, prompt included, then minus frequency_penalty times each token's count in the generated text
+    # so far and presence_penalty for each token present there. Every row is adjusted for its own context, a
+    # drafted token's row for the drafts before it: the output is still the target alone's.
+    repetition_penalty: float = 1.0  # > 0; 1: none
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending and distinct
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits (else they go to temperature untouched)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def exact_seed(self) -> bool:
@@ -45,6 +63,29 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in 0..{MAX_LOGPROBS} alternatives, got {self.logprobs}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 and finite (1: none), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError(f"logit_bias holds {len(self.logit_bias)} token ids, at most "
+                                      f"{MAX_LOGIT_BIAS_TOKENS} are taken")
+        last = -1
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidRequestError(f"logit_bias: token id {token} is negative")
+            if token <= last:
+                raise InvalidRequestError(f"logit_bias: token ids must be distinct and ascending, {token} after {last}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # also NaN
+                raise InvalidRequestError(f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                          f"{MAX_LOGIT_BIAS:g}], got {bias}")
+            last = token
 
     @property
     def is_greedy(self) -> bool:
@@ -74,3 +115,8 @@ class SamplingParams:
         if self.seed is not None:
             digest = hashlib.blake2b(f"{self.seed}:{stream}:{position}".encode(), digest_size=8).digest()
             generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def logit_bias_pairs(bias: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """A token id -> bias mapping as ``SamplingParams.logit_bias`` holds it (ids ascending)."""
+    return tuple(sorted((int(token), float(value)) for token, value in bias.items()))

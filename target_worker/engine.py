@@ -59,6 +59,7 @@ from tandem.errors import (
 )
 from tandem.heads.drafters import HeadDrafter, HeadStep
 from tandem.heads.proposal import HeadProposal
+from tandem.penalties import adjust_logits, prompt_presence, row_paths_of
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
@@ -130,6 +131,7 @@ class TargetSequence:
     prefilling: PrefillCall | None = None  # a chunked Prefill under way (this call) until its last chunk has run
     reused: int = 0  # prompt tokens its Prefill took from the prefix cache
     prompt_len: int = 0  # its prompt's tokens: the only ones whose blocks it offers to the prefix cache
+    prompt_seen: torch.Tensor | None = None  # [vocab] bool, its prompt's tokens: a repetition penalty's, once made
 
 
 @dataclass(slots=True)
@@ -259,6 +261,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             if not call.token_ids:
                 raise InvalidRequestError("token_ids is empty: nothing to prefill")
             check_token_ids("token_ids", call.token_ids, self.vocab_size)
+            check_token_ids("logit_bias", (t for t, _ in call.sampling.logit_bias), self.vocab_size)
             if len(call.token_ids) >= self.max_context:
                 raise InvalidRequestError(
                     f"prompt of {len(call.token_ids)} tokens exceeds the context of {self.max_context}"
@@ -454,15 +457,29 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             return Verdict(0, seq.history[-1])  # a rebuild: the history is known, nothing to sample
         if seq.generator is not None:  # seeded (rejection rule): this position's draws, wherever it was rebuilt
             seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
+        raw = logits  # log-probabilities are the raw logits'; the decision takes penalties and bias
+        if seq.sampling.adjusts_logits:
+            logits = self._adjusted(seq, logits, [] if isinstance(call, PrefillCall) else call.draft_tokens,
+                                    () if isinstance(call, PrefillCall) else call.draft_parents)
         if isinstance(call, PrefillCall):
-            return first_token(logits, seq.sampling, seq.generator, position=plan.kv_len)
+            return first_token(logits, seq.sampling, seq.generator, position=plan.kv_len, raw=raw)
         # (a seeded request's verdict is its own draws: the draft's q, checked when decoded, goes unused)
         q = None if plan.q is None or seq.sampling.exact_seed else plan.q.dense(logits.device)
         # position: a seeded request's rows take plain decoding's draws at their positions (rejection's doc)
         if plan.children is None:
-            return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator, position=call.committed_len)
+            return verify(logits, call.draft_tokens, q, seq.sampling, seq.generator, position=call.committed_len,
+                          raw=raw)
         return verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator,
-                           position=call.committed_len)
+                           position=call.committed_len, raw=raw)
+
+    def _adjusted(self, seq: TargetSequence, logits: torch.Tensor, drafts: Sequence[int],
+                  parents: Sequence[int]) -> torch.Tensor:
+        """``[rows, vocab]`` logits with the request's penalties and bias, each row for its own context: the
+        committed history (cut to the call's committed_len already) and the drafts on the path to it."""
+        if seq.prompt_seen is None and seq.sampling.repetition_penalty != 1.0:
+            seq.prompt_seen = prompt_presence(seq.history[: seq.prompt_len], logits.shape[-1], logits.device)
+        return adjust_logits(logits, seq.sampling, seq.prompt_seen, seq.history[seq.prompt_len:],
+                             row_paths_of(drafts, parents))
 
     def _free(self, seq_id: str) -> bool:
         if self.drafter is not None:

@@ -47,6 +47,19 @@ def test_generate_json_is_the_target_only_output_with_its_stats(tiny_served_dir,
         assert stats["rounds"] < len(expected)
 
 
+def test_penalty_flags_change_the_output_and_speculation_keeps_it(tiny_served_dir, capsys):
+    """--repetition-penalty and --frequency-penalty reach the target's rows: the text changes, and a
+    speculative method gives the penalised target-only text."""
+    common = ["--target", str(tiny_served_dir), "--max-new-tokens", "24", "--dtype", "float32", "--chat"]
+    penalties = ["--repetition-penalty", "1.3", "--frequency-penalty", "0.8", "--presence-penalty", "0.2"]
+    plain = generate_json(capsys, "Count to ten.", *common, "--method", "none")["token_ids"]
+    alone = generate_json(capsys, "Count to ten.", *common, *penalties, "--method", "none")["token_ids"]
+    early = generate_json(capsys, "Count to ten.", *common, *penalties, "--method", "early-exit",
+                          "--early-exit-layers", "2", "--fixed-k")
+    assert alone != plain
+    assert early["token_ids"] == alone and early["stats"]["drafted"] > 0
+
+
 def test_a_system_turn_goes_before_the_prompt_through_the_chat_template(tiny_served_dir, capsys):
     from tandem.tokenizer import encode_messages, encode_prompt, load_tokenizer
     from tests.references import target_only
@@ -79,6 +92,9 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--top-k", "-1"], "top_k must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--method", "draft"], "needs a draft model"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--frequency-penalty", "2.5"], "frequency_penalty must be in [-2, 2]"),
+    (["--presence-penalty", "-3"], "presence_penalty must be in [-2, 2]"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store

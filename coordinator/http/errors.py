@@ -37,6 +37,10 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("top_k", "tandem.top_k"),
     ("logprobs", "logprobs"),
     ("seed", "seed"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("presence_penalty", "presence_penalty"),
+    ("logit_bias", "logit_bias"),
 )
 
 

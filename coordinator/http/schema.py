@@ -8,11 +8,12 @@ validation, the one the gRPC API runs (coordinator/service.py); its messages
 are renamed to these fields by ``errors.from_domain``.
 
 A field Tandem cannot honour is refused with a 400 that names it, never
-ignored: tools, response formats, penalties, logit biases, ``echo``... A
-neutral value (``presence_penalty: 0``, ``tools: []``, ``response_format:
-{"type": "text"}``, ``null`` for any optional field) asks for nothing and is
-taken, since SDKs send some of them by default. An unknown field is refused
-too: the official clients send only what their user set.
+ignored: tools, response formats, ``echo``... A neutral value (``tools: []``,
+``response_format: {"type": "text"}``, ``null`` for any optional field) asks
+for nothing and is taken, since SDKs send some of them by default. An unknown
+field is refused too: the official clients send only what their user set.
+``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's;
+``repetition_penalty`` is vLLM's extension of the body, taken as vLLM takes it.
 
 Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
 1 (sampling), ``top_p`` 1. ``max_tokens`` left out is the coordinator's
@@ -44,11 +45,6 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 
 
 # Fields Tandem cannot honour, and the values that ask for nothing (taken as if absent).
-UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _neutral(0),
-    "frequency_penalty": _neutral(0),
-    "logit_bias": _neutral({}),
-}
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "tools": _neutral([]),
     "tool_choice": _neutral("none"),
@@ -210,9 +206,39 @@ def _common(body: _Fields, chat: bool, request_id: str) -> ParsedRequest:
             raise bad_field("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         request.stopping.stop_strings.extend(strings)
     body.string("user")  # an end user's id for the caller's own records: taken, used for nothing
+    _penalties(body, sampling)
     _extension(body.take("tandem"), request, parsed)
-    body.refuse(UNSUPPORTED_COMMON)
     return parsed
+
+
+def _penalties(body: _Fields, sampling) -> None:
+    """``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` and ``logit_bias`` (ranges: the
+    service's, ``tandem.sampling_params``)."""
+    for key in ("frequency_penalty", "presence_penalty"):
+        value = body.number(key)
+        if value is not None:
+            setattr(sampling, key, value)
+    repetition = body.number("repetition_penalty")
+    if repetition is not None:
+        # On the wire 0 means "unset" (1): a penalty that is or rounds to 0 must not become 1 in silence.
+        if not ctypes.c_float(repetition).value > 0:
+            raise bad_field("repetition_penalty", f"must be > 0 (1: none), got {repetition}")
+        sampling.repetition_penalty = repetition
+    bias = body.take("logit_bias")
+    if bias is None:
+        return
+    ids: dict[int, float] = {}
+    for key, value in _object("logit_bias", bias).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_field("logit_bias", f"keys are token ids (integers as strings), got {key!r}") from None
+        if not 0 <= token <= INT32_MAX or token in ids:
+            raise bad_field("logit_bias", f"token id {key!r} is " + ("repeated" if token in ids else "out of range"))
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise bad_field("logit_bias", f"the bias of token {key} must be a number, got {_kind(value)}")
+        ids[token] = float(value)
+    sampling.logit_bias.update(ids)
 
 
 def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:

@@ -76,6 +76,20 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 disables")
     p.add_argument("--seed", type=int, default=None, help="seed of this request's sampler (reproducible runs)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide (multiply, when negative) the logits of every token already in the text, prompt "
+                        "included, by this; > 0, 1 is none (default: %(default)s)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count in the generated text from its logit; in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token the generated text holds; in [-2, 2]")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The request's sampling flags, validated (a bad value names its field)."""
+    return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
+                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -129,7 +143,7 @@ def configs_from_args(
     args: argparse.Namespace,
 ) -> tuple[SamplingParams, SpecOptions, EngineConfig, EngineConfig | None]:
     """Validate every flag, then resolve the models; nothing heavy is loaded yet."""
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    sampling = sampling_from_args(args)
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     heads_kind = ""
     if getattr(args, "heads", None):
@@ -197,7 +211,7 @@ def run_remote(args: argparse.Namespace) -> int:
 
     from tandem.client import TandemClient, build_request
 
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    sampling = sampling_from_args(args)
     method = "" if args.method == "auto" else args.method
     prompt = args.prompt if args.system is None else chat_turns(args.system, args.prompt)
     request = build_request(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,

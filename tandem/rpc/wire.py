@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.errors import InternalError
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, logit_bias_pairs
 from tandem.spec.transport import TokenLogprob, TreeProposal
 from tandem.v1 import common_pb2, target_pb2
 
@@ -24,12 +24,19 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         rejection_rule=msg.rejection_rule,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        logit_bias=logit_bias_pairs(dict(msg.logit_bias)),
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
     msg = common_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                     rejection_rule=params.rejection_rule)
+                                     rejection_rule=params.rejection_rule,
+                                     repetition_penalty=params.repetition_penalty,
+                                     frequency_penalty=params.frequency_penalty,
+                                     presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias))
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

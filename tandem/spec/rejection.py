@@ -50,8 +50,11 @@ drew the same token: the draft worker races its q against the same noise (``draw
 the noise is a hash of key and token id, the same on every device), so a draft with q = p is
 always kept, and one with q near p nearly always (see ``draft_worker.engine``).
 
+Penalties and logit bias (``tandem.penalties``): the caller passes the rows adjusted, each for its own
+context, as ``target_logits``, and the raw ones as ``raw`` for the log-probabilities.
+
 Log-probabilities (``params.logprobs`` set): the target's own, the log-softmax of
-its logits (before temperature, top-k and top-p), at the rows that decided the
+its logits (before penalties, bias, temperature, top-k and top-p), at the rows that decided the
 emitted tokens: each kept node's token at its parent's row, the next token at
 the last kept row, and the most likely tokens of those rows. They are computed
 beside the verdict for every node (which are kept is not known yet) and read
@@ -173,23 +176,24 @@ def fetch(verdicts: Sequence[Verdict | PendingVerdict]) -> list[Verdict]:
 
 
 def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                position: int | None = None) -> PendingVerdict:
+                position: int | None = None, raw: torch.Tensor | None = None) -> PendingVerdict:
     """A prefill's first token from its ``[1, vocab]`` logits (and its log-probabilities when asked);
-    ``position``: the token's (the prompt's length), where a seeded request draws as ``verify`` does."""
+    ``position``: the token's (the prompt's length), where a seeded request draws as ``verify`` does;
+    ``raw``: the logits before penalties and bias, which log-probabilities report (None: ``logits``)."""
     if params.exact_seed and position is not None:
         key = torch.tensor([params.noise_key(position)], device=logits.device)
         token = seeded_race(probabilities(logits, params), key)  # [1]
     else:
         token = pick_tokens(logits, params, generator)  # [1]
     root = torch.zeros(1, dtype=torch.int64, device=logits.device)  # the one row
-    return PendingVerdict(token, 0, tree=False, **_asked(logits, params, _Shape.chain(0, logits.device), None, token,
-                                                         root))
+    return PendingVerdict(token, 0, tree=False, **_asked(_or(raw, logits), params, _Shape.chain(0, logits.device),
+                                                         None, token, root))
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int],
-                  params: SamplingParams | None = None) -> PendingVerdict:
+                  params: SamplingParams | None = None, raw: torch.Tensor | None = None) -> PendingVerdict:
     """``target_logits`` ``[k+1, vocab]``: keep draft tokens while they equal the target's argmax."""
-    return _greedy(target_logits, draft_tokens, _Shape.chain(len(draft_tokens), target_logits.device), params)
+    return _greedy(target_logits, draft_tokens, _Shape.chain(len(draft_tokens), target_logits.device), params, raw)
 
 
 def verify_sampled(
@@ -198,10 +202,11 @@ def verify_sampled(
     draft_probs: torch.Tensor | None,  # [k, vocab] on the logits' device, or None for a deterministic draft
     params: SamplingParams,
     generator: torch.Generator,  # on the logits' device
+    raw: torch.Tensor | None = None,  # [k+1, vocab] before penalties and bias, for log-probabilities
 ) -> PendingVerdict:
     """Standard speculative rejection sampling over one sequence's k draft tokens."""
     shape = _Shape.chain(len(draft_tokens), target_logits.device)
-    return _sampled(target_logits, draft_tokens, shape, draft_probs, params, generator)
+    return _sampled(target_logits, draft_tokens, shape, draft_probs, params, generator, raw)
 
 
 def verify(
@@ -211,19 +216,23 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
     position: int | None = None,
+    raw: torch.Tensor | None = None,
 ) -> PendingVerdict:
     """Greedy fast path (no softmax at all), seeded draws per position, or rejection sampling.
 
     ``position``: that of the token row 0 decides (the sequence's committed length); with it a
-    seeded request is verified by its seeded draws (the module doc).
+    seeded request is verified by its seeded draws (the module doc). ``target_logits``: adjusted
+    for penalties and bias when the request has them (``tandem.penalties``); ``raw``: the logits
+    before, which log-probabilities report (None: ``target_logits``).
     """
     if params.is_greedy:
-        return verify_greedy(target_logits, draft_tokens, params)
+        return verify_greedy(target_logits, draft_tokens, params, raw)
     assert generator is not None, "sampling needs the request's generator"
     if params.exact_seed and position is not None:
         shape = _Shape.chain(len(draft_tokens), target_logits.device)
-        return _coupled(target_logits, draft_tokens, shape, list(range(len(draft_tokens) + 1)), params, position)
-    return verify_sampled(target_logits, draft_tokens, draft_probs, params, generator)
+        return _coupled(target_logits, draft_tokens, shape, list(range(len(draft_tokens) + 1)), params, position,
+                        raw)
+    return verify_sampled(target_logits, draft_tokens, draft_probs, params, generator, raw)
 
 
 def verify_tree(
@@ -234,16 +243,17 @@ def verify_tree(
     params: SamplingParams,
     generator: torch.Generator | None,
     position: int | None = None,
+    raw: torch.Tensor | None = None,
 ) -> PendingVerdict:
     """The path a token tree keeps and the target's token after it (see the module doc; ``position``
-    as in ``verify``)."""
+    and ``raw`` as in ``verify``)."""
     shape = _Shape.tree(children, len(tokens), target_logits.device)
     if params.is_greedy:
-        return _greedy(target_logits, tokens, shape, params)
+        return _greedy(target_logits, tokens, shape, params, raw)
     assert generator is not None, "sampling needs the request's generator"
     if params.exact_seed and position is not None:
-        return _coupled(target_logits, tokens, shape, _row_depths(children, len(tokens)), params, position)
-    return _sampled(target_logits, tokens, shape, draft_probs, params, generator)
+        return _coupled(target_logits, tokens, shape, _row_depths(children, len(tokens)), params, position, raw)
+    return _sampled(target_logits, tokens, shape, draft_probs, params, generator, raw)
 
 
 def _row_depths(children: dict[int, list[int]], n: int) -> list[int]:
@@ -348,9 +358,14 @@ def _scores(logits: torch.Tensor, shape: _Shape, drafted: torch.Tensor | None, n
     return torch.cat(parts)
 
 
+def _or(raw: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+    """The logits log-probabilities are read from: the raw ones when the decision used adjusted ones."""
+    return logits if raw is None else raw
+
+
 def _greedy(target_logits: torch.Tensor, tokens: list[int], shape: _Shape,
-            params: SamplingParams | None = None) -> PendingVerdict:
-    return _matching(target_logits, target_logits.argmax(-1), tokens, shape, params)
+            params: SamplingParams | None = None, raw: torch.Tensor | None = None) -> PendingVerdict:
+    return _matching(_or(raw, target_logits), target_logits.argmax(-1), tokens, shape, params)
 
 
 def _coupled(
@@ -360,24 +375,26 @@ def _coupled(
     depths: list[int],  # [N+1] each row's depth (``_row_depths``)
     params: SamplingParams,
     position: int,
+    raw: torch.Tensor | None = None,
 ) -> PendingVerdict:
     """Seeded: each row's token drawn as plain decoding draws the token at its position; drafts kept
     while they equal those draws (the module doc). One race for all rows, no host sync."""
     p = probabilities(target_logits, params)  # [N+1, vocab]
     keys = torch.tensor([params.noise_key(position + depth) for depth in depths], device=p.device)  # [N+1]
-    return _matching(target_logits, seeded_race(p, keys), tokens, shape, params)
+    return _matching(_or(raw, target_logits), seeded_race(p, keys), tokens, shape, params)
 
 
-def _matching(target_logits: torch.Tensor, choices: torch.Tensor, tokens: list[int], shape: _Shape,
+def _matching(scored: torch.Tensor, choices: torch.Tensor, tokens: list[int], shape: _Shape,
               params: SamplingParams | None) -> PendingVerdict:
-    """Nodes kept while they equal the target's choice at their parent's row (``choices`` ``[N+1]``)."""
+    """Nodes kept while they equal the target's choice at their parent's row (``choices`` ``[N+1]``);
+    ``scored``: the logits log-probabilities are read from."""
     drafted = _node_tokens(tokens, choices.device)  # [N]
     ok = drafted == choices[shape.parent_row_of]  # [N]
     kept = shape.kept(ok)
     last = shape.last_row(kept)  # [1]
     next_token = choices[last]
     return PendingVerdict(torch.cat([kept.long(), next_token]), shape.num_nodes, shape.ancestors is not None,
-                          **_asked(target_logits, params, shape, drafted, next_token, last))
+                          **_asked(scored, params, shape, drafted, next_token, last))
 
 
 def _sampled(
@@ -387,14 +404,16 @@ def _sampled(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator,
+    raw: torch.Tensor | None = None,
 ) -> PendingVerdict:
     p = probabilities(target_logits, params)  # [N+1, vocab]
+    scored = _or(raw, target_logits)
     n, device = shape.num_nodes, p.device
     if n == 0:
         token = sample(p, generator)  # [1]
         root = torch.zeros(1, dtype=torch.int64, device=device)
         return PendingVerdict(token, 0, shape.ancestors is not None,
-                              **_asked(target_logits, params, shape, None, token, root))
+                              **_asked(scored, params, shape, None, token, root))
     drafted = _node_tokens(tokens, device)  # [N]
     nodes = torch.arange(n, device=device)
     uniforms = torch.rand(n, generator=generator, device=device)  # one per node, always N: seeded runs repeat
@@ -408,7 +427,7 @@ def _sampled(
         final = torch.where(first[:, None] < n, residual, row)
         token = sample(final, generator)  # [1]
         return PendingVerdict(torch.cat([kept.long(), token]), n, tree=False,
-                              **_asked(target_logits, params, shape, drafted, token, first))
+                              **_asked(scored, params, shape, drafted, token, first))
     ok = torch.zeros(n, dtype=torch.bool, device=device)
     residual = p[shape.parent_rows]  # [P, vocab]: each parent's residual before its first child
     ends = torch.empty_like(residual)  # each parent's residual once all its children are rejected
@@ -425,7 +444,7 @@ def _sampled(
     final = torch.where(at[:, None] >= 0, ends.index_select(0, at.clamp(min=0)), p.index_select(0, last))
     token = sample(final, generator)  # [1]
     return PendingVerdict(torch.cat([kept.long(), token]), n, tree=True,
-                          **_asked(target_logits, params, shape, drafted, token, last))
+                          **_asked(scored, params, shape, drafted, token, last))
 
 
 def _without(residual: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:

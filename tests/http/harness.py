@@ -45,6 +45,7 @@ class ScriptedTarget(FakeTarget):
         self.live: dict[str, int] = {}  # seq_id -> tokens emitted; a released sequence is gone
         self.logprobs: dict[str, int] = {}  # seq_id -> alternatives asked
         self.prompts: list[list[int]] = []
+        self.samplings: list[common_pb2.SamplingOptions] = []  # each Prefill's, in order
 
     def _emit(self, seq_id: str, count: int) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
         start = self.live.get(seq_id, 0)
@@ -63,6 +64,7 @@ class ScriptedTarget(FakeTarget):
         seen = max((common_prefix_len(earlier, prompt) for earlier in self.prompts), default=0)
         reused = min(seen, prefix_limit(len(prompt))) // CACHE_BLOCK * CACHE_BLOCK
         self.prompts.append(prompt)
+        self.samplings.append(request.sampling)
         if request.sampling.HasField("logprobs"):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)

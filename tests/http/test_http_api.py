@@ -234,8 +234,17 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 @pytest.mark.parametrize("change,param,status", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
     ({"response_format": {"type": "json_object"}}, "response_format", 400),
-    ({"presence_penalty": 0.5}, "presence_penalty", 400),
-    ({"logit_bias": {"5": 10}}, "logit_bias", 400),
+    ({"presence_penalty": 2.5}, "presence_penalty", 400),  # the service's range, named as this field
+    ({"frequency_penalty": -3}, "frequency_penalty", 400),
+    ({"frequency_penalty": "high"}, "frequency_penalty", 400),
+    ({"repetition_penalty": 0}, "repetition_penalty", 400),
+    ({"repetition_penalty": -1.2}, "repetition_penalty", 400),
+    ({"logit_bias": {"5": 101}}, "logit_bias", 400),
+    ({"logit_bias": {"five": 1}}, "logit_bias", 400),
+    ({"logit_bias": {"5": "up"}}, "logit_bias", 400),
+    ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias", 400),
+    ({"logit_bias": {"99999": 1}}, "logit_bias", 400),  # past the model's vocabulary
+    ({"logit_bias": [5, 10]}, "logit_bias", 400),
     ({"frobnicate": 1}, "frobnicate", 400),
     ({"n": 0}, "n", 400),
     ({"n": 17}, "n", 400),
@@ -293,6 +302,25 @@ def test_the_tree_option_takes_a_mode_or_a_boolean(tree, mode):
     assert parsed.request.speculation.tree == mode
     with pytest.raises(Exception, match="tandem.tree"):
         parse_completion({"prompt": "hi", "tandem": {"tree": 2}})
+
+
+def test_penalties_and_logit_bias_reach_the_target_worker(tokenizer):
+    """OpenAI's frequency_penalty, presence_penalty and logit_bias, and vLLM's repetition_penalty, go to the
+    workers as the request's sampling options (whose rows apply them: tandem.penalties)."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/chat/completions", {
+                **CHAT, "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.125,
+                "logit_bias": {"7": 5, "3": -100}})
+            assert code == 200, body
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2,
+                                                                    "frequency_penalty": 1})
+            assert code == 200, body
+            chat, completion = running.target.samplings
+            assert (chat.frequency_penalty, chat.presence_penalty, chat.repetition_penalty) == (0.5, -0.25, 1.125)
+            assert dict(chat.logit_bias) == {7: 5.0, 3: -100.0}
+            assert completion.frequency_penalty == 1 and completion.repetition_penalty == 1  # 1: none, sent as is
+    run(go())
 
 
 def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):

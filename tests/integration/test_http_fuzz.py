@@ -47,10 +47,10 @@ UNICODE = ("\u0000", "\u200b", "\u202e", "\ufeff", "\U0001f600", "e\u0301", "\u4
            "<|im_start|>", "<|endoftext|>", "\\u0000", "' OR 1=1 --", "\ud800")
 ABSURD = (-1, 0, 1, 2**31, 2**64, -(2**70), 1e308, -1e308, 1e-320, 0.5, 3.0, "", "1", True, None, [], {})
 NUMERIC_FIELDS = ("temperature", "top_p", "max_tokens", "n", "seed", "presence_penalty", "top_logprobs",
-                  "max_completion_tokens")
+                  "max_completion_tokens", "frequency_penalty", "repetition_penalty")
 # What Tandem refuses (best_of only unless it equals n, at most 3 in these requests).
 UNSUPPORTED = {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"},
-               "logit_bias": {"1": 5}, "frequency_penalty": 1.0, "echo": True, "suffix": "x", "best_of": 5,
+               "echo": True, "suffix": "x", "best_of": 5,
                "functions": [{"name": "f"}], "audio": {"voice": "x"}, "frobnicate": 1}
 
 

@@ -72,6 +72,27 @@ def test_greedy_text_equals_grpc_and_target_only_and_logprobs_are_the_targets(ap
     check_against_a_target_forward(smollm2_dir, tokenizer, smollm2_reference, {PROMPTS[0]: scored[PROMPTS[0]]})
 
 
+def test_penalties_and_logit_bias_give_the_penalised_target_only_text(api, model, smollm2_reference, smollm2_dir):
+    """OpenAI's penalties and logit_bias and vLLM's repetition_penalty, through the real workers (the draft
+    and the target each apply them, row by row): greedy text equals penalised target-only decoding in
+    process. The values are exact in float32, the wire's type, so both sides compute the same rows."""
+    from tandem.sampling_params import SamplingParams
+    from tandem.tokenizer import load_tokenizer
+    from tests.references import target_only
+
+    prompt = PROMPTS[0]
+    banned = smollm2_reference[prompt][1]  # the plain answer's second token, never to be said
+    penalised = SamplingParams(repetition_penalty=1.25, frequency_penalty=0.75, presence_penalty=0.5,
+                               logit_bias=((banned, -100.0),))
+    expected = target_only(smollm2_dir, [prompt], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+                           sampling=penalised)[prompt]
+    reply = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0, frequency_penalty=0.75,
+                 presence_penalty=0.5, logit_bias={str(banned): -100}, extra_body={"repetition_penalty": 1.25})
+    assert reply.choices[0].message.content == load_tokenizer(smollm2_dir).decode(expected, skip_special_tokens=True)
+    assert expected != smollm2_reference[prompt] and banned not in expected
+    assert reply.choices[0].model_extra["tandem"]["drafted"] > 0  # speculation ran under the penalties
+
+
 def check_against_a_target_forward(model_dir, tokenizer, reference, scored) -> None:
     """Each served log-probability is target-only decoding's own, and one plain forward pass's (bf16's rounding)."""
     import torch

@@ -8,7 +8,7 @@ a wrong one). ``SIGNIFICANCE`` is the false-alarm rate of a correct sampler.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,8 +52,12 @@ def save_six_token_pair(root: Path, seeds: tuple[int, int] = PAIR_SEEDS) -> tupl
     return dirs[0], dirs[1]
 
 
-def exact_two_token_distribution(engine, prompt: list[int], temperature: float) -> np.ndarray:
-    """P(t2, t3) of the target ``ModelEngine`` alone, marginalised over t1, as a flat [vocab * vocab] array."""
+def exact_two_token_distribution(engine, prompt: list[int], temperature: float,
+                                 adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> np.ndarray:
+    """P(t2, t3) of the target ``ModelEngine`` alone, marginalised over t1, as a flat [vocab * vocab] array.
+
+    ``adjust(logits, generated)``: the request's logit processing (penalties) of the ``[vocab]`` logits after
+    the prompt and the tokens ``generated`` so far; None: none."""
     from tandem.engine import ForwardItem
 
     vocab = engine.config.vocab_size
@@ -61,6 +65,8 @@ def exact_two_token_distribution(engine, prompt: list[int], temperature: float) 
     def dist(tokens: list[int]) -> np.ndarray:
         logits = engine.forward([ForwardItem("exact", tokens)])[0][0]
         engine.release("exact")
+        if adjust is not None:
+            logits = adjust(logits, tokens[len(prompt):])
         return torch.softmax(logits / temperature, -1).double().numpy()
 
     joint = np.zeros((vocab, vocab))

@@ -123,9 +123,9 @@ def sample_through_the_loop(pair, monkeypatch, lossless: bool, draft_options: di
 
         monkeypatch.setattr(rejection, "_without", lambda residual, token, q: residual)
     elif not lossless:
-        broken = lambda logits, tokens, probs, params, gen, position=None: (  # noqa: E731
+        broken = lambda logits, tokens, probs, params, gen, position=None, raw=None: (  # noqa: E731
             broken_resample_from_p(logits, tokens, probs, params, gen) if tokens
-            else verify(logits, tokens, probs, params, gen, position=position))
+            else verify(logits, tokens, probs, params, gen, position=position, raw=raw))
         monkeypatch.setattr(target_engine_module, "verify", broken)
     # Token 1 comes from the target's prefill, tokens 2 and 3 from speculative rounds.
     # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws)

@@ -196,9 +196,9 @@ def test_malformed_draft_probs_fail_the_call_alone(target):
 def test_sampled_verify_tests_against_the_decoded_draft_probs(target, monkeypatch):
     seen = []
 
-    def spy(logits, draft_tokens, draft_probs, params, generator, position=None):
+    def spy(logits, draft_tokens, draft_probs, params, generator, position=None, raw=None):
         seen.append(draft_probs)
-        return real_verify(logits, draft_tokens, draft_probs, params, generator, position=position)
+        return real_verify(logits, draft_tokens, draft_probs, params, generator, position=position, raw=raw)
 
     real_verify = engine_module.verify
     monkeypatch.setattr(engine_module, "verify", spy)
@@ -368,9 +368,9 @@ def test_bad_trees_fail_alone_and_leave_the_sequence_as_it_was(target):
 def test_a_sampled_tree_reads_empty_messages_as_point_masses(target, monkeypatch):
     seen = []
 
-    def spy(logits, tokens, children, draft_probs, params, generator, position=None):
+    def spy(logits, tokens, children, draft_probs, params, generator, position=None, raw=None):
         seen.append((children, draft_probs))
-        return real(logits, tokens, children, draft_probs, params, generator, position=position)
+        return real(logits, tokens, children, draft_probs, params, generator, position=position, raw=raw)
 
     real = engine_module.verify_tree
     monkeypatch.setattr(engine_module, "verify_tree", spy)

@@ -1,0 +1,117 @@
+"""Speculative sampling with penalties and a logit bias is lossless, chains and trees, and the test can tell
+when it is not.
+
+Through the engines as in ``test_lossless`` (the draft's q on the wire, decoded by the target): output
+tokens 2 and 3 of many seeded runs must follow the target's own two-token law, computed exactly with the
+penalties applied after each context (an independent reference, row by row), with the unrelated draft
+(most drafts rejected: the residuals) and with the target drafting for itself (most kept).
+
+The defect: every row adjusted for the committed text only, blind to the drafts on its path. With the
+target as its own draft, token 2 is a kept draft and token 3 is decided at the row after it, so the
+defect draws token 3 as if token 2 had not been said. Prompt and penalties were chosen, by computing
+both laws exactly, where that moves the law of (t2, t3) by a chi-square noncentrality of about 14,000
+at 500 samples: the defect cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import target_worker.engine
+from draft_worker.engine import DraftEngine, ProposeCall
+from tandem.rpc import distributions
+from tandem.rpc.calls import ReleaseCall
+from tandem.sampling_params import SamplingParams
+from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+from tests.draft_worker.test_lossless import load, ok
+from tests.spec.losslessness import (
+    PAIR_SAMPLES,
+    PAIR_TEMPERATURE,
+    PAIR_VOCAB,
+    SIGNIFICANCE,
+    chi_square_pvalue,
+    exact_two_token_distribution,
+    one_torch_thread,
+    save_six_token_pair,
+)
+
+PROMPT, VOCAB = [3, 3, 4], PAIR_VOCAB
+REPETITION, FREQUENCY, PRESENCE, BIAS = 1.5, 1.0, 1.0, ((2, 0.3),)
+
+
+@pytest.fixture(scope="module")
+def six_token_pair(tmp_path_factory):
+    return save_six_token_pair(tmp_path_factory.mktemp("pair"))
+
+
+def params(seed: int) -> SamplingParams:
+    return SamplingParams(PAIR_TEMPERATURE, seed=seed, rejection_rule=True, repetition_penalty=REPETITION,
+                          frequency_penalty=FREQUENCY, presence_penalty=PRESENCE, logit_bias=BIAS)
+
+
+def reference(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+    """The penalties as OpenAI and vLLM define them, one token at a time, for one ``[vocab]`` row."""
+    out = logits.double().clone()
+    for token, bias in BIAS:
+        out[token] += bias
+    for token in range(len(out)):
+        count = generated.count(token)
+        if count or token in PROMPT:
+            out[token] = out[token] / REPETITION if out[token] > 0 else out[token] * REPETITION
+        out[token] -= FREQUENCY * count + PRESENCE * (count > 0)
+    return out.float()
+
+
+def point_masses(tokens: list[int]) -> list:
+    return distributions.encode_distributions(torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float())
+
+
+def two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range, tree: bool) -> list[int]:
+    """Tokens 2 and 3 (``t2 * VOCAB + t3``) per seed: a prefill, one round of 2 sampled drafts (a tree adds
+    the draft's next-best token at both depths, as deterministic leaves), then single-token rounds."""
+    ids = [f"s{seed}" for seed in seeds]
+    sampling = {i: params(seed) for i, seed in zip(ids, seeds)}
+    first = [p.next_token for p in ok(target.run_batch([PrefillCall(i, PROMPT, sampling[i]) for i in ids]))]
+    proposals = ok(draft.run_batch([ProposeCall(i, 0, [*PROMPT, t1], 2, sampling[i], alternatives=int(tree))
+                                    for i, t1 in zip(ids, first)]))
+    calls = []
+    for i, p in zip(ids, proposals):
+        if tree:  # node 0, 1: the sampled chain; node 2 hangs on the root, node 3 on node 0
+            alts = [p.alternatives[0][0], p.alternatives[1][0]]
+            calls.append(VerifyCall(i, len(PROMPT) + 1, [*p.tokens, *alts], [*p.probs, *point_masses(alts)],
+                                    [-1, 0, -1, 0]))
+        else:
+            calls.append(VerifyCall(i, len(PROMPT) + 1, p.tokens, p.probs))
+    out = {i: [call.draft_tokens[n] for n in v.accepted_nodes] + [v.next_token]
+           for i, call, v in zip(ids, calls, ok(target.run_batch(calls)))}
+    while short := [i for i in ids if len(out[i]) < 2]:  # a plain round: the target's next token
+        for i, v in zip(short, ok(target.run_batch([VerifyCall(i, len(PROMPT) + 1 + len(out[i]), [], [])
+                                                    for i in short]))):
+            out[i].append(v.next_token)
+    ok(target.run_batch([ReleaseCall(i) for i in ids]))
+    ok(draft.run_batch([ReleaseCall(i) for i in ids]))
+    return [out[i][0] * VOCAB + out[i][1] for i in ids]
+
+
+@pytest.mark.parametrize("n", [PAIR_SAMPLES, pytest.param(4000, marks=pytest.mark.long)], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("drafter,defect,lossless", [
+    ("unrelated", False, True),
+    ("target", False, True),
+    ("target", True, False),
+], ids=["unrelated-draft", "target-as-draft", "target-as-draft-rows-blind-to-drafts"])
+def test_penalised_speculative_sampling_follows_the_target(six_token_pair, monkeypatch, tree, drafter, defect,
+                                                           lossless, n):
+    if defect:
+        monkeypatch.setattr(target_worker.engine, "row_paths_of", lambda drafts, parents: [[]] * (len(drafts) + 1))
+    target_dir, draft_dir = six_token_pair
+    target = TargetEngine(load(target_dir))
+    draft = DraftEngine(load(target_dir if drafter == "target" else draft_dir))
+    with one_torch_thread():
+        samples = [s for start in range(0, n, 500)
+                   for s in two_and_three(target, draft, range(start, min(start + 500, n)), tree)]
+    assert target.num_sequences == draft.num_sequences == 0
+    law = exact_two_token_distribution(target.engine, PROMPT, PAIR_TEMPERATURE, reference)
+    pvalue = chi_square_pvalue(samples, law)
+    assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

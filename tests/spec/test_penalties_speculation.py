@@ -1,0 +1,110 @@
+"""Greedy decoding with penalties and a logit bias: speculative output is still the target alone's, for
+every proposer and for trees, because each verified row is adjusted for the drafts before it.
+
+A row judged against the committed text alone (the drafts on its path left out) is the defect these
+tests must catch: it is run too, and its output must differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import target_worker.engine
+from tandem.sampling_params import SamplingParams, logit_bias_pairs
+from tests.spec.test_greedy_equivalence import PROMPTS, load, run
+
+# Strong enough that a tiny random model's favourite loops are broken: the penalties decide many tokens.
+PENALISED = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.6, presence_penalty=0.4,
+                           logit_bias=logit_bias_pairs({7: 0.8, 61: -3.0}))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen2_dir):
+    return load(tiny_qwen2_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Target-only output with the penalties: the reference every speculative run must equal."""
+    return [r.token_ids for r in run(target, None, sampling=PENALISED)]
+
+
+def test_penalties_change_the_target_alone_output(target, plain):
+    unpenalised = [r.token_ids for r in run(target, None)]
+    assert plain != unpenalised  # otherwise the equalities below would prove nothing about penalties
+
+
+@pytest.mark.parametrize("method,tree", [("draft-same", "off"), ("draft", "off"), ("ngram", "off"),
+                                         ("hybrid", "off"), ("draft", "on"), ("hybrid", "on")])
+def test_speculative_output_equals_the_target_alone(target, plain, tiny_qwen2_dir, tiny_qwen2_other_dir, method,
+                                                    tree):
+    draft = {"draft-same": lambda: load(tiny_qwen2_dir), "draft": lambda: load(tiny_qwen2_other_dir),
+             "hybrid": lambda: load(tiny_qwen2_other_dir), "ngram": lambda: None}[method]()
+    results = run(target, draft, method.removesuffix("-same"), sampling=PENALISED, k_max=4, ngram_max=3,
+                  hybrid_min_match=2, tree=tree, tree_width=2)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.stats.drafted for r in results) > 0
+    if method != "ngram":  # (penalties turn down most repeats, which are all an n-gram lookup proposes)
+        assert sum(r.stats.accepted for r in results) > 0  # drafts were kept, under rows that counted them
+    if tree == "on":
+        assert sum(r.stats.tree_rounds for r in results) > 0
+    if method == "draft-same":  # the same model drafting applies the same penalties: it is always right
+        assert all(r.stats.accepted == r.stats.drafted for r in results)
+    assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks
+
+
+def test_rows_judged_without_their_drafts_change_the_output(target, plain, tiny_qwen2_dir, monkeypatch):
+    """The defect: every row adjusted for the committed text only. The output drifts from the target's."""
+    monkeypatch.setattr(target_worker.engine, "row_paths_of", lambda drafts, parents: [[]] * (len(drafts) + 1))
+    results = run(target, load(tiny_qwen2_dir), "draft", sampling=PENALISED, k_max=4)
+    assert [r.token_ids for r in results] != plain
+
+
+def test_a_large_bias_forces_its_token_and_speculation_agrees(target, tiny_qwen2_dir):
+    forced = SamplingParams(logit_bias=((13, 100.0),))
+    for draft, method in ((None, "none"), (load(tiny_qwen2_dir), "draft")):
+        results = run(target, draft, method, prompts=PROMPTS[:2], n=12, sampling=forced, k_max=4)
+        assert all(r.token_ids == [13] * 12 for r in results)
+
+
+@pytest.mark.slow
+def test_smollm2_repetition_penalty_equals_transformers_and_speculation(smollm2_dir):
+    """On a real model and real text: our plain decoding with a repetition penalty is transformers'
+    ``generate(repetition_penalty=...)``, and every speculative method gives that same text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draft_worker.engine import early_exit_engine
+    from tandem.tokenizer import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    prompt = encode_prompt(tok, "Repeat after me five times: the cat sat on the mat.", chat=True)
+    sampling, n = SamplingParams(repetition_penalty=1.3), 40
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                          repetition_penalty=1.3, pad_token_id=tok.eos_token_id)
+    reference = out[0, len(prompt):].tolist()
+    engine = load(smollm2_dir)
+    plain = run(engine, None, prompts=[prompt], n=n, sampling=sampling, stop=frozenset())[0].token_ids
+    assert plain == reference
+    assert plain != run(engine, None, prompts=[prompt], n=n)[0].token_ids  # the penalty changed the text
+    for draft, method in ((early_exit_engine(engine, 20), "early-exit"), (None, "ngram")):
+        result = run(engine, draft, method, prompts=[prompt], n=n, sampling=sampling, k_max=4, ngram_max=3)[0]
+        assert result.token_ids == plain
+        assert result.stats.drafted > 0
+        if method == "early-exit":  # (the penalty turns down the repeats an n-gram lookup proposes)
+            assert result.stats.accepted > 0
+
+
+def test_seeded_sampling_with_penalties_is_plain_seeded_decoding(target, tiny_qwen2_other_dir):
+    """A seeded request keeps the target's own seeded draw at each position, drawn from that position's
+    adjusted row: its output with penalties is the plain seeded output, whatever proposed the drafts."""
+    sampling = SamplingParams(temperature=0.8, seed=99, repetition_penalty=1.2, frequency_penalty=0.5,
+                              presence_penalty=0.5, logit_bias=((7, 1.0),))
+    alone = [r.token_ids for r in run(target, None, sampling=sampling)]
+    assert alone != [r.token_ids for r in run(target, None, sampling=SamplingParams(temperature=0.8, seed=99))]
+    for method, tree in (("draft", "off"), ("hybrid", "on")):
+        results = run(target, load(tiny_qwen2_other_dir), method, sampling=sampling, k_max=4, ngram_max=3,
+                      hybrid_min_match=2, tree=tree, tree_width=2)
+        assert [r.token_ids for r in results] == alone
