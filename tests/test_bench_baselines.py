@@ -139,6 +139,32 @@ def test_seeded_sampling_gives_plain_output_under_exact_draws_and_reports_both_r
     assert (tmp_path / "ss.md").is_file() and (tmp_path / "ss.png").is_file()
 
 
+def test_penalties_bench_keeps_target_only_output_in_both_settings_and_reports_them(tiny_qwen2_dir, tmp_path):
+    import json
+
+    from benchmarks import penalties
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from tandem.sampling import SamplingParams
+
+    target, draft = (ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32")) for _ in range(2))
+    prompts = [[5, 17, 33], [9, 9, 9, 9, 9, 9]]
+    penalised = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)
+    rows = penalties.measure(target, draft, prompts, ["draft", "ngram"], 16, penalised, 3, adaptive_k=False)
+    assert len(rows) == 2 * len(penalties.SETTINGS) * 3
+    assert all(r["same_as_target_only"] for r in rows if r["method"] != "none")
+    alone = {r["setting"]: r["token_ids"] for r in rows if r["method"] == "none" and r["prompt"] == 1}
+    assert alone["plain"] != alone["penalised"]  # the penalised setting really is penalised
+    summary = penalties.summarize(rows)
+    by = {(s["setting"], s["method"]): s for s in summary}
+    assert by[("penalised", "draft")]["acceptance"] == 1.0  # the target's own model, penalised alike, is always kept
+    assert by[("plain", "target-only")]["x_target_only"] == 1.0
+    penalties.report(rows, summary, {"test": True}, tmp_path, "pen")
+    saved = json.loads((tmp_path / "pen.json").read_text())
+    assert len(saved["summary"]) == len(penalties.SETTINGS) * 3 and "token_ids" not in saved["runs"][0]
+    assert (tmp_path / "pen.md").is_file() and (tmp_path / "pen.png").is_file()
+
+
 def test_seeded_sampling_refuses_unknown_methods():
     import pytest
 
