@@ -10,7 +10,8 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
   ``LOGIT_TOLERANCE`` of the reference's largest logit; greedy tokens equal on
   random prompts (float32: the same math in another order, so no near-ties decide).
 - ``speculative-greedy``: greedy output of draft, n-gram, hybrid and tree
-  speculation equal to target-only, token for token (the serving dtype).
+  speculation equal to target-only, token for token (the serving dtype); draft
+  and hybrid trees again under penalties and a logit bias.
 - ``lossless``: the chi-square test of speculative sampling (chains, then trees)
   through the worker engines on the device, as tests/spec/test_rejection.py runs it on CPU.
 - ``processes``: a target worker, a draft worker and a coordinator as real
@@ -210,7 +211,16 @@ def speculative_greedy(target_dir: Path, draft_dir: Path, plan: Plan) -> dict[st
         got = [r.token_ids for r in results]
         assert got == expected, f"{name}: greedy output differs from target-only"
         accepted[name] = sum(r.stats.accepted for r in results)
-    return {"methods": list(methods), "accepted_tokens": accepted}
+    # Penalties and a logit bias: every verified row adjusted on the device for its own context.
+    penalised = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+                               logit_bias=((7, 1.5),))
+    requests = [GenerationRequest(p, plan.new_tokens, penalised) for p in prompts]
+    expected = [r.token_ids for r in SpeculativeGenerator(target).generate(requests)]
+    for name in ("draft", "hybrid-tree"):
+        results = SpeculativeGenerator(target, draft, methods[name]).generate(requests)
+        assert [r.token_ids for r in results] == expected, f"{name}, penalised: greedy output differs from target-only"
+        accepted[f"{name}-penalised"] = sum(r.stats.accepted for r in results)
+    return {"methods": [*methods, "draft-penalised", "hybrid-tree-penalised"], "accepted_tokens": accepted}
 
 
 def lossless(plan: Plan, work: Path) -> dict[str, Any]:

@@ -60,7 +60,7 @@ from tandem.errors import (
     UnknownSequenceError,
     check_token_ids,
 )
-from tandem.penalties import adjust_logits, prompt_presence
+from tandem.penalties import adjust_logits
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
@@ -275,9 +275,12 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                                  for p in plans if step < len(runs[p.index]) - 1])
         feed = {p.index: runs[p.index][-1] for p in plans}
         # Penalties: where each sequence's generated text starts (prompt_len 0, not said: all it holds now is
-        # taken as prompt), and its prompt's tokens once made.
-        prompts: dict[int, tuple[int, torch.Tensor | None]] = {
-            p.index: (p.call.prompt_len or len(p.tokens), None) for p in plans if p.call.sampling.adjusts_logits}
+        # taken as prompt), and its prompt's distinct ids.
+        prompts: dict[int, tuple[int, frozenset[int]]] = {}
+        for p in plans:
+            if p.call.sampling.adjusts_logits:
+                start = p.call.prompt_len or len(p.tokens)
+                prompts[p.index] = start, frozenset(p.tokens[:start])
         active = list(plans)
         while active:
             logits = self.engine.forward([ForwardItem(p.call.seq_id, feed[p.index].tokens, num_logits=1,
@@ -298,18 +301,14 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             feed = {p.index: Run([p.drafted[-1]], False) for p in active}
 
     def _adjust(self, plans: list[_Plan], rows: dict[int, torch.Tensor],
-                prompts: dict[int, tuple[int, torch.Tensor | None]]) -> None:
+                prompts: dict[int, tuple[int, frozenset[int]]]) -> None:
         """Each plan's row with its request's penalties and bias, for the context it holds now (the drafts
         so far included), as the target will judge that position (``tandem.penalties``): a draft that
         ignored them would propose what the target's adjusted rows turn down. Proposals only: what the
         target keeps does not depend on it."""
         for plan in plans:
-            sampling, row = plan.call.sampling, rows[plan.index]  # row [1, vocab]
-            start, seen = prompts[plan.index]
-            if seen is None and sampling.repetition_penalty != 1.0:
-                seen = prompt_presence(plan.tokens[:start], row.shape[-1], row.device)  # [vocab] bool
-                prompts[plan.index] = start, seen
-            rows[plan.index] = adjust_logits(row, sampling, seen, plan.tokens[start:], [[]])
+            start, prompt = prompts[plan.index]
+            rows[plan.index] = adjust_logits(rows[plan.index], plan.call.sampling, prompt, plan.tokens[start:], [[]])
 
     def _alternatives(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
         """Each plan's next-best tokens at the position just drafted, other than the drafted one.

@@ -22,20 +22,11 @@ Log-probabilities stay the raw logits' (``tandem.spec.rejection``), as vLLM repo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 from tandem.sampling_params import SamplingParams
-
-
-def prompt_presence(prompt: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """``[vocab]`` bool: the tokens a prompt holds (a sequence keeps it: the prompt never changes)."""
-    seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-    ids = sorted({t for t in prompt if t < vocab})
-    if ids:
-        seen[torch.tensor(ids, dtype=torch.int64, device="cpu").to(device, non_blocking=True)] = True
-    return seen
 
 
 def row_paths_of(tokens: Sequence[int], parents: Sequence[int] | None) -> list[list[int]]:
@@ -51,13 +42,16 @@ def row_paths_of(tokens: Sequence[int], parents: Sequence[int] | None) -> list[l
 def adjust_logits(
     logits: torch.Tensor,  # [R, vocab] float32, row r predicting the token after output + row_paths[r]
     params: SamplingParams,
-    prompt_seen: torch.Tensor | None,  # [vocab] bool (``prompt_presence``); None: the prompt is not penalised
+    prompt_tokens: Collection[int],  # the distinct ids of the prompt (a sequence keeps them: a frozenset)
     output: Sequence[int],  # the generated tokens committed before row 0
     row_paths: Sequence[Sequence[int]],  # [R] each row's drafted tokens after ``output`` (``row_paths_of``)
 ) -> torch.Tensor:
     """``[R, vocab]`` float32: the rows adjusted as the module doc says (a new tensor; ``logits`` is untouched).
 
-    Token ids at or past ``vocab`` are left out (a draft may hold fewer ids than the target it serves).
+    Only the columns of tokens the context holds can change, so the penalties gather those ``U`` columns,
+    adjust ``[R, U]`` and scatter them back: O(R * U), not O(R * vocab) (151,936 ids for Qwen: 0.74 ms a
+    row dense on a 2-core CPU). Token ids at or past ``vocab`` are left out (a draft may hold fewer ids
+    than the target it serves).
     """
     rows, vocab = logits.shape
     assert len(row_paths) == rows, f"{len(row_paths)} row paths for {rows} rows"
@@ -66,28 +60,41 @@ def adjust_logits(
     if params.logit_bias:
         kept = [(t, b) for t, b in params.logit_bias if t < vocab]
         if kept:
-            ids = torch.tensor([t for t, _ in kept], dtype=torch.int64, device=device)
-            out[:, ids] += torch.tensor([b for _, b in kept], dtype=out.dtype, device=device)
-    if params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
+            ids = torch.tensor([t for t, _ in kept], dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+            out[:, ids] += torch.tensor([b for _, b in kept], dtype=out.dtype, device="cpu").to(device,
+                                                                                             non_blocking=True)
+    repetition = params.repetition_penalty != 1.0
+    if not repetition and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
         return out
-    # One copy, nothing read back: the committed output, then each drafted token's (row, id), for every
-    # row that sees it.
+    # The columns that can change: every generated or drafted id (and the prompt's, for the repetition penalty).
     generated = [t for t in output if t < vocab]
     pairs = [(r, t) for r, path in enumerate(row_paths) for t in path if t < vocab]
-    host = torch.tensor([*generated, *(r for r, _ in pairs), *(t for _, t in pairs)], dtype=torch.int64, device="cpu")
-    committed, row_of, token_of = host.to(device, non_blocking=True).split([len(generated), len(pairs), len(pairs)])
-    counts = torch.zeros(rows, vocab, dtype=out.dtype, device=device)  # [R, vocab]: each row's generated counts
-    if generated:
-        counts += torch.bincount(committed, minlength=vocab).to(out.dtype)  # [vocab], the same for every row
-    if pairs:
-        counts.index_put_((row_of, token_of), torch.ones(len(pairs), dtype=out.dtype, device=device), accumulate=True)
-    present = counts > 0  # [R, vocab]
-    if params.repetition_penalty != 1.0:
-        seen = present if prompt_seen is None else present | prompt_seen  # [R, vocab]
+    columns = {t: None for t in generated}
+    columns.update((t, None) for _, t in pairs)
+    if repetition:
+        columns.update((t, None) for t in prompt_tokens if t < vocab)
+    if not columns:
+        return out
+    ids = list(columns)
+    where = {t: j for j, t in enumerate(ids)}  # token id -> its column among the U gathered
+    host = [*ids, *(where[t] for t in generated), *(r for r, _ in pairs), *(where[t] for _, t in pairs)]
+    if repetition:
+        host += [1 if t in prompt_tokens else 0 for t in ids]
+    # One copy, nothing read back.
+    flat = torch.tensor(host, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+    sizes = [len(ids), len(generated), len(pairs), len(pairs), len(ids) if repetition else 0]
+    cols, committed, row_of, col_of, in_prompt = flat.split(sizes)
+    one = torch.ones((), dtype=out.dtype, device=device)
+    counts = torch.zeros(len(ids), dtype=out.dtype, device=device).index_add_(
+        0, committed, one.expand(len(generated)))  # [U]: the committed output's counts, every row's
+    counts = counts.expand(rows, len(ids)).clone()  # [R, U]
+    counts.index_put_((row_of, col_of), one.expand(len(pairs)), accumulate=True)  # each row's drafts
+    present = counts > 0  # [R, U]
+    sub = out[:, cols]  # [R, U]
+    if repetition:
+        seen = present | in_prompt.bool()  # [R, U]
         r = params.repetition_penalty
-        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-    if params.frequency_penalty:
-        out -= params.frequency_penalty * counts
-    if params.presence_penalty:
-        out -= params.presence_penalty * present.to(out.dtype)
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    sub = sub - params.frequency_penalty * counts - params.presence_penalty * present.to(out.dtype)
+    out[:, cols] = sub
     return out

@@ -59,7 +59,7 @@ from tandem.errors import (
 )
 from tandem.heads.drafters import HeadDrafter, HeadStep
 from tandem.heads.proposal import HeadProposal
-from tandem.penalties import adjust_logits, prompt_presence, row_paths_of
+from tandem.penalties import adjust_logits, row_paths_of
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
@@ -131,7 +131,7 @@ class TargetSequence:
     prefilling: PrefillCall | None = None  # a chunked Prefill under way (this call) until its last chunk has run
     reused: int = 0  # prompt tokens its Prefill took from the prefix cache
     prompt_len: int = 0  # its prompt's tokens: the only ones whose blocks it offers to the prefix cache
-    prompt_seen: torch.Tensor | None = None  # [vocab] bool, its prompt's tokens: a repetition penalty's, once made
+    prompt_tokens: frozenset[int] | None = None  # its prompt's distinct ids: a repetition penalty's, once made
 
 
 @dataclass(slots=True)
@@ -476,9 +476,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                   parents: Sequence[int]) -> torch.Tensor:
         """``[rows, vocab]`` logits with the request's penalties and bias, each row for its own context: the
         committed history (cut to the call's committed_len already) and the drafts on the path to it."""
-        if seq.prompt_seen is None and seq.sampling.repetition_penalty != 1.0:
-            seq.prompt_seen = prompt_presence(seq.history[: seq.prompt_len], logits.shape[-1], logits.device)
-        return adjust_logits(logits, seq.sampling, seq.prompt_seen, seq.history[seq.prompt_len:],
+        if seq.prompt_tokens is None:
+            seq.prompt_tokens = frozenset(seq.history[: seq.prompt_len])
+        return adjust_logits(logits, seq.sampling, seq.prompt_tokens, seq.history[seq.prompt_len:],
                              row_paths_of(drafts, parents))
 
     def _free(self, seq_id: str) -> bool:

@@ -73,12 +73,14 @@ def q_rows(vocab: int, rows: int, seed: int) -> torch.Tensor:
     return torch.softmax(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed), device="cpu") * 3, -1)
 
 
-def target_rounds(target: TargetEngine) -> list:
-    """Sampled and greedy Prefills in one batch, then a sampled chain, a sampled tree and a greedy tree."""
+def target_rounds(target: TargetEngine, penalties: dict | None = None) -> list:
+    """Sampled and greedy Prefills in one batch, then a sampled chain, a sampled tree and a greedy tree;
+    ``penalties``: SamplingParams fields every request takes too (each row adjusted: tandem.penalties)."""
     vocab = target.vocab_size
-    first = ok(target.run_batch([PrefillCall("chain", PROMPT, SAMPLED),
-                                 PrefillCall("tree", PROMPT, SamplingParams(temperature=1.0, seed=5)),
-                                 PrefillCall("greedy", PROMPT, SamplingParams())]))
+    extra = penalties or {}
+    first = ok(target.run_batch([PrefillCall("chain", PROMPT, SamplingParams(0.9, top_k=30, seed=11, **extra)),
+                                 PrefillCall("tree", PROMPT, SamplingParams(temperature=1.0, seed=5, **extra)),
+                                 PrefillCall("greedy", PROMPT, SamplingParams(**extra))]))
     q = q_rows(vocab, 3, seed=2)
     chain = [int(t) for t in q.argmax(-1)]
     q_tree = q_rows(vocab, 2, seed=3)
@@ -93,12 +95,27 @@ def target_rounds(target: TargetEngine) -> list:
     return [*first, *second]
 
 
-def test_the_target_decides_without_a_tensor_off_the_engines_device(tiny_qwen2_dir):
-    expected = target_rounds(TargetEngine(load(tiny_qwen2_dir)))
+PENALTIES = {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+             "logit_bias": ((5, 2.0), (14, -1.0))}
+
+
+@pytest.mark.parametrize("penalties", [None, PENALTIES], ids=["plain", "penalised"])
+def test_the_target_decides_without_a_tensor_off_the_engines_device(tiny_qwen2_dir, penalties):
+    expected = target_rounds(TargetEngine(load(tiny_qwen2_dir)), penalties)
     target = TargetEngine(load(tiny_qwen2_dir))
     with unnamed_tensors_on_meta(target.engine):
-        got = target_rounds(target)
+        got = target_rounds(target, penalties)
     assert got == expected
+
+
+def test_penalties_are_adjusted_on_the_device_without_a_read_back():
+    """Meta logits: a count sized from the data (bincount) or any host read would fail here."""
+    from tandem.penalties import adjust_logits, row_paths_of
+
+    params = SamplingParams(**PENALTIES)
+    logits = torch.randn(4, VOCAB, device="meta")
+    out = adjust_logits(logits, params, frozenset([1, 2, 7]), [3, 3, 9], row_paths_of([4, 5, 6], [-1, 0, -1]))
+    assert out.is_meta and out.shape == (4, VOCAB)
 
 
 def test_warmups_run_without_a_tensor_off_the_engines_device(tiny_qwen2_dir):
@@ -123,13 +140,17 @@ def test_target_generators_are_made_on_the_engines_device(tiny_qwen2_dir, monkey
     assert all(target.sequences[s].generator.device == target.engine.device for s in "ab")
 
 
-def test_draft_generators_live_with_the_rows_they_draw_from(tiny_qwen2_dir):
-    """The draft draws from the decoded wire rows, which are on the host: so is its generator."""
+@pytest.mark.parametrize("penalties", [None, PENALTIES], ids=["plain", "penalised"])
+def test_draft_generators_live_with_the_rows_they_draw_from(tiny_qwen2_dir, penalties):
+    """The draft draws from the decoded wire rows, which are on the host: so is its generator. Its penalised
+    rows are adjusted where the logits are."""
     engines = [DraftEngine(load(tiny_qwen2_dir)) for _ in range(2)]
-    call = ProposeCall("a", 0, PROMPT, 4, SAMPLED, alternatives=2)
+    sampling = SamplingParams(0.9, top_k=30, seed=11, **(penalties or {}))
+    call = ProposeCall("a", 0, PROMPT, 4, sampling, alternatives=2, prompt_len=len(PROMPT))
     (expected,) = ok(engines[0].run_batch([call]))
     with unnamed_tensors_on_meta(engines[1].engine):
-        (got,) = ok(engines[1].run_batch([ProposeCall("a", 0, PROMPT, 4, SAMPLED, alternatives=2)]))
+        (got,) = ok(engines[1].run_batch([ProposeCall("a", 0, PROMPT, 4, sampling, alternatives=2,
+                                                      prompt_len=len(PROMPT))]))
     assert got == expected
     assert engines[1].sequences["a"].generator.device == torch.device("cpu")
 

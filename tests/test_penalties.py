@@ -9,7 +9,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from tandem.errors import InvalidRequestError
-from tandem.penalties import adjust_logits, prompt_presence, row_paths_of
+from tandem.penalties import adjust_logits, row_paths_of
 from tandem.rpc.wire import sampling_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams, logit_bias_pairs
 
@@ -46,7 +46,7 @@ def test_each_row_counts_the_drafts_on_its_own_path(parents):
     else:  # node 2 hangs on the root, node 3 on node 2, node 4 on node 0
         assert paths == [[], [4], [4, 5], [7], [7, 7], [4, 9]]
     logits = torch.randn(len(paths), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
-    got = adjust_logits(logits, PENALTIES, prompt_presence(prompt, VOCAB, "cpu"), output, paths)
+    got = adjust_logits(logits, PENALTIES, frozenset(prompt), output, paths)
     want = reference(logits, PENALTIES, prompt, [output + path for path in paths])
     torch.testing.assert_close(got, want)
     assert not torch.equal(got[0], got[2])  # the rows really differ by their paths (not one row for all)
@@ -57,7 +57,7 @@ def test_repetition_penalty_is_transformers_own():
     prompt, output = [0, 5, 5, 6], [8, 6, 2]
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)) * 4
     params = SamplingParams(repetition_penalty=1.7)
-    got = adjust_logits(logits, params, prompt_presence(prompt, VOCAB, "cpu"), output, [[]])
+    got = adjust_logits(logits, params, frozenset(prompt), output, [[]])
     want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits.clone())
     torch.testing.assert_close(got, want)
 
@@ -65,7 +65,7 @@ def test_repetition_penalty_is_transformers_own():
 def test_frequency_and_presence_count_the_generated_text_only():
     logits = torch.zeros(1, VOCAB)
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
-    got = adjust_logits(logits, params, prompt_presence([3, 3, 3], VOCAB, "cpu"), [4, 4, 4], [[]])[0]
+    got = adjust_logits(logits, params, frozenset([3]), [4, 4, 4], [[]])[0]
     assert got[3] == 0  # in the prompt only: not counted
     assert got[4] == pytest.approx(-(3 * 0.5 + 1.0))
     assert torch.count_nonzero(got) == 1
@@ -75,7 +75,7 @@ def test_ids_past_a_drafts_vocabulary_are_left_out():
     """A lean draft scores fewer ids than the target: ids it cannot score change nothing, and fail nothing."""
     logits = torch.zeros(2, 6)
     params = SamplingParams(frequency_penalty=1.0, logit_bias=((2, 1.0), (40, 9.0)))
-    got = adjust_logits(logits, params, None, [2, 50], [[], [40]])
+    got = adjust_logits(logits, params, (), [2, 50], [[], [40]])
     assert got[:, 2].tolist() == [0.0, 0.0] and torch.count_nonzero(got) == 0  # +1 bias, -1 for its count
 
 
@@ -83,7 +83,7 @@ def test_no_penalty_leaves_the_logits_as_they_are():
     logits = torch.randn(3, VOCAB)
     assert not SamplingParams(0.7).adjusts_logits
     assert SamplingParams(logit_bias=((1, 0.5),)).adjusts_logits
-    torch.testing.assert_close(adjust_logits(logits, SamplingParams(), None, [1, 2], [[], [3], [3, 4]]), logits)
+    torch.testing.assert_close(adjust_logits(logits, SamplingParams(), (), [1, 2], [[], [3], [3, 4]]), logits)
 
 
 @pytest.mark.parametrize("fields,named", [
