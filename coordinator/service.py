@@ -29,6 +29,7 @@ from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_i
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
+from tandem.structured_output import check_response_format
 from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
 from tandem.spec.heads_payoff import HeadsVerdicts
@@ -252,6 +253,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"the model's context of {self.max_context}")
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
+        check_response_format(sampling)  # a schema the workers could not compile is the client's error, named here
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
         stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)

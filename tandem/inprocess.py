@@ -39,6 +39,7 @@ from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions
 from tandem.spec.request import GenerationStats, RequestState, StopConditions
 from tandem.spec.transport import Drafted, FittedCost, Prefilled, TokenLogprob, TreeProposal, Verified
+from tandem.structured_output import StructuredOutput
 from target_worker.engine import PrefillCall, Proposed, TargetEngine, VerifyCall
 
 TOKEN_BUDGET = 4096  # most tokens in one batched forward pass, as a worker's default
@@ -135,7 +136,9 @@ class SpeculativeGenerator:
 
     def __init__(self, target: ModelEngine, draft: ModelEngine | None = None,
                  options: SpecOptions | None = None, costs: CostModel | None = None,
-                 heads: HeadDrafter | None = None, prefill_chunk_tokens: int | None = 0) -> None:
+                 heads: HeadDrafter | None = None, prefill_chunk_tokens: int | None = 0,
+                 structured: StructuredOutput | None = None) -> None:
+        """``structured``: the target's tokenizer for llguidance (requests with a JSON schema need it)."""
         self.options = options or SpecOptions("none", k_max=0)
         if self.options.uses_draft and draft is None:
             raise InvalidRequestError(f"method {self.options.method!r} needs a draft model")
@@ -147,7 +150,8 @@ class SpeculativeGenerator:
         for engine in (target, draft):  # adaptive k and the heads' budget price rounds by the fitted forward
             if engine is not None and engine.cost_fit.per_token_s == 0:  # cost; a worker seeds it at warm-up too
                 engine.warmup()
-        self.target = TargetEngine(target, drafter=heads, prefill_chunk_tokens=prefill_chunk_tokens)
+        self.target = TargetEngine(target, drafter=heads, prefill_chunk_tokens=prefill_chunk_tokens,
+                                   structured=structured)
         self.draft = DraftEngine(draft) if draft is not None and self.options.uses_draft else None
         self.costs = costs or CostModel()
         self.match_rates = MatchRates()  # acceptance per kind of n-gram match, over this generator's requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending and distinct
+    # Structured output (``tandem.structured_output``): the text must be a JSON object (json_object), or a JSON
+    # value valid under this JSON schema (json_schema, the schema's JSON text). The target masks every scored
+    # row to the tokens the grammar allows after that row's context, drafts included.
+    json_object: bool = False
+    json_schema: str = ""
+
+    @property
+    def structured(self) -> bool:
+        """Whether a grammar constrains this request's text."""
+        return self.json_object or bool(self.json_schema)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -71,6 +82,15 @@ class SamplingParams:
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         self._check_logit_bias()
+        if self.json_object and self.json_schema:
+            raise InvalidRequestError("response_format: give json_object or json_schema, not both")
+        if self.json_schema:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"response_format: json_schema is not JSON ({exc})") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format: json_schema must be a JSON object (a schema)")
 
     def _check_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:

@@ -72,6 +72,7 @@ from tandem.rpc.sequence_engine import (
 )
 from tandem.sampling import SamplingParams
 from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, verify, verify_tree
+from tandem.structured_output import Matcher, StructuredOutput, apply_masks
 from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.v1 import common_pb2
@@ -132,6 +133,7 @@ class TargetSequence:
     reused: int = 0  # prompt tokens its Prefill took from the prefix cache
     prompt_len: int = 0  # its prompt's tokens: the only ones whose blocks it offers to the prefix cache
     prompt_tokens: frozenset[int] | None = None  # its prompt's distinct ids: a repetition penalty's, once made
+    grammar: Matcher | None = None  # structured output: the grammar's state after its committed tokens
 
 
 @dataclass(slots=True)
@@ -150,6 +152,7 @@ class _Plan:
     resumed: bool = False  # a chunked Prefill's later step: its sequence holds the chunks before
     partial: bool = False  # a chunked Prefill's step that is not its last: no logits, no verdict yet
     features: list[torch.Tensor] = field(default_factory=list)  # heads: [rows, feature] per forward, in order
+    grammar: Matcher | None = None  # a structured Prefill's matcher, made while checking (a bad schema fails here)
 
 
 class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
@@ -158,9 +161,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     engine: ModelEngine
 
     def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None,
-                 prefill_chunk_tokens: int | None = 0) -> None:
+                 prefill_chunk_tokens: int | None = 0, structured: StructuredOutput | None = None) -> None:
         super().__init__(engine, leases)
         self.drafter = drafter
+        self.structured = structured  # None: requests with a response format are refused (no tokenizer)
         # None: chunks sized from the measured step cost; 0: prompts always computed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
 
@@ -276,9 +280,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 raise SequenceOwnedError(f"sequence {call.seq_id!r} is live on this target: a Prefill does not "
                                          "replace it unless it says it rebuilds it (replace)")
             heads = call.propose > 0
+            grammar = self._grammar(call)
             if not call.prompt_len:
                 item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1, features=heads, prompt=True)
-                return _Plan(index, call, item, kv_len=len(call.token_ids))
+                return _Plan(index, call, item, kv_len=len(call.token_ids), grammar=grammar)
             # A rebuild: the whole history; the KV of all but its last token, and nothing sampled.
             if not 0 < call.prompt_len < len(call.token_ids):
                 raise InvalidRequestError(
@@ -286,7 +291,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     f"holds at least one generated token)")
             *before, last = history_runs(call.token_ids[:-1], 0, call.prompt_len)
             item = ForwardItem(call.seq_id, last.tokens, num_logits=0, features=heads, prompt=last.prompt)
-            return _Plan(index, call, item, kv_len=len(call.token_ids) - 1, before=before)
+            return _Plan(index, call, item, kv_len=len(call.token_ids) - 1, before=before, grammar=grammar)
         seq = self.sequences.get(call.seq_id)
         if seq is None:
             raise UnknownSequenceError(f"target holds no sequence {call.seq_id!r}")
@@ -327,6 +332,15 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         item = ForwardItem(call.seq_id, tokens, num_logits=k + 1, parents=rows, features=seq.heads)
         return _Plan(index, call, item, kv_len=call.committed_len + k, q=q, children=children_of(call.draft_parents))
 
+    def _grammar(self, call: PrefillCall) -> Matcher | None:
+        """A structured request's matcher, through a rebuild's generated tokens; None for a free one."""
+        if not call.sampling.structured:
+            return None
+        if self.structured is None:
+            raise InvalidRequestError("response_format: this target was started without its tokenizer and cannot "
+                                      "enforce structured output")
+        return self.structured.matcher(call.sampling, call.token_ids[call.prompt_len:] if call.prompt_len else ())
+
     def _apply(self, plan: _Plan) -> None:
         """The admitted call's changes before the forward pass."""
         call = plan.call
@@ -337,11 +351,15 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             generator = None if call.sampling.is_greedy else call.sampling.make_generator(self.engine.device)
             self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator,
                                                          heads=call.propose > 0,
-                                                         prompt_len=call.prompt_len or len(call.token_ids))
+                                                         prompt_len=call.prompt_len or len(call.token_ids),
+                                                         grammar=plan.grammar)
             if not plan.item.features:  # heads need every row's feature: their prompt is computed whole
                 self._reuse_prefix(plan)
         else:
-            del self.sequences[call.seq_id].history[call.committed_len:]
+            seq = self.sequences[call.seq_id]
+            del seq.history[call.committed_len:]
+            if seq.grammar is not None:
+                seq.grammar.rollback_to(call.committed_len - seq.prompt_len)
             self.engine.rollback(call.seq_id, call.committed_len - 1)
             if self.drafter is not None:
                 self.drafter.rollback(call.seq_id, call.committed_len - 1)
@@ -457,10 +475,14 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             return Verdict(0, seq.history[-1])  # a rebuild: the history is known, nothing to sample
         if seq.generator is not None:  # seeded (rejection rule): this position's draws, wherever it was rebuilt
             seq.sampling.seed_at(seq.generator, plan.kv_len if isinstance(call, PrefillCall) else call.committed_len)
-        raw = logits  # log-probabilities are the raw logits'; the decision takes penalties and bias
-        if seq.sampling.adjusts_logits:
-            logits = self._adjusted(seq, logits, [] if isinstance(call, PrefillCall) else call.draft_tokens,
-                                    () if isinstance(call, PrefillCall) else call.draft_parents)
+        raw = logits  # log-probabilities are the raw logits'; the decision takes penalties, bias and grammar
+        if seq.sampling.adjusts_logits or seq.grammar is not None:
+            # Each row for its own context: the committed text and the drafts on the path to the row.
+            paths = [[]] if isinstance(call, PrefillCall) else row_paths_of(call.draft_tokens, call.draft_parents)
+            if seq.sampling.adjusts_logits:
+                logits = self._adjusted(seq, logits, paths)
+            if seq.grammar is not None:
+                logits = apply_masks(logits, seq.grammar.masks(paths))
         if isinstance(call, PrefillCall):
             return first_token(logits, seq.sampling, seq.generator, position=plan.kv_len, raw=raw)
         # (a seeded request's verdict is its own draws: the draft's q, checked when decoded, goes unused)
@@ -472,14 +494,12 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         return verify_tree(logits, call.draft_tokens, plan.children, q, seq.sampling, seq.generator,
                            position=call.committed_len, raw=raw)
 
-    def _adjusted(self, seq: TargetSequence, logits: torch.Tensor, drafts: Sequence[int],
-                  parents: Sequence[int]) -> torch.Tensor:
+    def _adjusted(self, seq: TargetSequence, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``[rows, vocab]`` logits with the request's penalties and bias, each row for its own context: the
         committed history (cut to the call's committed_len already) and the drafts on the path to it."""
         if seq.prompt_tokens is None:
             seq.prompt_tokens = frozenset(seq.history[: seq.prompt_len])
-        return adjust_logits(logits, seq.sampling, seq.prompt_tokens, seq.history[seq.prompt_len:],
-                             row_paths_of(drafts, parents))
+        return adjust_logits(logits, seq.sampling, seq.prompt_tokens, seq.history[seq.prompt_len:], paths)
 
     def _free(self, seq_id: str) -> bool:
         if self.drafter is not None:
@@ -495,6 +515,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             seq.prefilling = None
             if not call.prompt_len:
                 seq.history.append(verdict.next_token)
+                if seq.grammar is not None:
+                    seq.grammar.commit([verdict.next_token])
             self._offer_prompt(call.seq_id, seq)
             return Prefilled(verdict.next_token, seq.reused, verdict.logprobs)
         if plan.children is None:
@@ -502,7 +524,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         else:
             # The root's row (at committed_len - 1) stays; the kept nodes' KV moves to the positions a chain had.
             self.engine.keep_path(call.seq_id, call.committed_len - 1, [0, *(n + 1 for n in verdict.accepted_nodes)])
-        seq.history.extend([*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token])
+        kept = [*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token]
+        seq.history.extend(kept)
+        if seq.grammar is not None:
+            seq.grammar.commit(kept)
         return verdict
 
     def warmup(self) -> None:

@@ -6,19 +6,22 @@ from tandem.config import WorkerConfig
 from tandem.engine import ModelEngine
 from tandem.rpc.leases import Leases
 from tandem.rpc.worker_runner import WorkerRole, run_worker
+from tandem.structured_output import StructuredOutput
 from tandem.v1 import target_pb2_grpc
 from target_worker.engine import TargetEngine
 from target_worker.service import TargetService
 
 
 def make_target_engine(engine: ModelEngine, leases: Leases, cfg: WorkerConfig) -> TargetEngine:
-    """The target's engine, with its speculation heads when the worker was given some (``--heads``)."""
+    """The target's engine, with its speculation heads when the worker was given some (``--heads``), and its
+    tokenizer's view for structured output."""
     drafter = None
     if cfg.heads is not None:
         from tandem.heads.serving import load_drafter  # checks the heads belong to this target
 
         drafter = load_drafter(cfg.heads, engine)
-    return TargetEngine(engine, leases, drafter, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    return TargetEngine(engine, leases, drafter, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+                        structured=StructuredOutput(cfg.engine.model_dir, engine.config))
 
 
 TARGET_ROLE = WorkerRole(

@@ -41,6 +41,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("frequency_penalty", "frequency_penalty"),
     ("presence_penalty", "presence_penalty"),
     ("logit_bias", "logit_bias"),
+    ("response_format", "response_format"),
 )
 
 

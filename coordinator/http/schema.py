@@ -8,9 +8,10 @@ validation, the one the gRPC API runs (coordinator/service.py); its messages
 are renamed to these fields by ``errors.from_domain``.
 
 A field Tandem cannot honour is refused with a 400 that names it, never
-ignored: tools, response formats, ``echo``... A neutral value (``tools: []``,
-``response_format: {"type": "text"}``, ``null`` for any optional field) asks
-for nothing and is taken, since SDKs send some of them by default. An unknown
+ignored: tools, ``echo``... A neutral value (``tools: []``, ``null`` for any
+optional field) asks for nothing and is taken, since SDKs send some of them
+by default. ``response_format`` (text, json_object, json_schema) is enforced
+on the target's rows (``tandem.structured_output``). An unknown
 field is refused too: the official clients send only what their user set.
 ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's;
 ``repetition_penalty`` is vLLM's extension of the body, taken as vLLM takes it.
@@ -51,7 +52,6 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "functions": _neutral([]),
     "function_call": _neutral("none"),
     "parallel_tool_calls": _neutral(),
-    "response_format": _neutral({"type": "text"}),
     "audio": _neutral(),
     "modalities": _neutral(["text"]),
     "prediction": _neutral(),
@@ -145,6 +145,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
         raise bad_field("top_logprobs", "needs logprobs: true")
     if wanted:
         parsed.logprobs = request.sampling.logprobs = top or 0
+    _response_format(body.take("response_format"), request.sampling)
     body.refuse(UNSUPPORTED_CHAT)
     body.finish()
     return parsed
@@ -239,6 +240,30 @@ def _penalties(body: _Fields, sampling) -> None:
             raise bad_field("logit_bias", f"the bias of token {key} must be a number, got {_kind(value)}")
         ids[token] = float(value)
     sampling.logit_bias.update(ids)
+
+
+def _response_format(value: Any, sampling) -> None:
+    """``response_format``: ``text`` (no constraint), ``json_object``, or ``json_schema`` with its ``schema``
+    (``name``, ``description`` and ``strict`` taken: the schema is always enforced). Whether the schema can be
+    enforced is the service's check (``tandem.structured_output``)."""
+    if value is None:
+        return
+    fmt = _Fields(_object("response_format", value), "response_format.")
+    kind = fmt.string("type")
+    if kind == "json_schema":
+        spec = _Fields(_object("response_format.json_schema", fmt.take("json_schema")), "response_format.json_schema.")
+        schema = spec.take("schema")
+        sampling.json_schema = json.dumps({} if schema is None else _object("response_format.json_schema.schema",
+                                                                              schema))
+        spec.string("name")
+        spec.string("description")
+        spec.boolean("strict")
+        spec.finish()
+    elif kind == "json_object":
+        sampling.json_object = True
+    elif kind != "text":
+        raise bad_field("response_format.type", f"one of text, json_object, json_schema, got {kind!r}")
+    fmt.finish()
 
 
 def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:

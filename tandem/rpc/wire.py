@@ -28,6 +28,8 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         presence_penalty=msg.presence_penalty,
         logit_bias=logit_bias_pairs(dict(msg.logit_bias)),
+        json_object=msg.json_object,
+        json_schema=msg.json_schema,
     )
 
 
@@ -36,7 +38,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
                                      rejection_rule=params.rejection_rule,
                                      repetition_penalty=params.repetition_penalty,
                                      frequency_penalty=params.frequency_penalty,
-                                     presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias))
+                                     presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias),
+                                     json_object=params.json_object, json_schema=params.json_schema)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

@@ -19,12 +19,10 @@ import pytest
 import torch
 
 import target_worker.engine
-from draft_worker.engine import DraftEngine, ProposeCall
-from tandem.rpc import distributions
-from tandem.rpc.calls import ReleaseCall
+from draft_worker.engine import DraftEngine
 from tandem.sampling_params import SamplingParams
-from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
-from tests.draft_worker.test_lossless import load, ok
+from target_worker.engine import TargetEngine
+from tests.draft_worker.test_lossless import load
 from tests.spec.losslessness import (
     PAIR_SAMPLES,
     PAIR_TEMPERATURE,
@@ -34,6 +32,7 @@ from tests.spec.losslessness import (
     exact_two_token_distribution,
     one_torch_thread,
     save_six_token_pair,
+    two_and_three,
 )
 
 PROMPT, VOCAB = [3, 3, 4], PAIR_VOCAB
@@ -63,37 +62,6 @@ def reference(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
     return out.float()
 
 
-def point_masses(tokens: list[int]) -> list:
-    return distributions.encode_distributions(torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float())
-
-
-def two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range, tree: bool) -> list[int]:
-    """Tokens 2 and 3 (``t2 * VOCAB + t3``) per seed: a prefill, one round of 2 sampled drafts (a tree adds
-    the draft's next-best token at both depths, as deterministic leaves), then single-token rounds."""
-    ids = [f"s{seed}" for seed in seeds]
-    sampling = {i: params(seed) for i, seed in zip(ids, seeds)}
-    first = [p.next_token for p in ok(target.run_batch([PrefillCall(i, PROMPT, sampling[i]) for i in ids]))]
-    proposals = ok(draft.run_batch([ProposeCall(i, 0, [*PROMPT, t1], 2, sampling[i], alternatives=int(tree))
-                                    for i, t1 in zip(ids, first)]))
-    calls = []
-    for i, p in zip(ids, proposals):
-        if tree:  # node 0, 1: the sampled chain; node 2 hangs on the root, node 3 on node 0
-            alts = [p.alternatives[0][0], p.alternatives[1][0]]
-            calls.append(VerifyCall(i, len(PROMPT) + 1, [*p.tokens, *alts], [*p.probs, *point_masses(alts)],
-                                    [-1, 0, -1, 0]))
-        else:
-            calls.append(VerifyCall(i, len(PROMPT) + 1, p.tokens, p.probs))
-    out = {i: [call.draft_tokens[n] for n in v.accepted_nodes] + [v.next_token]
-           for i, call, v in zip(ids, calls, ok(target.run_batch(calls)))}
-    while short := [i for i in ids if len(out[i]) < 2]:  # a plain round: the target's next token
-        for i, v in zip(short, ok(target.run_batch([VerifyCall(i, len(PROMPT) + 1 + len(out[i]), [], [])
-                                                    for i in short]))):
-            out[i].append(v.next_token)
-    ok(target.run_batch([ReleaseCall(i) for i in ids]))
-    ok(draft.run_batch([ReleaseCall(i) for i in ids]))
-    return [out[i][0] * VOCAB + out[i][1] for i in ids]
-
-
 @pytest.mark.parametrize("n", [PAIR_SAMPLES, pytest.param(4000, marks=pytest.mark.long)], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("drafter,defect,lossless", [
@@ -110,7 +78,7 @@ def test_penalised_speculative_sampling_follows_the_target(six_token_pair, monke
     draft = DraftEngine(load(target_dir if drafter == "target" else draft_dir))
     with one_torch_thread():
         samples = [s for start in range(0, n, 500)
-                   for s in two_and_three(target, draft, range(start, min(start + 500, n)), tree)]
+                   for s in two_and_three(target, draft, PROMPT, params, range(start, min(start + 500, n)), tree)]
     assert target.num_sequences == draft.num_sequences == 0
     law = exact_two_token_distribution(target.engine, PROMPT, PAIR_TEMPERATURE, reference)
     pvalue = chi_square_pvalue(samples, law)

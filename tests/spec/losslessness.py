@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,3 +89,49 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _ok(results: list) -> list:
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        raise failed[0]
+    return results
+
+
+def point_masses(tokens: list[int]) -> list:
+    from tandem.rpc import distributions
+
+    return distributions.encode_distributions(torch.nn.functional.one_hot(torch.tensor(tokens), PAIR_VOCAB).float())
+
+
+def two_and_three(target, draft, prompt: list[int], sampling_of: Callable[[int], Any], seeds: range,
+                  tree: bool) -> list[int]:
+    """Tokens 2 and 3 (``t2 * PAIR_VOCAB + t3``) per seed, through a ``TargetEngine`` and a ``DraftEngine``: a
+    prefill, one round of 2 sampled drafts (a tree adds the draft's next-best token at both depths, as
+    deterministic leaves), then single-token rounds. ``sampling_of(seed)``: each request's SamplingParams."""
+    from draft_worker.engine import ProposeCall
+    from tandem.rpc.calls import ReleaseCall
+    from target_worker.engine import PrefillCall, VerifyCall
+
+    ids = [f"s{seed}" for seed in seeds]
+    sampling = {i: sampling_of(seed) for i, seed in zip(ids, seeds)}
+    first = [p.next_token for p in _ok(target.run_batch([PrefillCall(i, prompt, sampling[i]) for i in ids]))]
+    proposals = _ok(draft.run_batch([ProposeCall(i, 0, [*prompt, t1], 2, sampling[i], alternatives=int(tree))
+                                    for i, t1 in zip(ids, first)]))
+    calls = []
+    for i, p in zip(ids, proposals):
+        if tree:  # node 0, 1: the sampled chain; node 2 hangs on the root, node 3 on node 0
+            alts = [p.alternatives[0][0], p.alternatives[1][0]]
+            calls.append(VerifyCall(i, len(prompt) + 1, [*p.tokens, *alts], [*p.probs, *point_masses(alts)],
+                                    [-1, 0, -1, 0]))
+        else:
+            calls.append(VerifyCall(i, len(prompt) + 1, p.tokens, p.probs))
+    out = {i: [call.draft_tokens[n] for n in v.accepted_nodes] + [v.next_token]
+           for i, call, v in zip(ids, calls, _ok(target.run_batch(calls)))}
+    while short := [i for i in ids if len(out[i]) < 2]:  # a plain round: the target's next token
+        for i, v in zip(short, _ok(target.run_batch([VerifyCall(i, len(prompt) + 1 + len(out[i]), [], [])
+                                                    for i in short]))):
+            out[i].append(v.next_token)
+    _ok(target.run_batch([ReleaseCall(i) for i in ids]))
+    _ok(draft.run_batch([ReleaseCall(i) for i in ids]))
+    return [out[i][0] * PAIR_VOCAB + out[i][1] for i in ids]

@@ -1,0 +1,80 @@
+"""Structured output's masks: each row masked for its own path, rolled back after, checked on a real (tiny)
+tokenizer whose every token is one character, so the grammar's choices can be written down by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import ModelConfig
+from tandem.errors import InvalidRequestError
+from tandem.sampling_params import SamplingParams
+from tandem.structured_output import StructuredOutput, apply_masks, check_response_format
+
+# The six-token tokenizer: 0 <s>, 1 </s> (the stop token), 2 "!", 3 '"', 4 "#", 5 <unk>.
+EOS, BANG, QUOTE, HASH = 1, 2, 3, 4
+# A JSON string of "!" and "#": an opening quote, any of the two, a closing quote, then the stop token.
+STRING = SamplingParams(json_schema='{"type": "string", "pattern": "^[!#]*$"}')
+
+
+@pytest.fixture(scope="module")
+def structured(tmp_path_factory):
+    from tests.spec.losslessness import save_six_token_pair
+
+    target, _ = save_six_token_pair(tmp_path_factory.mktemp("pair"))
+    return StructuredOutput(target, ModelConfig.from_dir(target))
+
+
+def allowed(bitmask: torch.Tensor) -> list[list[int]]:
+    return [[t for t in range(6) if (int(row[0]) & 0xFFFFFFFF) >> t & 1] for row in bitmask]
+
+
+def test_each_row_is_masked_for_its_own_path_and_the_matcher_rolls_back(structured):
+    matcher = structured.matcher(STRING)
+    paths = [[], [QUOTE], [QUOTE, BANG], [QUOTE, QUOTE], [QUOTE, HASH, BANG]]
+    assert allowed(matcher.masks(paths)) == [[QUOTE], [BANG, QUOTE, HASH], [BANG, QUOTE, HASH], [EOS],
+                                             [BANG, QUOTE, HASH]]
+    assert matcher.consumed == 0 and allowed(matcher.masks([[]])) == [[QUOTE]]  # every path rolled back
+
+
+def test_a_row_the_grammar_cannot_reach_is_left_unmasked(structured):
+    """Its path holds a token an earlier row masked out: no verdict reaches it, and it must stay a distribution."""
+    assert allowed(structured.matcher(STRING).masks([[BANG], [QUOTE, EOS, BANG]])) == [list(range(6))] * 2
+
+
+def test_commits_and_rollbacks_follow_the_sequence(structured):
+    matcher = structured.matcher(STRING, generated=[QUOTE, BANG])  # a rebuild: its generated tokens first
+    assert matcher.consumed == 2
+    matcher.commit([QUOTE])
+    assert allowed(matcher.masks([[]])) == [[EOS]]
+    matcher.rollback_to(1)  # a Verify that cut the history back to its first generated token
+    assert allowed(matcher.masks([[], [HASH]])) == [[BANG, QUOTE, HASH]] * 2
+    matcher.commit([QUOTE, EOS, BANG])  # past the stop token the coordinator cuts the text: no error
+    assert matcher.ended and allowed(matcher.masks([[]])) == [list(range(6))]
+
+
+def test_masked_tokens_get_minus_infinity_on_the_logits_device():
+    bitmask = torch.tensor([[0b101], [-1]], dtype=torch.int32)  # row 0: ids 0 and 2; row 1: all
+    logits = torch.arange(12, dtype=torch.float32).view(2, 6)
+    out = apply_masks(logits, bitmask)
+    assert torch.isinf(out[0, [1, 3, 4, 5]]).all() and out[0, [0, 2]].tolist() == [0.0, 2.0]
+    assert torch.equal(out[1], logits[1]) and not torch.isinf(logits).any()  # a new tensor
+    assert apply_masks(torch.zeros(1, 40, device="meta"), torch.zeros(1, 2, dtype=torch.int32)).is_meta
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"json_schema": "{not json"}, "json_schema is not JSON"),
+    ({"json_schema": "[1, 2]"}, "must be a JSON object"),
+    ({"json_object": True, "json_schema": "{}"}, "not both"),
+])
+def test_bad_formats_are_refused_naming_response_format(fields, named):
+    with pytest.raises(InvalidRequestError, match=f"response_format: .*{named}"):
+        SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("schema,named", [('{"type": "color"}', "Invalid type"),
+                                          ('{"$ref": "#/definitions/missing"}', "does not exist")])
+def test_schemas_the_grammar_cannot_hold_are_refused_before_any_worker(schema, named):
+    with pytest.raises(InvalidRequestError, match=f"response_format: .*{named}"):
+        check_response_format(SamplingParams(json_schema=schema))
+    check_response_format(STRING)  # a good one passes
