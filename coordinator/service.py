@@ -29,7 +29,6 @@ from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_i
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
-from tandem.structured_output import check_response_format
 from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
 from tandem.spec.heads_payoff import HeadsVerdicts
@@ -38,6 +37,7 @@ from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, heads_fallback, resolve_method
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
+from tandem.structured_output import check_response_format
 from tandem.text_stream import TextStream
 from tandem.tokenizer import encode_messages, encode_prompt
 from tandem.v1 import generation_pb2, generation_pb2_grpc

@@ -72,9 +72,9 @@ from tandem.rpc.sequence_engine import (
 )
 from tandem.sampling import SamplingParams
 from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, verify, verify_tree
-from tandem.structured_output import Matcher, StructuredOutput, apply_masks
 from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
+from tandem.structured_output import Matcher, StructuredOutput, apply_masks
 from tandem.v1 import common_pb2
 
 __all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Prefilled",

@@ -93,8 +93,8 @@ def test_constrained_speculative_sampling_follows_the_target(six_token_pair, mon
     target = TargetEngine(load(target_dir), structured=StructuredOutput(target_dir, ModelConfig.from_dir(target_dir)))
     draft = DraftEngine(load(target_dir if drafter == "target" else draft_dir))
     with one_torch_thread():
-        samples = [s for start in range(0, n, 500)
-                   for s in two_and_three(target, draft, PAIR_PROMPT, params, range(SEED_BASE + start, SEED_BASE + min(start + 500, n)), tree)]
+        seeds = [range(SEED_BASE + start, SEED_BASE + min(start + 500, n)) for start in range(0, n, 500)]
+        samples = [s for chunk in seeds for s in two_and_three(target, draft, PAIR_PROMPT, params, chunk, tree)]
     assert target.num_sequences == draft.num_sequences == 0
     law = exact_two_token_distribution(target.engine, PAIR_PROMPT, PAIR_TEMPERATURE, reference)
     pvalue = chi_square_pvalue(samples, law)
