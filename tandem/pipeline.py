@@ -21,6 +21,7 @@ from tandem.heads.serving import load_drafter
 from tandem.inprocess import SpeculativeGenerator
 from tandem.spec.adaptive import CostModel
 from tandem.spec.options import SpecOptions, heads_fallback, resolve_method
+from tandem.structured_output import StructuredOutput
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
 
 
@@ -34,13 +35,15 @@ class LocalPipeline:
     stop_ids: frozenset[int]
     options: SpecOptions
     heads: HeadDrafter | None = None  # the target's speculation heads (methods medusa, eagle)
+    structured: StructuredOutput | None = None  # the target's tokenizer for llguidance (response formats)
 
     @property
     def method(self) -> str:
         return self.options.method
 
     def generator(self, costs: CostModel | None = None, options: SpecOptions | None = None) -> SpeculativeGenerator:
-        return SpeculativeGenerator(self.target, self.draft, options or self.options, costs, heads=self.heads)
+        return SpeculativeGenerator(self.target, self.draft, options or self.options, costs, heads=self.heads,
+                                    structured=self.structured)
 
     @classmethod
     def load(cls, target_cfg: EngineConfig, method: str, options: SpecOptions | None = None,
@@ -78,7 +81,7 @@ class LocalPipeline:
                 draft = ModelEngine.load(draft_cfg)
             draft.warmup()
         return cls(target, draft, tokenizer, stop_token_ids(target_cfg.model_dir, tokenizer, target.config), options,
-                   heads)
+                   heads, StructuredOutput(target_cfg.model_dir, target.config))
 
 
 def check_same_tokenizer(target_tokenizer: Any, target_dir: Path, draft_dir: Path) -> None:

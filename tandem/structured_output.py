@@ -74,7 +74,12 @@ class StructuredOutput:
 
             tokenizer = load_tokenizer(self.model_dir)
             stops = sorted(stop_token_ids(self.model_dir, tokenizer, self.config))
-            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=stops or None)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=stops or None)
+            except ValueError as exc:  # a tokenizer whose pieces llguidance cannot read as bytes
+                raise InvalidRequestError(f"response_format: structured output cannot read this model's tokenizer "
+                                          f"({exc})") from None
             self.stop_ids = stops
         return self._tokenizer
 

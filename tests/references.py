@@ -26,5 +26,10 @@ def target_only(model_dir: Path, prompts: Sequence[str | list[int]], *, dtype: s
                                   max_new_tokens, stop_token_ids=stops, **({} if sampling is None else
                                                                             {"sampling": sampling}))
                 for p in prompts]
-    results = SpeculativeGenerator(engine).generate(requests)
+    structured = None
+    if sampling is not None and sampling.structured:
+        from tandem.structured_output import StructuredOutput
+
+        structured = StructuredOutput(model_dir, engine.config)
+    results = SpeculativeGenerator(engine, structured=structured).generate(requests)
     return {(p if isinstance(p, str) else tuple(p)): r.token_ids for p, r in zip(prompts, results)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -60,6 +61,25 @@ def test_penalty_flags_change_the_output_and_speculation_keeps_it(tiny_served_di
     assert early["token_ids"] == alone and early["stats"]["drafted"] > 0
 
 
+def test_a_json_schema_file_constrains_the_answer(tmp_path, capsys):
+    """--json-schema @FILE in process: a tiny random model (one character per token) answers a JSON string of
+    two to eight "!" and "#", then the stop token."""
+    from tests.spec.losslessness import save_six_token_pair
+
+    target, _ = save_six_token_pair(tmp_path / "pair")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "string", "pattern": "^[!#]{2,8}$"}')
+    out = generate_json(capsys, "!#", "--target", str(target), "--json-schema", f"@{schema}",
+                        "--max-new-tokens", "24", "--dtype", "float32", "--method", "ngram")
+    assert out["finish_reason"] == "stop" and re.fullmatch(r'"[!#]{2,8}"', out["text"]), out
+
+
+def test_a_tokenizer_structured_output_cannot_read_is_named(tiny_served_dir, capsys):
+    assert main(["generate", "hi", "--target", str(tiny_served_dir), "--json-object", "--dtype", "float32",
+                 "--max-new-tokens", "4"]) != 0
+    assert "response_format: structured output cannot read this model's tokenizer" in capsys.readouterr().err
+
+
 def test_a_system_turn_goes_before_the_prompt_through_the_chat_template(tiny_served_dir, capsys):
     from tandem.tokenizer import encode_messages, encode_prompt, load_tokenizer
     from tests.references import target_only
@@ -95,6 +115,9 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--frequency-penalty", "2.5"], "frequency_penalty must be in [-2, 2]"),
     (["--presence-penalty", "-3"], "presence_penalty must be in [-2, 2]"),
+    (["--json-schema", "{oops"], "response_format: json_schema is not JSON"),
+    (["--json-schema", '{"type": "colour"}'], "response_format: the JSON schema cannot be enforced"),
+    (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read /nonexistent/schema.json"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store

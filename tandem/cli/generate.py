@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
@@ -24,6 +25,7 @@ from tandem.config import ATTENTION_BACKENDS, DTYPES, PACKED_WEIGHTS, PACKED_WEI
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
 from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, heads_fallback, resolve_method
+from tandem.structured_output import check_response_format
 
 DEFAULT_TARGET = "qwen-coder-1.5b"
 
@@ -83,13 +85,26 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="subtract this times each token's count in the generated text from its logit; in [-2, 2]")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token the generated text holds; in [-2, 2]")
+    structure = p.add_mutually_exclusive_group()
+    structure.add_argument("--json-object", action="store_true", help="the answer is a JSON object (JSON mode)")
+    structure.add_argument("--json-schema", default="", metavar="SCHEMA|@FILE",
+                           help="the answer is JSON valid under this JSON schema (its text, or @ and a file with it)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """The request's sampling flags, validated (a bad value names its field)."""
-    return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
-                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                          presence_penalty=args.presence_penalty)
+    schema = args.json_schema
+    if schema.startswith("@"):
+        try:
+            schema = Path(schema[1:]).read_text()
+        except OSError as exc:
+            raise InvalidRequestError(f"--json-schema: cannot read {schema[1:]}: {exc.strerror}") from None
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
+                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty, json_object=args.json_object,
+                              json_schema=schema)
+    check_response_format(sampling)
+    return sampling
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -233,7 +233,11 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 @pytest.mark.parametrize("change,param,status", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
-    ({"response_format": {"type": "json_object"}}, "response_format", 400),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", 400),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", 400),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "color"}}}}, "response_format",
+     400),  # the service's check: a schema no grammar can hold, refused before any worker
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema", 400),
     ({"presence_penalty": 2.5}, "presence_penalty", 400),  # the service's range, named as this field
     ({"frequency_penalty": -3}, "frequency_penalty", 400),
     ({"frequency_penalty": "high"}, "frequency_penalty", 400),
@@ -320,6 +324,24 @@ def test_penalties_and_logit_bias_reach_the_target_worker(tokenizer):
             assert (chat.frequency_penalty, chat.presence_penalty, chat.repetition_penalty) == (0.5, -0.25, 1.125)
             assert dict(chat.logit_bias) == {7: 5.0, 3: -100.0}
             assert completion.frequency_penalty == 1 and completion.repetition_penalty == 1  # 1: none, sent as is
+    run(go())
+
+
+def test_response_formats_reach_the_target_worker(tokenizer):
+    """json_object and json_schema go to the workers as the request's sampling options (the target masks its rows
+    by them: tandem.structured_output); text asks for nothing."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            for fmt in ({"type": "json_schema", "json_schema": {"name": "count", "schema": schema, "strict": True}},
+                        {"type": "json_object"}, {"type": "text"}):
+                code, body = await post(running.url + "/chat/completions", {**CHAT, "response_format": fmt})
+                assert code == 200, body
+            with_schema, as_object, as_text = running.target.samplings
+            assert json.loads(with_schema.json_schema) == schema and not with_schema.json_object
+            assert as_object.json_object and not as_object.json_schema
+            assert not as_text.json_object and not as_text.json_schema
     run(go())
 
 

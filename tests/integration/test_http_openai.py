@@ -93,6 +93,32 @@ def test_penalties_and_logit_bias_give_the_penalised_target_only_text(api, model
     assert reply.choices[0].model_extra["tandem"]["drafted"] > 0  # speculation ran under the penalties
 
 
+def test_a_json_schema_gives_valid_json_equal_to_constrained_target_only(api, model, smollm2_dir):
+    """response_format json_schema through the real workers: the text parses under the schema and equals
+    target-only decoding in process under the same grammar (greedy)."""
+    import json
+
+    from tandem.sampling_params import SamplingParams
+    from tandem.tokenizer import load_tokenizer
+    from tests.references import target_only
+
+    question = "Give the width and height of a 3 by 4 rectangle as a JSON object."
+    schema = {"type": "object", "properties": {"width": {"type": "integer"}, "height": {"type": "integer"}},
+              "required": ["width", "height"], "additionalProperties": False}
+    expected = target_only(smollm2_dir, [question], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+                           sampling=SamplingParams(json_schema=json.dumps(schema)))[question]
+    reply = chat(api, model, question, max_tokens=MAX_NEW_TOKENS, temperature=0,
+                 response_format={"type": "json_schema", "json_schema": {"name": "size", "schema": schema}})
+    text = reply.choices[0].message.content
+    assert text == load_tokenizer(smollm2_dir).decode(expected, skip_special_tokens=True)
+    assert reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(text)) == {"width", "height"}
+    with pytest.raises(openai.BadRequestError) as refused:  # a schema no grammar can hold: 400, naming the field
+        chat(api, model, question, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "colour"}}})
+    assert refused.value.body["param"] == "response_format"
+
+
 def check_against_a_target_forward(model_dir, tokenizer, reference, scored) -> None:
     """Each served log-probability is target-only decoding's own, and one plain forward pass's (bf16's rounding)."""
     import torch
