@@ -78,3 +78,23 @@ def test_schemas_the_grammar_cannot_hold_are_refused_before_any_worker(schema, n
     with pytest.raises(InvalidRequestError, match=f"response_format: .*{named}"):
         check_response_format(SamplingParams(json_schema=schema))
     check_response_format(STRING)  # a good one passes
+
+
+def test_a_rebuilt_sequence_resumes_its_grammar_where_it_was(structured):
+    """A request moved to another target arrives as its whole history (a rebuild Prefill): the matcher is
+    advanced through its generated tokens, so the next token follows the grammar from there."""
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+
+    engine = ModelEngine.load(EngineConfig(structured.model_dir, dtype="float32", block_size=4))
+    target = TargetEngine(engine, structured=structured)
+    prompt = [0, 3, 2, 5]
+    for generated, allowed_next in (([QUOTE, BANG], {BANG, QUOTE, HASH}), ([QUOTE, HASH, QUOTE], {EOS})):
+        for seed in range(8):
+            sampling = SamplingParams(1.0, seed=seed, json_schema=STRING.json_schema)
+            history = [*prompt, *generated]
+            (rebuilt,) = target.run_batch([PrefillCall("s", history, sampling, prompt_len=len(prompt), replace=True)])
+            assert not isinstance(rebuilt, BaseException), rebuilt
+            (verdict,) = target.run_batch([VerifyCall("s", len(history), [], [])])
+            assert verdict.next_token in allowed_next
