@@ -17,181 +17,57 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/penalties.py` from anywhere
     sys.path.insert(0, str(_REPO_ROOT))
 
-from benchmarks.common import (  # noqa: E402
-    ALL_CATEGORIES,
-    DEFAULT_RESULTS_DIR,
-    DEFAULT_SPEC_BENCH,
-    grouped_bars,
-    load_prompts,
-    machine_info,
-    machine_line,
-    markdown_table,
-    names_from,
-    new_figure,
-    save_figure,
-    timed,
-    write_json,
-    write_markdown,
+from benchmarks.common import names_from  # noqa: E402
+from benchmarks.sampling_settings import (  # noqa: E402
+    METHODS,
+    add_flags,
+    load,
+    measure,
+    report,
+    run_settings,
+    summarize,
 )
-from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
 
 NAME = "penalties"
+TITLE = "Speculation under penalties: greedy, with and without them"
 SETTINGS = ("plain", "penalised")
-METHODS = ("draft", "hybrid", "ngram")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--target", default="qwen-coder-1.5b", help="a catalog name or a model directory")
-    parser.add_argument("--draft", default="qwen-coder-0.5b", help="a catalog name or a model directory")
-    add_draft_flags(parser)
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--categories", default=",".join(ALL_CATEGORIES), help="HumanEval and Spec-Bench categories")
-    parser.add_argument("--per-category", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_flags(parser, NAME)
     parser.add_argument("--repetition-penalty", type=float, default=1.1, help="the penalised setting's (> 0)")
     parser.add_argument("--frequency-penalty", type=float, default=0.3, help="the penalised setting's")
     parser.add_argument("--presence-penalty", type=float, default=0.3, help="the penalised setting's")
-    parser.add_argument("--seed", type=int, default=0, help="prompts chosen by it")
-    parser.add_argument("--k", type=int, default=4, help="largest k (adaptive unless --fixed-k)")
-    parser.add_argument("--fixed-k", action="store_true", help="always draft k tokens")
-    parser.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH)
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
-    parser.add_argument("--name", default=NAME, help="file name of the results (without extension)")
     return parser
-
-
-def methods_from(text: str) -> list[str]:
-    return names_from(text, METHODS)
-
-
-def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequence[str], max_new_tokens: int,
-            penalised: Any, k: int, stop_ids: frozenset[int] = frozenset(),
-            adaptive_k: bool = True) -> list[dict[str, Any]]:
-    """One row per prompt, setting and run: target-only first, then each method (rotating).
-    ``penalised``: the SamplingParams of the penalised setting (greedy)."""
-    from tandem.inprocess import GenerationRequest, SpeculativeGenerator
-    from tandem.sampling import SamplingParams
-    from tandem.spec.options import SpecOptions
-
-    samplings = {"plain": SamplingParams(), "penalised": penalised}
-    generators = {"none": SpeculativeGenerator(target, None, SpecOptions("none", 0))}
-    for method in methods:  # one generator per method, kept for the run: its cost model stays warm
-        generators[method] = SpeculativeGenerator(target, None if method == "ngram" else draft,
-                                                  SpecOptions(method, k, adaptive_k, hybrid_min_match=3))
-
-    def one(i: int, setting: str, method: str) -> dict[str, Any]:
-        request = GenerationRequest(list(prompts[i]), max_new_tokens, samplings[setting], stop_ids)
-        (result,), seconds = timed(lambda: generators[method].generate([request]))
-        stats = result.stats
-        return {"prompt": i, "setting": setting, "method": method, "tokens": len(result.token_ids),
-                "token_ids": result.token_ids, "seconds": seconds, "drafted": stats.drafted,
-                "accepted": stats.accepted, "rounds": stats.rounds}
-
-    from tqdm import tqdm
-
-    rows = []
-    for i in tqdm(range(len(prompts)), desc=NAME, unit="prompt", file=sys.stderr):
-        for setting in SETTINGS[i % 2:] + SETTINGS[:i % 2]:
-            alone = one(i, setting, "none")
-            rows.append(alone)
-            shift = i % len(methods)
-            for method in [*methods[shift:], *methods[:shift]]:
-                row = one(i, setting, method)
-                row["same_as_target_only"] = row["token_ids"] == alone["token_ids"]
-                rows.append(row)
-    return rows
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per setting and method, over every prompt: tokens/s, ratio to target-only in that setting, acceptance."""
-    out = []
-    for setting in SETTINGS:
-        alone = [r for r in rows if r["setting"] == setting and r["method"] == "none"]
-        if not alone:
-            continue
-        base = sum(r["tokens"] for r in alone) / sum(r["seconds"] for r in alone)
-        out.append({"setting": setting, "method": "target-only", "prompts": len(alone), "tokens_per_s": base,
-                    "x_target_only": 1.0, "acceptance": None, "tokens_per_round": 1.0,
-                    "same_as_target_only": len(alone)})
-        for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "none"):
-            group = [r for r in rows if (r["setting"], r["method"]) == (setting, method)]
-            tokens, seconds = sum(r["tokens"] for r in group), sum(r["seconds"] for r in group)
-            drafted, accepted = sum(r["drafted"] for r in group), sum(r["accepted"] for r in group)
-            out.append({"setting": setting, "method": method, "prompts": len(group), "tokens_per_s": tokens / seconds,
-                        "x_target_only": tokens / seconds / base, "acceptance": accepted / drafted if drafted else None,
-                        "tokens_per_round": tokens / max(1, sum(r["rounds"] for r in group)),
-                        "same_as_target_only": sum(r["same_as_target_only"] for r in group)})
-    return out
-
-
-def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: dict[str, Any], out: Path,
-           name: str) -> str:
-    """Write JSON, markdown and the chart; the markdown table."""
-    machine = machine_info()
-    columns = ["setting", "method", "prompts", "tokens_per_s", "x_target_only", "acceptance", "tokens_per_round",
-               "same_as_target_only"]
-    table = markdown_table(summary, columns)
-    write_json(out, name, {"machine": machine, "settings": settings, "summary": summary,
-                           "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]})
-    write_markdown(out, name, "Speculation under penalties: greedy, with and without them",
-                   f"{machine_line(machine)}\n\nSettings: `{settings}`\n\n{table}\n")
-    fig, (ax,) = new_figure()
-    methods = list(dict.fromkeys(s["method"] for s in summary))
-    series = {setting: [next((s["x_target_only"] for s in summary if (s["setting"], s["method"]) == (setting, m)), 0.0)
-                        for m in methods] for setting in SETTINGS}
-    grouped_bars(ax, methods, series, "tokens/s over target-only (same setting)")
-    ax.set_title("greedy, batch 1: penalties off and on")
-    save_figure(fig, out, name)
-    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    methods = methods_from(args.methods)
-    from benchmarks.runners import engine_config, resolve_model_dir
-    from tandem.engine import ModelEngine
-    from tandem.pipeline import check_same_tokenizer
+    methods = names_from(args.methods, METHODS)
     from tandem.sampling import SamplingParams
-    from tandem.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from tandem.tokenizer import encode_prompt
 
-    penalised = SamplingParams(repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                               presence_penalty=args.presence_penalty)  # checked before any model loads
-    target_dir = resolve_model_dir(args.target, args.cache_dir)
-    tokenizer = load_tokenizer(target_dir)
-    target = ModelEngine.load(engine_config(target_dir, args.dtype))
-    target.warmup()
-    draft = None
-    if set(methods) - {"ngram"}:
-        draft_dir = resolve_model_dir(args.draft, args.cache_dir)
-        check_same_tokenizer(tokenizer, target_dir, draft_dir)
-        draft = ModelEngine.load(engine_config(draft_dir, args.dtype, draft_options=draft_engine_options(args)))
-        draft.warmup()
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
-    prompts = load_prompts(categories, args.per_category, args.seed, args.spec_bench)
+    samplings = {"plain": SamplingParams(),
+                 "penalised": SamplingParams(repetition_penalty=args.repetition_penalty,  # checked before models load
+                                             frequency_penalty=args.frequency_penalty,
+                                             presence_penalty=args.presence_penalty)}
+    _, tokenizer, target, draft, prompts, stop_ids = load(args, methods)
     encoded = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
-    stop_ids = stop_token_ids(target_dir, tokenizer, target.config)
-    print(f"[{NAME}] {len(encoded)} prompts x {len(SETTINGS)} settings x (1 + {len(methods)}) runs", file=sys.stderr,
+    print(f"[{NAME}] {len(encoded)} prompts x {len(samplings)} settings x (1 + {len(methods)}) runs", file=sys.stderr,
           flush=True)
-    rows = measure(target, draft, encoded, methods, args.max_new_tokens, penalised, args.k, stop_ids,
-                   adaptive_k=not args.fixed_k)
-    settings = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": methods,
-                "categories": categories, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-                "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
-                "presence_penalty": args.presence_penalty, "seed": args.seed, "k": args.k,
-                "adaptive_k": not args.fixed_k, "draft_options": draft_engine_options(args)}
-    print(report(rows, summarize(rows), settings, args.out, args.name))
+    rows = measure(target, draft, encoded, methods, args.max_new_tokens, samplings, args.k, stop_ids,
+                   adaptive_k=not args.fixed_k, name=NAME)
+    settings = {**run_settings(args, methods), "repetition_penalty": args.repetition_penalty,
+                "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty}
+    print(report(rows, summarize(rows), settings, args.out, args.name, TITLE))
     return 0
 
 

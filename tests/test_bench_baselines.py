@@ -150,7 +150,8 @@ def test_penalties_bench_keeps_target_only_output_in_both_settings_and_reports_t
     target, draft = (ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32")) for _ in range(2))
     prompts = [[5, 17, 33], [9, 9, 9, 9, 9, 9]]
     penalised = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)
-    rows = penalties.measure(target, draft, prompts, ["draft", "ngram"], 16, penalised, 3, adaptive_k=False)
+    rows = penalties.measure(target, draft, prompts, ["draft", "ngram"], 16,
+                             {"plain": SamplingParams(), "penalised": penalised}, 3, adaptive_k=False)
     assert len(rows) == 2 * len(penalties.SETTINGS) * 3
     assert all(r["same_as_target_only"] for r in rows if r["method"] != "none")
     alone = {r["setting"]: r["token_ids"] for r in rows if r["method"] == "none" and r["prompt"] == 1}
@@ -159,7 +160,7 @@ def test_penalties_bench_keeps_target_only_output_in_both_settings_and_reports_t
     by = {(s["setting"], s["method"]): s for s in summary}
     assert by[("penalised", "draft")]["acceptance"] == 1.0  # the target's own model, penalised alike, is always kept
     assert by[("plain", "target-only")]["x_target_only"] == 1.0
-    penalties.report(rows, summary, {"test": True}, tmp_path, "pen")
+    penalties.report(rows, summary, {"test": True}, tmp_path, "pen", penalties.TITLE)
     saved = json.loads((tmp_path / "pen.json").read_text())
     assert len(saved["summary"]) == len(penalties.SETTINGS) * 3 and "token_ids" not in saved["runs"][0]
     assert (tmp_path / "pen.md").is_file() and (tmp_path / "pen.png").is_file()
