@@ -20,6 +20,7 @@ grammar refuses). Torch is imported where masks are made only: the coordinator c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def grammar_of(params: SamplingParams) -> str:
@@ -82,6 +85,14 @@ class StructuredOutput:
                                           f"({exc})") from None
             self.stop_ids = stops
         return self._tokenizer
+
+    def prepare(self) -> None:
+        """Read the tokenizer now (a worker's start). One llguidance cannot read is logged, not raised: the worker
+        serves everything else, and a request with a response format gets the error by name."""
+        try:
+            self.tokenizer()
+        except InvalidRequestError as exc:
+            log.warning("%s: requests with a response format will be refused", exc)
 
     def matcher(self, params: SamplingParams, generated: Sequence[int] = ()) -> Matcher:
         """A matcher for the request, advanced through its ``generated`` tokens (a rebuild's)."""

@@ -98,3 +98,21 @@ def test_a_rebuilt_sequence_resumes_its_grammar_where_it_was(structured):
             assert not isinstance(rebuilt, BaseException), rebuilt
             (verdict,) = target.run_batch([VerifyCall("s", len(history), [], [])])
             assert verdict.next_token in allowed_next
+
+
+def test_a_worker_reads_the_tokenizer_at_warmup_and_serves_on_when_it_cannot(tiny_served_dir, structured, caplog):
+    """Read at start, not on the first constrained request (2.7 s for Qwen's); one llguidance cannot read (this
+    tiny model's Fuse decoder) is logged and the worker warms up, while such requests get the error by name."""
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from target_worker.engine import PrefillCall, TargetEngine
+
+    structured.prepare()
+    assert structured._tokenizer is not None
+    engine = ModelEngine.load(EngineConfig(tiny_served_dir, dtype="float32", block_size=4))
+    target = TargetEngine(engine, structured=StructuredOutput(tiny_served_dir, engine.config))
+    target.warmup()
+    assert "structured output cannot read this model's tokenizer" in caplog.text
+    (refused,) = target.run_batch([PrefillCall("s", [5, 6, 7], SamplingParams(json_object=True))])
+    assert isinstance(refused, InvalidRequestError) and "response_format" in str(refused)
+    assert target.num_sequences == 0
