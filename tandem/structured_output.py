@@ -126,7 +126,9 @@ class Matcher:
         self.ended = taken < len(tokens)
 
     def rollback_to(self, generated: int) -> None:
-        """Back to ``generated`` committed tokens (a Verify that cuts the history)."""
+        """Back to ``generated`` committed tokens (a Verify that cuts the history). llguidance keeps the whole
+        history, so this holds for any depth (206 tokens measured); past what it consumed it would err for good."""
+        generated = max(0, generated)
         if generated < self.consumed:
             if not self.matcher.rollback(self.consumed - generated):
                 raise InvalidRequestError(f"response_format: the grammar cannot roll back {self.consumed - generated}"
