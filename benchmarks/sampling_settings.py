@@ -118,8 +118,8 @@ def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: 
 METHODS = ("draft", "hybrid", "ngram")
 
 
-def add_flags(parser: argparse.ArgumentParser, name: str) -> None:
-    """The models, prompts, methods and output flags every script of this kind takes."""
+def add_flags(parser: argparse.ArgumentParser, name: str, seed_help: str = "prompts chosen by it") -> None:
+    """The models, prompts, methods and output flags every script of this kind takes (seeded_sampling.py too)."""
     from tandem.cli.draft_flags import add_draft_flags
 
     parser.add_argument("--target", default="qwen-coder-1.5b", help="a catalog name or a model directory")
@@ -130,7 +130,7 @@ def add_flags(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--categories", default=",".join(ALL_CATEGORIES), help="HumanEval and Spec-Bench categories")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0, help="prompts chosen by it")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
     parser.add_argument("--k", type=int, default=4, help="largest k (adaptive unless --fixed-k)")
     parser.add_argument("--fixed-k", action="store_true", help="always draft k tokens")
     parser.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH)

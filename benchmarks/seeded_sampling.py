@@ -29,11 +29,7 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/seeded_sampling.py` fr
     sys.path.insert(0, str(_REPO_ROOT))
 
 from benchmarks.common import (  # noqa: E402
-    ALL_CATEGORIES,
-    DEFAULT_RESULTS_DIR,
-    DEFAULT_SPEC_BENCH,
     grouped_bars,
-    load_prompts,
     machine_info,
     machine_line,
     markdown_table,
@@ -44,33 +40,18 @@ from benchmarks.common import (  # noqa: E402
     write_json,
     write_markdown,
 )
-from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
+from benchmarks.sampling_settings import METHODS, add_flags, load, run_settings  # noqa: E402
 
 NAME = "seeded_sampling"
 RULES = ("exact", "rejection-rule")
-METHODS = ("draft", "hybrid", "ngram")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--target", default="qwen-coder-1.5b", help="a catalog name or a model directory")
-    parser.add_argument("--draft", default="qwen-coder-0.5b", help="a catalog name or a model directory")
-    add_draft_flags(parser)
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--categories", default=",".join(ALL_CATEGORIES), help="HumanEval and Spec-Bench categories")
-    parser.add_argument("--per-category", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_flags(parser, NAME, seed_help="prompt i is sampled with seed + i; prompts chosen by it")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i; prompts chosen by it")
-    parser.add_argument("--k", type=int, default=4, help="largest k (adaptive unless --fixed-k)")
-    parser.add_argument("--fixed-k", action="store_true", help="always draft k tokens")
-    parser.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH)
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
-    parser.add_argument("--name", default=NAME, help="file name of the results (without extension)")
     return parser
 
 
@@ -157,33 +138,14 @@ def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     methods = methods_from(args.methods)
-    from benchmarks.runners import engine_config, resolve_model_dir
-    from tandem.engine import ModelEngine
-    from tandem.pipeline import check_same_tokenizer
-    from tandem.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from tandem.tokenizer import encode_prompt
 
-    target_dir = resolve_model_dir(args.target, args.cache_dir)
-    tokenizer = load_tokenizer(target_dir)
-    target = ModelEngine.load(engine_config(target_dir, args.dtype))
-    target.warmup()
-    draft = None
-    if set(methods) - {"ngram"}:
-        draft_dir = resolve_model_dir(args.draft, args.cache_dir)
-        check_same_tokenizer(tokenizer, target_dir, draft_dir)
-        draft = ModelEngine.load(engine_config(draft_dir, args.dtype, draft_options=draft_engine_options(args)))
-        draft.warmup()
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
-    prompts = load_prompts(categories, args.per_category, args.seed, args.spec_bench)
+    _, tokenizer, target, draft, prompts, stop_ids = load(args, methods)
     encoded = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
-    stop_ids = stop_token_ids(target_dir, tokenizer, target.config)
     print(f"[{NAME}] {len(encoded)} prompts x (1 + {len(methods) * len(RULES)}) runs", file=sys.stderr, flush=True)
     rows = measure(target, draft, encoded, methods, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                    args.k, stop_ids, adaptive_k=not args.fixed_k)
-    settings = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": methods,
-                "categories": categories, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "k": args.k,
-                "adaptive_k": not args.fixed_k,
-                "draft_options": draft_engine_options(args)}
+    settings = {**run_settings(args, methods), "temperature": args.temperature, "top_p": args.top_p}
     print(report(rows, summarize(rows), settings, args.out, args.name))
     return 0
 

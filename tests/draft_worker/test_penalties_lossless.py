@@ -18,8 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import target_worker.engine
-from draft_worker.engine import DraftEngine
 from tandem.sampling_params import SamplingParams
 from target_worker.engine import TargetEngine
 from tests.draft_worker.test_lossless import load
@@ -27,12 +25,10 @@ from tests.spec.losslessness import (
     PAIR_SAMPLES,
     PAIR_TEMPERATURE,
     PAIR_VOCAB,
+    PER_ROW_DRAFTERS,
     SIGNIFICANCE,
-    chi_square_pvalue,
-    exact_two_token_distribution,
-    one_torch_thread,
+    per_row_pvalue,
     save_six_token_pair,
-    two_and_three,
 )
 
 PROMPT, VOCAB = [3, 3, 4], PAIR_VOCAB
@@ -64,22 +60,9 @@ def reference(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("n", [PAIR_SAMPLES, pytest.param(4000, marks=pytest.mark.long)], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-@pytest.mark.parametrize("drafter,defect,lossless", [
-    ("unrelated", False, True),
-    ("target", False, True),
-    ("target", True, False),
-], ids=["unrelated-draft", "target-as-draft", "target-as-draft-rows-blind-to-drafts"])
+@pytest.mark.parametrize(**PER_ROW_DRAFTERS)
 def test_penalised_speculative_sampling_follows_the_target(six_token_pair, monkeypatch, tree, drafter, defect,
                                                            lossless, n):
-    if defect:
-        monkeypatch.setattr(target_worker.engine, "row_paths_of", lambda drafts, parents: [[]] * (len(drafts) + 1))
-    target_dir, draft_dir = six_token_pair
-    target = TargetEngine(load(target_dir))
-    draft = DraftEngine(load(target_dir if drafter == "target" else draft_dir))
-    with one_torch_thread():
-        samples = [s for start in range(0, n, 500)
-                   for s in two_and_three(target, draft, PROMPT, params, range(start, min(start + 500, n)), tree)]
-    assert target.num_sequences == draft.num_sequences == 0
-    law = exact_two_token_distribution(target.engine, PROMPT, PAIR_TEMPERATURE, reference)
-    pvalue = chi_square_pvalue(samples, law)
+    pvalue = per_row_pvalue(six_token_pair, monkeypatch, drafter, defect, lambda d: TargetEngine(load(d)), PROMPT,
+                            params, reference, n, tree)
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"

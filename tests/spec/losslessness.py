@@ -135,3 +135,34 @@ def two_and_three(target, draft, prompt: list[int], sampling_of: Callable[[int],
     _ok(target.run_batch([ReleaseCall(i) for i in ids]))
     _ok(draft.run_batch([ReleaseCall(i) for i in ids]))
     return [out[i][0] * PAIR_VOCAB + out[i][1] for i in ids]
+
+
+# How the per-row tests (penalties, structured output) run each rule: with an unrelated draft (most drafts
+# rejected: the residuals), with the target drafting for itself (most kept), and that again with every row
+# blind to the drafts on its path (the defect, which must fail).
+PER_ROW_DRAFTERS = dict(argnames="drafter,defect,lossless",
+                        argvalues=[("unrelated", False, True), ("target", False, True), ("target", True, False)],
+                        ids=["unrelated-draft", "target-as-draft", "target-as-draft-rows-blind-to-drafts"])
+
+
+def per_row_pvalue(pair: tuple[Path, Path], monkeypatch, drafter: str, defect: bool, make_target: Callable,
+                   prompt: list[int], sampling_of: Callable[[int], Any], reference: Callable, n: int, tree: bool,
+                   seed_base: int = 0) -> float:
+    """The p-value of tokens 2 and 3 of ``n`` seeded runs (seeds from ``seed_base``) through ``make_target(dir)``
+    (a TargetEngine) and a DraftEngine, against the target's exact law under ``reference`` (the rule by hand)."""
+    import target_worker.engine
+    from draft_worker.engine import DraftEngine
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+
+    if defect:
+        monkeypatch.setattr(target_worker.engine, "row_paths_of", lambda drafts, parents: [[]] * (len(drafts) + 1))
+    target_dir, draft_dir = pair
+    target = make_target(target_dir)
+    draft = DraftEngine(ModelEngine.load(EngineConfig(target_dir if drafter == "target" else draft_dir,
+                                                      dtype="float32", kv_cache_tokens=16384, block_size=4)))
+    with one_torch_thread():
+        seeds = [range(seed_base + start, seed_base + min(start + 500, n)) for start in range(0, n, 500)]
+        samples = [s for chunk in seeds for s in two_and_three(target, draft, prompt, sampling_of, chunk, tree)]
+    assert target.num_sequences == draft.num_sequences == 0
+    return chi_square_pvalue(samples, exact_two_token_distribution(target.engine, prompt, PAIR_TEMPERATURE, reference))
