@@ -167,6 +167,7 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     best_of = body.integer("best_of", 1, INT32_MAX)
     if best_of is not None and best_of != parsed.n:
         raise unsupported("best_of", " unless it equals n (each choice is one sample)")
+    _response_format(body.take("response_format"), request.sampling)  # not OpenAI's here, but vLLM's: taken alike
     body.refuse(UNSUPPORTED_COMPLETION)
     body.finish()
     return parsed

@@ -338,10 +338,14 @@ def test_response_formats_reach_the_target_worker(tokenizer):
                         {"type": "json_object"}, {"type": "text"}):
                 code, body = await post(running.url + "/chat/completions", {**CHAT, "response_format": fmt})
                 assert code == 200, body
-            with_schema, as_object, as_text = running.target.samplings
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2,
+                                                                    "response_format": {"type": "json_object"}})
+            assert code == 200, body  # vLLM takes it on completions too
+            with_schema, as_object, as_text, completion = running.target.samplings
             assert json.loads(with_schema.json_schema) == schema and not with_schema.json_object
             assert as_object.json_object and not as_object.json_schema
             assert not as_text.json_object and not as_text.json_schema
+            assert completion.json_object
     run(go())
 
 
