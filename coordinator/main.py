@@ -44,6 +44,8 @@ async def wait_for_target(pool: WorkerPool, timeout_s: float | None) -> None:
 
 async def serve(cfg: CoordinatorConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template_text()
     fingerprint = tokenizer_fingerprint(tokenizer)
     # Replicas are found by discovery (coordinator/discovery): each one joins when its Info shows our tokenizer.
     owner = new_owner_id()  # one instance id for this coordinator: its lease on every worker it calls

@@ -15,11 +15,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
+from coordinator.chat import conversation, tool_use
 from coordinator.placement import Placement
 from coordinator.prefix_routing import DEFAULT_BLOCK_SIZE, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
@@ -40,13 +41,13 @@ from tandem.spec.request import RequestState, StopConditions
 from tandem.structured_output import check_response_format
 from tandem.text_stream import TextStream
 from tandem.tokenizer import encode_messages, encode_prompt
+from tandem.tool_calls import HermesFormat, ToolCall, ToolCallParser, ToolUse, check_tool_schemas
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # A client's request id is echoed in every reply chunk and carried in every worker call's sequence id and log line.
 MAX_REQUEST_ID_CHARS = 128
-CHAT_ROLES = ("system", "user", "assistant")  # the turns of a conversation (``messages``) a chat template takes
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class _Request:
     placement: Placement
     loop: SpeculationLoop
     emitted_tokens: int = 0
+    tool_calls: ToolCallParser | None = None  # with tools shown: the text split into content and calls
 
 
 class _MetricsObserver:
@@ -105,16 +107,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.match_rates = match_rates or MatchRates()  # acceptance per kind of n-gram match, over every request here
         self.heads_verdicts = HeadsVerdicts()  # which way (the heads or not) the requests here found faster
         self.public_name = ReplicaNames(cfg.expose_worker_addresses, self._present)
+        self.tool_format = HermesFormat.of(tokenizer)  # None: the chat template shows the model no tools
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         run = self.start(request, context.time_remaining())
         async for _ in self._drive(run):
             pass
+        text, calls = run.state.text.text, []
+        if run.tool_calls is not None:
+            text, calls = run.tool_calls.feed(text)
+            rest, more = run.tool_calls.finish()
+            text, calls = text + rest, calls + more
         return generation_pb2.GenerateResponse(
-            request_id=run.request_id, text=run.state.text.text, token_ids=run.state.generated,
-            finish_reason=run.state.finish_reason or "length", stats=self._stats(run),
-            logprobs=logprobs_to_proto(run.state.logprobs))
+            request_id=run.request_id, text=text, token_ids=run.state.generated,
+            finish_reason=_finish_reason(run), stats=self._stats(run),
+            logprobs=logprobs_to_proto(run.state.logprobs), tool_calls=_calls_to_proto(calls))
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         async for msg in self.stream(self.start(request, context.time_remaining())):
@@ -142,7 +150,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         Raises ``InvalidRequestError`` naming a bad field, ``ShuttingDownError`` while draining. ``remaining_s``:
         the client's deadline, passed on to every worker call (None: none)."""
         self.server.check_accepting()
-        state, options = self._validate(request)
+        state, options, tools = self._validate(request)
         deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
@@ -159,7 +167,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
                                self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
-        return _Request(request_id, state, options, placement, loop)
+        parser = ToolCallParser(self.tool_format) if tools is not None and tools.shown else None
+        return _Request(request_id, state, options, placement, loop, tool_calls=parser)
 
     async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """Run a started request: a message per round with what it added; the last has finish_reason and stats.
@@ -170,13 +179,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             start, run.emitted_tokens = run.emitted_tokens, state.num_generated
             tokens = state.generated[start:]
             done = state.finish_reason is not None
-            if not (text or tokens or done):
+            calls: list[ToolCall] = []
+            if run.tool_calls is not None:  # calls out of the text, as they complete; the rest is content
+                text, calls = run.tool_calls.feed(text)
+                if done:
+                    rest, more = run.tool_calls.finish()
+                    text, calls = text + rest, calls + more
+            if not (text or tokens or done or calls):
                 continue
-            msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens)
+            msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens,
+                                                        tool_calls=_calls_to_proto(calls))
             if state.logprobs is not None:
                 msg.logprobs.extend(logprobs_to_proto(state.logprobs[start:run.emitted_tokens]))
             if done:
-                msg.finish_reason = state.finish_reason
+                msg.finish_reason = _finish_reason(run)
                 msg.stats.CopyFrom(self._stats(run))
             yield msg
 
@@ -221,8 +237,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if outcome == "ok" and stats.elapsed_s > 0:
                 metrics.tokens_per_s.observe(stats.tokens_per_s)
 
-    def _validate(self, request: generation_pb2.GenerateRequest) -> tuple[RequestState, SpecOptions]:
-        """The request's state and speculation options; INVALID_ARGUMENT naming the field on bad input."""
+    def _validate(self, request: generation_pb2.GenerateRequest
+                  ) -> tuple[RequestState, SpecOptions, ToolUse | None]:
+        """The request's state, speculation options and tools; INVALID_ARGUMENT naming the field on bad input."""
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, "
                                       f"got {len(request.request_id)}")
@@ -239,7 +256,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         k = spec.k if spec.HasField("k") else self.cfg.default_k
         if not 0 <= k <= MAX_K:
             raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")
-        prompt_ids = self._prompt_ids(request)
+        tools = self._tools(request)
+        if tools is not None and tools.enforced:  # calls that must be made: a grammar the target enforces
+            if sampling.structured:
+                raise InvalidRequestError("tool_choice: a call that must be made cannot also follow a response "
+                                          "format or grammar; give one")
+            sampling = replace(sampling, grammar=self.tool_format.grammar(tools))
+        prompt_ids = self._prompt_ids(request, tools)
         stopping = request.stopping
         if stopping.max_new_tokens < 0:
             raise InvalidRequestError(f"stopping.max_new_tokens must be positive, got {stopping.max_new_tokens}")
@@ -264,9 +287,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
                               heads_fallback=heads_fallback(requested, method, has_draft))
         text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
-        return RequestState(prompt_ids, sampling, stop, text), options
+        return RequestState(prompt_ids, sampling, stop, text), options, tools
 
-    def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+    def _tools(self, request: generation_pb2.GenerateRequest) -> ToolUse | None:
+        """The request's tools, validated; None without any. Shown tools need a chat and a template that shows them
+        in the format the calls are parsed in."""
+        if not request.HasField("tools"):
+            return None
+        tools = tool_use(request.tools)  # refuses a call that must be made without tools
+        if not tools.tools:
+            return None
+        if request.WhichOneof("input") != "messages":
+            raise InvalidRequestError("tools: only with messages (a conversation)")
+        if tools.shown:
+            if self.tool_format is None:
+                raise InvalidRequestError(
+                    "tools: this model's chat template does not show the model tools with <tool_call> blocks, the "
+                    "format Tandem parses calls in; serve it with --chat-template FILE (one that does) to use tools")
+            check_tool_schemas(tools)
+        return tools
+
+    def _prompt_ids(self, request: generation_pb2.GenerateRequest, tools: ToolUse | None = None) -> list[int]:
         which = request.WhichOneof("input")
         if which == "token_ids":
             field = "token_ids.ids"
@@ -276,8 +317,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             check_token_ids("token_ids.ids", ids, self.vocab_size)
         elif which == "messages":
             field = "messages"
-            turns = _conversation(request.messages.messages)
-            ids = _field("messages", lambda: _chat_template_refusals(lambda: encode_messages(self.tokenizer, turns)))
+            turns = conversation(request.messages.messages)
+            shown = [t.template_entry() for t in tools.tools] if tools is not None and tools.shown else None
+            ids = _field("messages", lambda: _chat_template_refusals(lambda: encode_messages(self.tokenizer, turns,
+                                                                                              shown)))
         else:
             field = "text"
             if not request.text:
@@ -318,17 +361,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             draft_wait_rounds=st.draft_wait_rounds)
 
 
-def _conversation(messages: Any) -> list[dict[str, str]]:
-    """The request's turns as a chat template takes them; a role no template knows is refused, naming it."""
-    if not messages:
-        raise InvalidRequestError("messages: the conversation is empty")
-    turns = []
-    for i, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role: one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
-        turns.append({"role": message.role, "content": message.content, **({"name": message.name}
-                                                                           if message.name else {})})
-    return turns
+def _finish_reason(run: _Request) -> str:
+    """``tool_calls`` when the model stopped after calling tools; else the request's own (stop or length)."""
+    reason = run.state.finish_reason or "length"
+    if reason == "stop" and run.tool_calls is not None and run.tool_calls.calls:
+        return "tool_calls"
+    return reason
+
+
+def _calls_to_proto(calls: list[ToolCall]) -> list[generation_pb2.ToolCall]:
+    return [generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 def _field(name: str, make: Any) -> Any:

@@ -359,6 +359,17 @@ class WorkerConfig:
                                       f"..{MAX_IDLE_TTL_S:g} seconds, got {self.idle_ttl_s:g}")
 
 
+def read_chat_template(path: Path) -> str:
+    """A ``--chat-template`` file's text, or an error naming the file and why."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"--chat-template {path}: cannot read it ({exc})") from None
+    if not text.strip():
+        raise InvalidRequestError(f"--chat-template {path}: the file is empty")
+    return text
+
+
 @dataclass(slots=True)
 class CoordinatorConfig:
     """The coordinator: where its workers are, and its defaults for requests that leave things unset."""
@@ -401,9 +412,13 @@ class CoordinatorConfig:
     max_concurrent_per_client: int = 0  # 0: unlimited
     expose_worker_addresses: bool = False  # False: replies name replicas target-0, draft-1...
     http_port: int | None = None  # the OpenAI-compatible HTTP API (coordinator/http); None: off, 0: any free port
+    chat_template: Path | None = None  # a Jinja chat template file used instead of the tokenizer's own
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
+        if self.chat_template is not None:
+            self.chat_template = Path(self.chat_template)
+            self.chat_template_text()  # read now: a bad file is refused at start-up, named
         if not 1024 <= self.max_request_bytes <= MAX_GRPC_MESSAGE_BYTES:
             raise InvalidRequestError(f"--max-request-bytes must be in 1024..{MAX_GRPC_MESSAGE_BYTES}, "
                                       f"got {self.max_request_bytes}")
@@ -438,6 +453,10 @@ class CoordinatorConfig:
         if self.redis_url and not self.continuation_cache:
             raise InvalidRequestError("--redis-url shares the continuation cache, "
                                       "which --no-continuation-cache turns off")
+
+    def chat_template_text(self) -> str | None:
+        """The ``--chat-template`` file's template; None without one."""
+        return None if self.chat_template is None else read_chat_template(self.chat_template)
         if self.redis_url:
             from tandem.spec.shared_cache import parse_redis_url
 

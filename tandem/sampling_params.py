@@ -48,11 +48,13 @@ class SamplingParams:
     # row to the tokens the grammar allows after that row's context, drafts included.
     json_object: bool = False
     json_schema: str = ""
+    # Or any grammar in llguidance's Lark dialect (tool calls that must be made are one, tandem.tool_calls).
+    grammar: str = ""
 
     @property
     def structured(self) -> bool:
         """Whether a grammar constrains this request's text."""
-        return self.json_object or bool(self.json_schema)
+        return self.json_object or bool(self.json_schema) or bool(self.grammar)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -84,6 +86,8 @@ class SamplingParams:
         self._check_logit_bias()
         if self.json_object and self.json_schema:
             raise InvalidRequestError("response_format: give json_object or json_schema, not both")
+        if self.grammar and (self.json_object or self.json_schema):
+            raise InvalidRequestError("grammar: give a grammar or a response format, not both")
         if self.json_schema:
             try:
                 schema = json.loads(self.json_schema)

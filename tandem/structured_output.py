@@ -36,10 +36,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def constraint_field(params: SamplingParams) -> str:
+    """The request field that constrains the text, as errors name it."""
+    return "grammar" if params.grammar else "response_format"
+
+
 def grammar_of(params: SamplingParams) -> str:
     """The request's llguidance grammar (any JSON object for ``json_object``)."""
     import llguidance
 
+    if params.grammar:
+        return params.grammar
     schema = params.json_schema or '{"type": "object"}'
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema)
@@ -48,14 +55,15 @@ def grammar_of(params: SamplingParams) -> str:
 
 
 def check_response_format(params: SamplingParams) -> None:
-    """The schema compiles (without a tokenizer: what the coordinator can check), else a named error."""
+    """The schema or grammar compiles (without a tokenizer: what the coordinator can check), else a named error."""
     if not params.structured:
         return
     import llguidance
 
     error = llguidance.LLMatcher.validate_grammar(grammar_of(params))
     if error:
-        raise InvalidRequestError(f"response_format: the JSON schema cannot be enforced: {error}")
+        what = "the grammar" if params.grammar else "the JSON schema"
+        raise InvalidRequestError(f"{constraint_field(params)}: {what} cannot be enforced: {error}")
 
 
 class StructuredOutput:
@@ -100,7 +108,8 @@ class StructuredOutput:
 
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar_of(params), log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"response_format: the JSON schema cannot be enforced: {matcher.get_error()}")
+            what = "the grammar" if params.grammar else "the JSON schema"
+            raise InvalidRequestError(f"{constraint_field(params)}: {what} cannot be enforced: {matcher.get_error()}")
         out = Matcher(matcher, self.vocab_size, self.stop_ids)
         out.commit(generated)
         return out

@@ -48,11 +48,13 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=True))
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation (``{"role", "content"[, "name"]}`` turns) through the tokenizer's chat
-    template, ending where the assistant's next turn starts."""
+def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                    ) -> list[int]:
+    """Token ids of a conversation (``{"role", "content"[, "name", "tool_calls", "tool_call_id"]}`` turns) through
+    the tokenizer's chat template, with ``tools`` (OpenAI's ``tools`` items) shown to the model, ending where the
+    assistant's next turn starts."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding here; 4.x a plain list
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

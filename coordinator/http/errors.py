@@ -42,6 +42,9 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("presence_penalty", "presence_penalty"),
     ("logit_bias", "logit_bias"),
     ("response_format", "response_format"),
+    ("grammar", "tool_choice"),  # a grammar the coordinator made: the tool calls that must be made
+    ("tool_choice", "tool_choice"),
+    ("tools", "tools"),
 )
 
 

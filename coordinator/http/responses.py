@@ -29,6 +29,7 @@ class Choice:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[common_pb2.TokenLogprobs] = []
+        self.tool_calls: list[generation_pb2.ToolCall] = []
         self.finish_reason: str | None = None
         self.stats: generation_pb2.GenerationStats | None = None
         self.text_offset = 0  # completions' logprobs: where the next token's text starts in this choice's text
@@ -37,6 +38,7 @@ class Choice:
         self.texts.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
+        self.tool_calls.extend(msg.tool_calls)
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
             self.stats = msg.stats
@@ -64,7 +66,11 @@ class Shapes:
         for c in choices:
             item: dict[str, Any] = {"index": c.index}
             if self.chat:
-                item["message"] = {"role": "assistant", "content": c.text, "refusal": None}
+                # As OpenAI: content null when the turn is only calls; tool_calls only when there are some.
+                item["message"] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None,
+                                   "refusal": None}
+                if c.tool_calls:
+                    item["message"]["tool_calls"] = [_call(call) for call in c.tool_calls]
             else:
                 item["text"] = c.text
             item["logprobs"] = self._logprobs(c, c.token_ids, c.logprobs)
@@ -89,6 +95,11 @@ class Shapes:
             logprobs = self._logprobs(choice, list(msg.token_ids), list(msg.logprobs)) if asked else None
             body = {"delta": {"content": msg.text}} if self.chat else {"text": msg.text}
             out.append(self._chunk({"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}))
+        if self.chat and msg.tool_calls:  # each call whole, in one delta (index: its place among the choice's calls)
+            first = len(choice.tool_calls) - len(msg.tool_calls)
+            out.append(self._chunk({"index": choice.index, "delta": {"tool_calls": [
+                {"index": first + i, **_call(call)} for i, call in enumerate(msg.tool_calls)]},
+                "logprobs": None, "finish_reason": None}))
         if msg.finish_reason:
             body = {"delta": {}} if self.chat else {"text": ""}
             out.append(self._chunk({"index": choice.index, **body, "logprobs": None,
@@ -134,6 +145,10 @@ class Shapes:
         if text is None:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _call(call: generation_pb2.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

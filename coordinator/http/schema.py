@@ -8,11 +8,13 @@ validation, the one the gRPC API runs (coordinator/service.py); its messages
 are renamed to these fields by ``errors.from_domain``.
 
 A field Tandem cannot honour is refused with a 400 that names it, never
-ignored: tools, ``echo``... A neutral value (``tools: []``, ``null`` for any
-optional field) asks for nothing and is taken, since SDKs send some of them
-by default. ``response_format`` (text, json_object, json_schema) is enforced
-on the target's rows (``tandem.structured_output``). An unknown
-field is refused too: the official clients send only what their user set.
+ignored: ``functions``, ``echo``... A neutral value (``functions: []``, ``null``
+for any optional field) asks for nothing and is taken, since SDKs send some of
+them by default. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become
+the request's ``ToolOptions`` (``tandem.tool_calls`` says what each choice
+does). ``response_format`` (text, json_object, json_schema) is enforced on the
+target's rows (``tandem.structured_output``). An unknown field is refused too:
+the official clients send only what their user set.
 ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's;
 ``repetition_penalty`` is vLLM's extension of the body, taken as vLLM takes it.
 
@@ -37,7 +39,7 @@ MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
 MAX_STOP_STRINGS = 4  # as OpenAI
 INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
-ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling (the gRPC API's default is greedy)
 
 
@@ -47,11 +49,8 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 
 # Fields Tandem cannot honour, and the values that ask for nothing (taken as if absent).
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": _neutral([]),
-    "tool_choice": _neutral("none"),
     "functions": _neutral([]),
     "function_call": _neutral("none"),
-    "parallel_tool_calls": _neutral(),
     "audio": _neutral(),
     "modalities": _neutral(["text"]),
     "prediction": _neutral(),
@@ -130,8 +129,8 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     body = _Fields(data)
     parsed = _common(body, chat=True, request_id=request_id)
     request = parsed.request
-    for role, content, name in _messages(body.take("messages")):
-        request.messages.messages.add(role=role, content=content, name=name)
+    request.messages.messages.extend(_messages(body.take("messages")))
+    _tools(body, request)
     max_tokens, max_completion = body.integer("max_tokens", 1, INT32_MAX), body.integer(
         "max_completion_tokens", 1, INT32_MAX)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -299,8 +298,9 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
     ext.finish()
 
 
-def _messages(value: Any) -> list[tuple[str, str, str]]:
-    """(role, content, name) per turn; content given as text parts is joined with newlines."""
+def _messages(value: Any) -> list[generation_pb2.ChatMessage]:
+    """The turns; content given as text parts is joined with newlines. An assistant turn may carry its calls
+    (``tool_calls``, its content then null), a tool turn the id of the call it answers (``tool_call_id``)."""
     if value is None:
         raise bad_field("messages", "required: the conversation, a list of {role, content} objects")
     if not isinstance(value, list) or not value:
@@ -313,16 +313,86 @@ def _messages(value: Any) -> list[tuple[str, str, str]]:
         if role is None:
             raise bad_field(f"{where}.role", "required")
         if role not in ROLE_NAMES:
-            if role in ("tool", "function"):
-                raise unsupported(f"{where}.role", f" ({role!r}: Tandem has no tool calls)")
+            if role == "function":
+                raise unsupported(f"{where}.role", " ('function': the deprecated functions API; use tools)")
             raise bad_field(f"{where}.role", f"one of {', '.join(ROLE_NAMES)}, got {role!r}")
-        content = _content(where, turn.take("content"))
-        name = turn.string("name") or ""
+        calls = _earlier_calls(where, turn.take("tool_calls")) if role == "assistant" else []
+        content = turn.take("content")
+        message = generation_pb2.ChatMessage(role=ROLE_NAMES[role], name=turn.string("name") or "", tool_calls=calls,
+                                             content="" if content is None and calls else _content(where, content))
+        if role == "tool":
+            message.tool_call_id = turn.string("tool_call_id") or ""
+            if not message.tool_call_id:
+                raise bad_field(f"{where}.tool_call_id", "required: the id of the call this answers")
         turn.refuse({"tool_calls": _neutral([]), "function_call": _neutral(), "refusal": _neutral(),
                      "audio": _neutral()})
         turn.finish()
-        turns.append((ROLE_NAMES[role], content, name))
+        turns.append(message)
     return turns
+
+
+def _earlier_calls(where: str, value: Any) -> list[generation_pb2.ToolCall]:
+    """An assistant turn's ``tool_calls``: ``{id, type: function, function: {name, arguments}}`` each."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad_field(f"{where}.tool_calls", f"a list of calls, got {_kind(value)}")
+    calls = []
+    for j, item in enumerate(value):
+        at = f"{where}.tool_calls[{j}]"
+        call = _Fields(_object(at, item), f"{at}.")
+        kind = call.string("type") or "function"
+        if kind != "function":
+            raise bad_field(f"{at}.type", f"'function', got {kind!r}")
+        function = _Fields(_object(f"{at}.function", call.take("function")), f"{at}.function.")
+        name, arguments = function.string("name"), function.string("arguments")
+        if not name:
+            raise bad_field(f"{at}.function.name", "required")
+        function.finish()
+        calls.append(generation_pb2.ToolCall(id=call.string("id") or "", name=name, arguments=arguments or "{}"))
+        call.finish()
+    return calls
+
+
+def _tools(body: _Fields, request: generation_pb2.GenerateRequest) -> None:
+    """``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``; their rules (names, schemas, a
+    choice naming a tool) are the service's checks (``tandem.tool_calls``)."""
+    tools, choice, parallel = body.take("tools"), body.take("tool_choice"), body.boolean("parallel_tool_calls")
+    if tools is None and choice is None and parallel is None:
+        return
+    options = request.tools
+    if tools is not None and not isinstance(tools, list):
+        raise bad_field("tools", f"a list of tools, got {_kind(tools)}")
+    for i, item in enumerate(tools or ()):
+        tool = _Fields(_object(f"tools[{i}]", item), f"tools[{i}].")
+        kind = tool.string("type")
+        if kind != "function":
+            raise unsupported(f"tools[{i}].type", f" ({kind!r}: function tools only)")
+        function = _Fields(_object(f"tools[{i}].function", tool.take("function")), f"tools[{i}].function.")
+        name = function.string("name")
+        if name is None:
+            raise bad_field(f"tools[{i}].function.name", "required")
+        parameters = function.take("parameters")
+        entry = options.tools.add(name=name, description=function.string("description") or "")
+        if parameters is not None:
+            entry.parameters = json.dumps(_object(f"tools[{i}].function.parameters", parameters))
+        function.boolean("strict")  # taken: calls that must be made always follow their schema
+        function.finish()
+        tool.finish()
+    if isinstance(choice, dict):
+        named = _Fields(choice, "tool_choice.")
+        if named.string("type") != "function":
+            raise bad_field("tool_choice.type", "'function' (or tool_choice 'none', 'auto', 'required')")
+        function = _Fields(_object("tool_choice.function", named.take("function")), "tool_choice.function.")
+        options.choice, options.function = "function", function.string("name") or ""
+        function.finish()
+        named.finish()
+    elif choice is not None:
+        if choice not in ("none", "auto", "required"):
+            raise bad_field("tool_choice", f"'none', 'auto', 'required' or {{type: function, function: {{name}}}}, "
+                                           f"got {choice!r}")
+        options.choice = choice
+    options.single_call = parallel is False
 
 
 def _content(where: str, value: Any) -> str:

@@ -154,6 +154,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "$KUBECONFIG or ~/.kube/config). Discovery needs list and watch on endpointslices.")
     coord.add_argument("--tokenizer", required=True, metavar="MODEL",
                        help="the target model (catalog name or directory): only its tokenizer is loaded")
+    coord.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template to use instead of the tokenizer's (as transformers renders it): "
+                            "e.g. one that shows the model its tools, for a model whose own template does not")
     coord.add_argument("--max-new-tokens", type=int, default=256, help="default when a request leaves it unset")
     coord.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                        help="default most draft tokens per round (default: %(default)s)")
@@ -243,7 +246,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
         max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement, http_port=args.http_port,
-        **coordinator_options(args),
+        chat_template=args.chat_template, **coordinator_options(args),
     )
     from coordinator.main import serve
 

@@ -45,7 +45,7 @@ from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
-from tandem.config import DTYPES, PLACEMENT_MODES
+from tandem.config import DTYPES, PLACEMENT_MODES, read_chat_template
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
 from tandem.supervisor import RestartPolicy, Supervisor
@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the coordinator's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT}; any free port "
                         "when --port is 0); --no-http turns it off")
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the coordinator's chat template instead of the tokenizer's (`tandem serve coordinator "
+                        "--chat-template`): e.g. one that shows the model its tools")
     p.add_argument("--target-replicas", type=int, default=1, help="target worker processes (default: 1)")
     p.add_argument("--draft-replicas", type=int, default=1, help="draft worker processes (default: 1)")
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
@@ -139,6 +142,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         http_port = args.http_port if args.http_port is not None else (DEFAULT_HTTP_PORT if args.port else 0)
         coordinator_args += ["--http-port", str(http_port)]
     coordinator_args += ["--placement", args.placement]
+    if args.chat_template:
+        read_chat_template(args.chat_template)  # refused here, named, before any process starts
+        coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]
     if args.auth_token_file:
         coordinator_args += ["--auth-token-file", str(args.auth_token_file)]
     for name in LIMIT_FLAGS:

@@ -30,6 +30,7 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         logit_bias=logit_bias_pairs(dict(msg.logit_bias)),
         json_object=msg.json_object,
         json_schema=msg.json_schema,
+        grammar=msg.grammar,
     )
 
 
@@ -39,7 +40,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
                                      repetition_penalty=params.repetition_penalty,
                                      frequency_penalty=params.frequency_penalty,
                                      presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias),
-                                     json_object=params.json_object, json_schema=params.json_schema)
+                                     json_object=params.json_object, json_schema=params.json_schema,
+                                     grammar=params.grammar)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

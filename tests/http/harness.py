@@ -46,10 +46,13 @@ class ScriptedTarget(FakeTarget):
         self.logprobs: dict[str, int] = {}  # seq_id -> alternatives asked
         self.prompts: list[list[int]] = []
         self.samplings: list[common_pb2.SamplingOptions] = []  # each Prefill's, in order
+        self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
+        self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
 
     def _emit(self, seq_id: str, count: int) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
         start = self.live.get(seq_id, 0)
-        tokens = [TOKENS[(start + i) % len(TOKENS)] for i in range(count)]
+        tokens = [self.script[i] if i < len(self.script) else TOKENS[i % len(TOKENS)]
+                  for i in range(start, start + count)]
         self.live[seq_id] = start + count
         top = self.logprobs.get(seq_id)
         scores = [] if top is None else [common_pb2.TokenLogprobs(
@@ -85,6 +88,8 @@ class ScriptedTarget(FakeTarget):
     async def Info(self, request, context):
         info = await super().Info(request, context)
         info.model = MODEL
+        for name, value in self.info.items():
+            setattr(info, name, value)
         return info
 
 
@@ -104,10 +109,12 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serve: bool = True,
-                           tls: ServerTLS | None = None, **limits: Any) -> AsyncIterator[Running]:
+                           tls: ServerTLS | None = None, info: dict[str, Any] | None = None,
+                           **limits: Any) -> AsyncIterator[Running]:
     """The coordinator (gRPC and HTTP) over one scripted target; ``tokens``: bearer auth with these;
     ``limits``: CoordinatorConfig fields (max_concurrent_per_client, max_request_bytes, ...). ``serve=False``:
-    still starting (no warm-up). ``tls``: the coordinator's (both ports)."""
+    still starting (no warm-up). ``tls``: the coordinator's (both ports). ``info``: the target's Info fields
+    other than the fake's (a bigger tokenizer's vocab_size)."""
     auth = BearerAuth(tokens) if tokens else None
     cfg = CoordinatorConfig(server=ServerOptions(host="127.0.0.1", port=0, drain_grace_s=0, tls=tls),
                             tokenizer_dir=Path("unused"), target_addrs=["127.0.0.1:1"], auth=auth, http_port=0,
@@ -120,6 +127,7 @@ async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serv
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     http = HttpApi(service, access, cfg, tokenizer)
     target = ScriptedTarget(fingerprint)
+    target.info = dict(info or {})
     worker = managed_server(role="target")
     worker.add_service(target_pb2_grpc.add_TargetWorkerServicer_to_server, target, "tandem.v1.TargetWorker")
     await server.start()

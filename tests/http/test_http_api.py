@@ -261,7 +261,21 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
     ({"stop": ""}, "stop", 400),
     ({"messages": []}, "messages", 400),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", 400),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", 400),
+    ({"tools": {"f": {}}}, "tools", 400),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type", 400),
+    ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function.name", 400),
+    ({"tool_choice": "maybe"}, "tool_choice", 400),
+    ({"tool_choice": "required"}, "tool_choice", 400),  # the service's rule: nothing to call
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", 400),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", 400),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].arguments", 400),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls",
+     400),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type", 400),
     ({"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages[0].mood", 400),

@@ -48,7 +48,8 @@ UNICODE = ("\u0000", "\u200b", "\u202e", "\ufeff", "\U0001f600", "e\u0301", "\u4
 ABSURD = (-1, 0, 1, 2**31, 2**64, -(2**70), 1e308, -1e308, 1e-320, 0.5, 3.0, "", "1", True, None, [], {})
 NUMERIC_FIELDS = ("temperature", "top_p", "max_tokens", "n", "seed", "presence_penalty", "top_logprobs",
                   "max_completion_tokens", "frequency_penalty", "repetition_penalty")
-# What Tandem refuses (best_of only unless it equals n, at most 3 in these requests).
+# What Tandem refuses (best_of only unless it equals n, at most 3 in these requests; tools with SmolLM2's own chat
+# template, which shows the model none; tool_choice required with nothing to call; completions take neither).
 UNSUPPORTED = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "echo": True, "suffix": "x", "best_of": 5,
                "functions": [{"name": "f"}], "audio": {"voice": "x"}, "frobnicate": 1}

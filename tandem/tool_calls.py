@@ -1,0 +1,301 @@
+"""Tool calls: the functions a chat request offers, the grammar of calls that must be made, and the calls
+parsed back out of the model's text.
+
+The format is Hermes' (Qwen2.5, Hermes, and the models trained on their data), the one the chat template
+shows the model: each call is a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>``
+and ``</tool_call>``, a call per block, blocks one after another. A model's template says whether it
+renders tools this way (``HermesFormat.of``); a model whose template does not is served with a
+``--chat-template`` that does, or refuses requests with tools by name.
+
+- ``auto``: the model decides. Its text is parsed as it streams (``ToolCallParser``): what lies outside
+  the blocks is the content, each complete block a call. Nothing constrains it, so a block that is not a
+  call (not JSON, no name) stays in the content, as it was written.
+- ``required`` and a named function: the calls are enforced with a grammar (``HermesFormat.grammar``, in
+  llguidance's Lark dialect, each block's JSON under its function's parameter schema), which the target
+  applies to every row it verifies as it applies a JSON schema (``tandem.structured_output``). So the
+  output is constrained target-only decoding's, drafts included, and always parses.
+- ``none``: no call; the tools are not shown to the model.
+
+Torch-free and proto-free: the coordinator uses it, and the HTTP edge converts OpenAI's JSON into these.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.errors import InvalidRequestError
+
+TOOL_CHOICES = ("auto", "none", "required", "function")
+MAX_TOOLS = 128  # as OpenAI
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# A conversation rendered to see whether a chat template shows the model its tools, and in which format.
+_PROBE_TOOL = "tandem_probe_function"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A function the model may call; ``parameters`` is the JSON schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: Any = None  # a JSON schema (a dict); None: any object
+
+    def template_entry(self) -> dict[str, Any]:
+        """As chat templates take it (OpenAI's ``tools[]`` item)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.schema
+        return {"type": "function", "function": function}
+
+    @property
+    def schema(self) -> Any:
+        return ANY_OBJECT if self.parameters is None else self.parameters
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call: ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def template_entry(self) -> dict[str, Any]:
+        """As chat templates take an earlier turn's call: the arguments as an object (templates ``tojson`` it)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name,
+                                                                "arguments": json.loads(self.arguments)}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """A request's tools and what it asks of them, validated."""
+
+    tools: tuple[ToolSpec, ...]
+    choice: str = "auto"  # TOOL_CHOICES
+    function: str = ""  # choice "function": the one to call
+    single_call: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.tools) > MAX_TOOLS:
+            raise InvalidRequestError(f"tools: at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        seen: set[str] = set()
+        for i, tool in enumerate(self.tools):
+            if not NAME.fullmatch(tool.name):
+                raise InvalidRequestError(f"tools[{i}].name: 1 to 64 of a-z, A-Z, 0-9, _ and -, got {tool.name!r}")
+            if tool.name in seen:
+                raise InvalidRequestError(f"tools[{i}].name: {tool.name!r} is given twice")
+            seen.add(tool.name)
+            if not isinstance(tool.schema, dict):
+                raise InvalidRequestError(f"tools[{i}].parameters: a JSON schema (an object), got {tool.schema!r}")
+        if self.choice not in TOOL_CHOICES:
+            raise InvalidRequestError(f"tool_choice: one of {', '.join(TOOL_CHOICES)}, got {self.choice!r}")
+        if self.choice in ("required", "function") and not self.tools:
+            raise InvalidRequestError(f"tool_choice: {self.choice!r} needs tools to call")
+        if self.choice == "function" and self.function not in seen:
+            raise InvalidRequestError(f"tool_choice: no tool is named {self.function!r}")
+        if self.choice != "function" and self.function:
+            raise InvalidRequestError("tool_choice: a function is named only with choice 'function'")
+
+    @property
+    def shown(self) -> bool:
+        """Whether the model sees the tools (and its text is parsed for calls)."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def enforced(self) -> bool:
+        """Whether calls must be made (a grammar enforces them)."""
+        return self.choice in ("required", "function")
+
+    def callable(self) -> tuple[ToolSpec, ...]:
+        """The tools a call may name."""
+        return tuple(t for t in self.tools if self.choice != "function" or t.name == self.function)
+
+
+class HermesFormat:
+    """Calls as ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` blocks."""
+
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def __init__(self, special_tags: bool) -> None:
+        # Whether the tags are tokens of their own (Qwen's): a grammar must then name the tokens, since their
+        # text alone would be spelled with other tokens, which the model never writes.
+        self.special_tags = special_tags
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> HermesFormat | None:
+        """The format, if the tokenizer's chat template shows the model its tools and asks for Hermes calls."""
+        template = getattr(tokenizer, "chat_template", None)
+        if not isinstance(template, str) or cls.OPEN not in template:
+            return None
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[ToolSpec(_PROBE_TOOL).template_entry()],
+                add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that cannot render tools does not support them
+            return None
+        if _PROBE_TOOL not in text:
+            return None
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        return cls(special_tags=cls.OPEN in added and cls.CLOSE in added)
+
+    def grammar(self, use: ToolUse) -> str:
+        """The Lark grammar (llguidance's dialect) of the calls ``use`` enforces: one call, or several unless
+        ``single_call``; each block's JSON names a callable tool, with arguments under its
+        schema. After the last block the grammar ends: the model's stop tokens end the text."""
+        options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema},
+                    "required": ["name", "arguments"], "additionalProperties": False} for t in use.callable()]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        tag_open, tag_close = (self.OPEN, self.CLOSE) if self.special_tags else (
+            json.dumps(self.OPEN), json.dumps(self.CLOSE))
+        # The newlines the template shows around each block are allowed, not required: a call parses either way.
+        start = "start: call" if use.single_call else 'start: call ("\\n"? call)*'
+        return (f'{start}\ncall: {tag_open} "\\n"? body "\\n"? {tag_close}\n'
+                f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")
+
+
+def check_tool_schemas(use: ToolUse) -> None:
+    """Each tool's parameter schema compiles to a grammar (llguidance's JSON schema compiler), else an error naming
+    the tool: checked for every request that shows tools, since a call to any of them is parsed back as JSON."""
+    import llguidance
+
+    for i, tool in enumerate(use.tools):
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(tool.schema))
+        except ValueError as exc:
+            raise InvalidRequestError(f"tools[{i}].parameters: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise InvalidRequestError(f"tools[{i}].parameters: this schema cannot be enforced: {error}")
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one block's text; None for text that is not a call."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))  # some Hermes models write "parameters"
+    if isinstance(arguments, str):  # arguments already as text: kept if it is an object's
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolCallParser:
+    """A streamed text split into content and calls, as it arrives.
+
+    ``feed`` takes the next piece of text and returns (the content it completes, the calls it completes);
+    ``finish`` returns what was held back. Held back: text that may be the start of a ``<tool_call>`` tag,
+    a block until its ``</tool_call>``, and whitespace until text follows it (the blank lines around
+    calls are not content). Without any call, the content is exactly the text.
+    """
+
+    def __init__(self, fmt: HermesFormat | None = None) -> None:
+        self.open = (fmt or HermesFormat(False)).OPEN
+        self.close = (fmt or HermesFormat(False)).CLOSE
+        self._buffer = ""  # text not yet decided
+        self._in_call = False
+        self._spaces = ""  # whitespace held until text follows it
+        self._after_call = False  # whitespace right after a call is dropped
+        self.calls: list[ToolCall] = []  # every call so far
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buffer += text
+        content, calls = "", []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(self.close)
+                if end < 0:
+                    break
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(self.close):]
+                self._in_call = False
+                call = self._call(body)
+                if call is None:  # not a call: it stays text, as written
+                    content += self._text(self.open + body + self.close)
+                else:
+                    calls.append(call)
+                    self._spaces = ""  # the blank line before a call is not content
+                    self._after_call = True  # nor the one after it
+                continue
+            start = self._buffer.find(self.open)
+            if start >= 0:
+                content += self._text(self._buffer[:start])
+                self._buffer = self._buffer[start + len(self.open):]
+                self._in_call = True
+                continue
+            keep = _partial_tag(self._buffer, self.open)
+            content += self._text(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            break
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest: an unclosed block (the text ended inside it, e.g. at max_tokens) is a call if its JSON is
+        complete, else text; held whitespace is content only if no call was made."""
+        content, calls = "", []
+        if self._in_call:
+            call = self._call(self._buffer)
+            if call is None:
+                content = self._text(self.open + self._buffer)
+            else:
+                calls.append(call)
+        else:
+            content = self._text(self._buffer)
+        self._buffer, self._in_call = "", False
+        if not self.calls:
+            content += self._spaces
+        self._spaces = ""
+        return content, calls
+
+    def _call(self, body: str) -> ToolCall | None:
+        parsed = parse_call(body.strip())
+        if parsed is None:
+            return None
+        call = ToolCall(new_call_id(), *parsed)
+        self.calls.append(call)
+        return call
+
+    def _text(self, text: str) -> str:
+        """Content to emit: held whitespace first, and this text's trailing whitespace held back."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if not text:
+            return ""
+        text = self._spaces + text
+        body = text.rstrip()
+        self._spaces = text[len(body):]
+        return body
+
+
+def parse_tool_calls(text: str, fmt: HermesFormat | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole text."""
+    parser = ToolCallParser(fmt)
+    content, calls = parser.feed(text)
+    rest, more = parser.finish()
+    return content + rest, calls + more
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (it may be completed by what follows)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
