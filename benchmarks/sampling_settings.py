@@ -71,6 +71,15 @@ def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequ
     return rows
 
 
+def add_counts(summary: list[dict[str, Any]], rows: Sequence[dict[str, Any]], counts: dict[str, str]) -> None:
+    """A script's own columns: ``counts`` maps a summary column to the run field it sums, per setting and method."""
+    for entry in summary:
+        method = "none" if entry["method"] == "target-only" else entry["method"]
+        group = [r for r in rows if (r["setting"], r["method"]) == (entry["setting"], method)]
+        for column, run_field in counts.items():
+            entry[column] = sum(r[run_field] for r in group)
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per setting and method, over every prompt: tokens/s, ratio to target-only in that setting, acceptance."""
     out = []
@@ -118,8 +127,10 @@ def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: 
 METHODS = ("draft", "hybrid", "ngram")
 
 
-def add_flags(parser: argparse.ArgumentParser, name: str, seed_help: str = "prompts chosen by it") -> None:
-    """The models, prompts, methods and output flags every script of this kind takes (seeded_sampling.py too)."""
+def add_flags(parser: argparse.ArgumentParser, name: str, seed_help: str = "prompts chosen by it",
+              prompts: bool = True) -> None:
+    """The models, prompts, methods and output flags every script of this kind takes (seeded_sampling.py too);
+    ``prompts`` False: a script with prompts of its own (no categories to choose)."""
     from tandem.cli.draft_flags import add_draft_flags
 
     parser.add_argument("--target", default="qwen-coder-1.5b", help="a catalog name or a model directory")
@@ -127,13 +138,15 @@ def add_flags(parser: argparse.ArgumentParser, name: str, seed_help: str = "prom
     add_draft_flags(parser)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--categories", default=",".join(ALL_CATEGORIES), help="HumanEval and Spec-Bench categories")
-    parser.add_argument("--per-category", type=int, default=1)
+    if prompts:
+        parser.add_argument("--categories", default=",".join(ALL_CATEGORIES),
+                            help="HumanEval and Spec-Bench categories")
+        parser.add_argument("--per-category", type=int, default=1)
+        parser.add_argument("--seed", type=int, default=0, help=seed_help)
+        parser.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0, help=seed_help)
     parser.add_argument("--k", type=int, default=4, help="largest k (adaptive unless --fixed-k)")
     parser.add_argument("--fixed-k", action="store_true", help="always draft k tokens")
-    parser.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
     parser.add_argument("--name", default=name, help="file name of the results (without extension)")
@@ -143,6 +156,15 @@ def load(args: argparse.Namespace, methods: Sequence[str]) -> tuple[Path, Any, A
     """The target (warm), the draft when a method needs it, the tokenizer, the chosen prompts and the stop ids:
     (target_dir, tokenizer, target, draft, prompts, stop_ids)."""
     from benchmarks.common import load_prompts
+
+    target_dir, tokenizer, target, draft, stop_ids = load_models(args, methods)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
+    prompts = load_prompts(categories, args.per_category, args.seed, args.spec_bench)
+    return target_dir, tokenizer, target, draft, prompts, stop_ids
+
+
+def load_models(args: argparse.Namespace, methods: Sequence[str]) -> tuple[Path, Any, Any, Any, frozenset[int]]:
+    """(target_dir, tokenizer, target (warm), draft (when a method needs it), stop_ids)."""
     from benchmarks.runners import engine_config, resolve_model_dir
     from tandem.cli.draft_flags import draft_engine_options
     from tandem.engine import ModelEngine
@@ -159,16 +181,14 @@ def load(args: argparse.Namespace, methods: Sequence[str]) -> tuple[Path, Any, A
         check_same_tokenizer(tokenizer, target_dir, draft_dir)
         draft = ModelEngine.load(engine_config(draft_dir, args.dtype, draft_options=draft_engine_options(args)))
         draft.warmup()
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
-    prompts = load_prompts(categories, args.per_category, args.seed, args.spec_bench)
-    stop_ids = frozenset(stop_token_ids(target_dir, tokenizer, target.config))
-    return target_dir, tokenizer, target, draft, prompts, stop_ids
+    return target_dir, tokenizer, target, draft, frozenset(stop_token_ids(target_dir, tokenizer, target.config))
 
 
 def run_settings(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Any]:
     """What every script of this kind records of its run."""
     from tandem.cli.draft_flags import draft_engine_options
 
-    return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": list(methods),
-            "categories": args.categories, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-            "seed": args.seed, "k": args.k, "adaptive_k": not args.fixed_k, "draft_options": draft_engine_options(args)}
+    prompts = {name: getattr(args, name) for name in ("categories", "per_category", "seed") if hasattr(args, name)}
+    return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": list(methods), **prompts,
+            "max_new_tokens": args.max_new_tokens, "k": args.k, "adaptive_k": not args.fixed_k,
+            "draft_options": draft_engine_options(args)}

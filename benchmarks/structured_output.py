@@ -29,6 +29,7 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/structured_output.py` 
 from benchmarks.common import names_from  # noqa: E402
 from benchmarks.sampling_settings import (  # noqa: E402
     METHODS,
+    add_counts,
     add_flags,
     load,
     measure,
@@ -76,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         row["json_object"] = parses(text)
         row["finished"] = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
     summary = summarize(rows)
-    for entry in summary:
-        method = "none" if entry["method"] == "target-only" else entry["method"]
-        group = [r for r in rows if (r["setting"], r["method"]) == (entry["setting"], method)]
-        entry["finished"] = sum(r["finished"] for r in group)
-        entry["parse_as_object"] = sum(r["json_object"] for r in group)
+    add_counts(summary, rows, {"finished": "finished", "parse_as_object": "json_object"})
     settings = {**run_settings(args, methods), "ask": ASK}
     print(report(rows, summary, settings, args.out, args.name, TITLE))
     return 0

@@ -234,3 +234,24 @@ def test_shared_prompt_checks_its_flags():
     assert len(shared_prompt.system_prompt(DEFAULT_SPEC_BENCH, 0)) > 2000  # a retrieved passage and its question
     with pytest.raises(SystemExit, match="--system-from"):
         shared_prompt.system_prompt(DEFAULT_SPEC_BENCH, 10_000)
+
+
+def test_tool_calls_bench_data_compiles_and_its_validity_check_catches_bad_calls():
+    import json
+
+    from benchmarks import tool_calls
+    from tandem.tool_calls import ToolCall, ToolSpec, ToolUse, check_tool_schemas
+
+    spec = json.loads(tool_calls.TASKS.read_text())
+    tools = tuple(ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
+                  for t in spec["tools"])
+    check_tool_schemas(ToolUse(tools, "required"))  # every schema compiles to a grammar
+    assert len(spec["tasks"]) == 14 and len(tools) == 5
+    schemas = {t.name: t.schema for t in tools}
+    good = ToolCall("c", "get_weather", '{"city": "Oslo"}')
+    assert tool_calls.valid_calls([good], schemas) and tool_calls.valid_calls([], schemas)
+    for bad in (ToolCall("c", "get_wether", '{"city": "Oslo"}'), ToolCall("c", "get_weather", "{}"),
+                ToolCall("c", "get_weather", '{"city": "Oslo", "country": "NO"}')):
+        assert not tool_calls.valid_calls([good, bad], schemas), bad
+    args = tool_calls.build_parser().parse_args(["--limit", "2", "--methods", "ngram"])
+    assert args.limit == 2 and not hasattr(args, "categories")  # its own prompts: no categories to choose

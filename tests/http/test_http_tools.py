@@ -150,6 +150,26 @@ def test_an_earlier_call_and_its_result_are_rendered_for_the_next_turn(tokenizer
     run(go())
 
 
+def test_a_reply_message_goes_back_as_the_next_turn_as_the_client_sends_it(tokenizer):
+    """The usual loop: the assistant message object of one reply (content null, refusal null, tool_calls) is
+    appended to the conversation as the openai client serializes it."""
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            running.target.script = [*spell(tokenizer, CALL), EOS]
+            api = client(running)
+            first = await api.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200,
+                                                      temperature=0)
+            message = first.choices[0].message
+            [call] = message.tool_calls
+            messages = [*ASK, message, {"role": "tool", "tool_call_id": call.id, "content": "rain"}]
+            second = await api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                       max_tokens=200, temperature=0)
+            assert second.choices[0].finish_reason == "tool_calls"  # the script again: what matters is the prompt
+            prompt = tokenizer.decode(running.target.prompts[-1])
+            assert prompt.endswith('<s>weather?<s>get_weather{"city":"Paris"}<s>rain#')
+    run(go())
+
+
 @pytest.mark.parametrize("change,param,words", [
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name", "twice"),
     ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].name", "a-z"),

@@ -1,0 +1,117 @@
+"""Tool calls on real processes, through the official ``openai`` client: SmolLM2's workers (the shared cluster's)
+under a coordinator of their own started with ``--chat-template examples/chat_templates/chatml_tools.jinja``
+(SmolLM2's own template shows the model no tools, so the shared coordinator refuses them).
+
+A call that must be made is a grammar the target enforces on every row it verifies: the call parses, names
+the tool, has arguments under its schema, and equals constrained target-only decoding in process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "examples/chat_templates/chatml_tools.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 24}}, "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+MAX_NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def api(shared_cluster):
+    from tests.integration.conftest import extra_coordinator
+
+    with extra_coordinator(shared_cluster, ("--host", "127.0.0.1", "--http-port", "0",
+                                            "--chat-template", str(TEMPLATE))) as coordinator:
+        with openai.OpenAI(base_url=coordinator.http_url, api_key="unused", max_retries=0, timeout=120) as client:
+            yield client
+
+
+def constrained_target_only(model_dir: Path, tools: list[dict], choice: str, function: str = "") -> tuple[str, dict]:
+    """(name, arguments) of target-only greedy decoding in process, on the prompt and grammar the coordinator
+    builds (the same template, tools and choice; one call, as parallel_tool_calls false asks)."""
+    from tandem.sampling_params import SamplingParams
+    from tandem.tokenizer import encode_messages, load_tokenizer
+    from tandem.tool_calls import HermesFormat, ToolSpec, ToolUse, parse_tool_calls
+    from tests.references import target_only
+
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = TEMPLATE.read_text()
+    specs = tuple(ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
+                  for t in tools)
+    prompt = encode_messages(tokenizer, MESSAGES, [s.template_entry() for s in specs])
+    grammar = HermesFormat.of(tokenizer).grammar(ToolUse(specs, choice, function, single_call=True))
+    [ids] = target_only(model_dir, [prompt], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+                        sampling=SamplingParams(grammar=grammar)).values()
+    _, [call] = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+    return call.name, json.loads(call.arguments)
+
+
+def test_a_required_call_follows_its_schema_and_equals_constrained_target_only(api, smollm2_dir):
+    """One call (parallel_tool_calls false): left to make several, SmolLM2 repeats its call until max_tokens."""
+    model = api.models.list().data[0].id
+    reply = api.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=MAX_NEW_TOKENS, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":  # under its schema: both fields, the unit one of two
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert call.function.name == "get_time" and set(arguments) <= {"zone"}
+    assert (call.function.name, arguments) == constrained_target_only(smollm2_dir, [WEATHER, CLOCK], "required")
+    assert choice.tandem["accepted"] > 0  # speculation ran: drafts were kept under the grammar
+
+
+def test_a_named_call_streams_as_one_delta_equal_to_the_whole(api):
+    model = api.models.list().data[0].id
+    named = {"type": "function", "function": {"name": "get_time"}}
+    whole = api.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice=named,
+                                        parallel_tool_calls=False, max_tokens=MAX_NEW_TOKENS, temperature=0)
+    [call] = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    calls, finish = [], None
+    for chunk in api.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER, CLOCK], stream=True,
+                                             tool_choice=named, parallel_tool_calls=False,
+                                             max_tokens=MAX_NEW_TOKENS, temperature=0):
+        if chunk.choices:
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    [streamed] = calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert finish == "tool_calls"
+
+
+def test_a_tool_result_goes_back_to_the_model_for_its_answer(api, smollm2_dir):
+    from tandem.tokenizer import encode_messages, load_tokenizer
+
+    model = api.models.list().data[0].id
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": '{"sky": "sunny", "temperature": 21}'}]
+    reply = api.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="none",
+                                        max_tokens=MAX_NEW_TOKENS, temperature=0)
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    # the call and its result were rendered into the prompt (tool_choice none: without the tools' list)
+    tokenizer = load_tokenizer(smollm2_dir)
+    tokenizer.chat_template = TEMPLATE.read_text()
+    turns = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}, messages[2]]
+    assert reply.usage.prompt_tokens == len(encode_messages(tokenizer, turns))
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=model, messages=messages[:2] + [{"role": "tool", "content": "x"}],
+                                    tools=[WEATHER], max_tokens=4)
+    assert refused.value.body["param"] == "messages[2].tool_call_id"
