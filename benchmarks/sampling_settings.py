@@ -53,7 +53,7 @@ def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequ
         stats = result.stats
         return {"prompt": i, "setting": setting, "method": method, "tokens": len(result.token_ids),
                 "token_ids": result.token_ids, "seconds": seconds, "drafted": stats.drafted,
-                "accepted": stats.accepted, "rounds": stats.rounds}
+                "accepted": stats.accepted, "rounds": stats.rounds, "forced": stats.forced_tokens}
 
     from tqdm import tqdm
 

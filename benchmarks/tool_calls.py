@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         row["with_calls"] = bool(calls)
         row["invalid_calls"] = not valid_calls(calls, schemas)
     summary = summarize(rows)
-    add_counts(summary, rows, {"answers_with_calls": "with_calls", "calls": "calls", "invalid": "invalid_calls"})
+    add_counts(summary, rows, {"answers_with_calls": "with_calls", "calls": "calls", "invalid": "invalid_calls",
+                               "forced_kept": "forced"})
     settings = {**run_settings(args, methods), "tasks": len(tasks)}
     print(report(rows, summary, settings, args.out, args.name, TITLE))
     return 0

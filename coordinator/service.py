@@ -358,7 +358,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             draft_worker=self.public_name(run.placement.draft), target_worker=self.public_name(run.placement.target),
             target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions,
             tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused,
-            draft_wait_rounds=st.draft_wait_rounds)
+            draft_wait_rounds=st.draft_wait_rounds, forced_tokens=st.forced_tokens)
 
 
 def _finish_reason(run: _Request) -> str:

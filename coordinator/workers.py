@@ -223,7 +223,7 @@ class RequestChannel:
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
-                         reply.reused_tokens, logprobs_from_proto(reply.logprobs))
+                         reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens))
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution],
@@ -236,7 +236,7 @@ class RequestChannel:
         if len(accepted) != reply.num_accepted or any(not 0 <= n < len(draft_tokens) for n in accepted):
             raise InternalError("a target worker answered an inconsistent verdict")
         return Verified(accepted, reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
-                        logprobs_from_proto(reply.logprobs))
+                        logprobs_from_proto(reply.logprobs), list(reply.forced_tokens))
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:

@@ -90,8 +90,9 @@ class LocalTarget:
         result = await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len, propose=propose))
         if isinstance(result, Proposed):
             return Prefilled(result.result.next_token, TreeProposal(result.proposal.tokens, result.proposal.parents),
-                             result.result.reused_tokens, result.result.logprobs)
-        return Prefilled(result.next_token, reused_tokens=result.reused_tokens, logprobs=result.logprobs)
+                             result.result.reused_tokens, result.result.logprobs, result.result.forced)
+        return Prefilled(result.next_token, reused_tokens=result.reused_tokens, logprobs=result.logprobs,
+                         forced=result.forced)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
@@ -100,7 +101,7 @@ class LocalTarget:
         proposal = None
         if isinstance(result, Proposed):
             result, proposal = result.result, TreeProposal(result.proposal.tokens, result.proposal.parents)
-        return Verified(result.accepted_nodes, result.next_token, proposal, result.logprobs)
+        return Verified(result.accepted_nodes, result.next_token, proposal, result.logprobs, result.forced)
 
     async def release(self, seq_id: str) -> None:
         await self.batcher.submit(ReleaseCall(seq_id))

@@ -145,6 +145,13 @@ class Matcher:
             self.consumed = generated
             self.ended = False
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after the committed text (the only ones its masks would allow
+        there, one after the other); none once the matcher stopped following."""
+        if self.ended or limit <= 0:
+            return []
+        return [t for t in self.matcher.compute_ff_tokens()[:limit] if t < self.vocab_size]
+
     def masks(self, row_paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """``[R, ceil(vocab / 32)]`` int32 on the host: row r's allowed tokens after its path (all for a row
         the grammar cannot reach, or once the matcher stopped following; the stop tokens alone where the

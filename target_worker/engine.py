@@ -71,6 +71,7 @@ from tandem.rpc.sequence_engine import (
     history_runs,
 )
 from tandem.sampling import SamplingParams
+from tandem.spec.adaptive import MAX_K
 from tandem.spec.rejection import PendingVerdict, Verdict, fetch, first_token, verify, verify_tree
 from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
@@ -113,6 +114,7 @@ class Prefilled:
     next_token: int
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not from this pass
     logprobs: list[TokenLogprob] | None = None  # asked (``sampling.logprobs``): next_token's
+    forced: tuple[int, ...] = ()  # a grammar's forced tokens after next_token: the next round's sure proposal
 
 
 @dataclass(slots=True)
@@ -518,7 +520,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 if seq.grammar is not None:
                     seq.grammar.commit([verdict.next_token])
             self._offer_prompt(call.seq_id, seq)
-            return Prefilled(verdict.next_token, seq.reused, verdict.logprobs)
+            return Prefilled(verdict.next_token, seq.reused, verdict.logprobs, tuple(self._forced(seq)))
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         else:
@@ -528,7 +530,17 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         seq.history.extend(kept)
         if seq.grammar is not None:
             seq.grammar.commit(kept)
+            verdict.forced = self._forced(seq)
         return verdict
+
+    def _forced(self, seq: TargetSequence) -> list[int]:
+        """What the sequence's grammar forces after its history (the tokens of the only text it allows next): the
+        coordinator proposes them next, and the target keeps them unless it spells that text otherwise, where a
+        draft could miss them (a special token past a lean draft's vocabulary, a key's last piece). Within the
+        room its context has left."""
+        if seq.grammar is None:
+            return []
+        return seq.grammar.forced(min(MAX_K, self.max_context - len(seq.history) - 1))
 
     def warmup(self) -> None:
         """The engine's own warm-up (kernels, cost fit), then the Prefill, Verify (chain and tree) and Release paths;

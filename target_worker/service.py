@@ -25,7 +25,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         result: Prefilled | Proposed = await self.batcher.submit(call)
         prefilled = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens,
-                                           logprobs=logprobs_to_proto(prefilled.logprobs))
+                                           logprobs=logprobs_to_proto(prefilled.logprobs),
+                                           forced_tokens=prefilled.forced)
         if isinstance(result, Proposed):
             reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
         return reply
@@ -38,7 +39,7 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         verdict = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
                                           accepted_nodes=verdict.accepted_nodes,
-                                          logprobs=logprobs_to_proto(verdict.logprobs))
+                                          logprobs=logprobs_to_proto(verdict.logprobs), forced_tokens=verdict.forced)
         if isinstance(result, Proposed):
             reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
         return reply

@@ -40,6 +40,16 @@ their replicas (``tandem.spec.failover``). A draft channel may give up on a
 call (no tokens), and say that no draft is left: the request goes on with
 n-gram proposals.
 
+Grammars (a JSON schema, tool calls that must be made): the target masks each
+row to what the grammar allows, and after each Prefill and Verify says which
+tokens the grammar forces next (a tool's name once its first piece is out, a
+key, a closing tag): the tokens of the only text it allows there. Those become
+the next round's proposal (``GRAMMAR``), whatever the method, verified whole
+(k does not cut them): the target keeps them unless it spells that text with
+other tokens, where a draft could miss them (a lean draft cannot even write a
+special token past its vocabulary). Plain decoding (``none``) and heads
+requests do not use them.
+
 n-gram rounds without a draft model (``match_rates``): k is chosen after the
 lookup, from the acceptance of the kind of match that proposes (its source and
 how long a context matched, learned across the coordinator's requests), not
@@ -51,7 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from tandem.spec.adaptive import (
@@ -73,6 +83,7 @@ from tandem.spec.options import SpecOptions
 from tandem.spec.proposers import (
     CACHE,
     DRAFT,
+    GRAMMAR,
     HEADS,
     NGRAM,
     ContinuationCache,
@@ -167,14 +178,14 @@ class SpeculationLoop:
         self._learn()
         if propose:
             return heads_proposal(prefilled.proposal, len(s.history))
-        if early is None:
-            return None
-        drafted = await self._timed_draft(early)
-        tokens = drafted.tokens
-        if len(tokens) > 1 and tokens[0] == first and not s.finish_reason:
-            return Proposal(len(s.history), tokens[1:-1], list(drafted.probs)[1:-1], tokens[-1], DRAFT,
-                            list(drafted.alternatives)[1:-1])
-        return None
+        proposal = None
+        if early is not None:
+            drafted = await self._timed_draft(early)
+            tokens = drafted.tokens
+            if len(tokens) > 1 and tokens[0] == first and not s.finish_reason:
+                proposal = Proposal(len(s.history), tokens[1:-1], list(drafted.probs)[1:-1], tokens[-1], DRAFT,
+                                    list(drafted.alternatives)[1:-1])
+        return self._forced(prefilled.forced) or proposal
 
     async def _round(self, ready: Proposal | None) -> Proposal | None:
         if self.options.uses_heads and not self._draft_instead_of_heads(ready):
@@ -183,9 +194,12 @@ class SpeculationLoop:
         started = time.perf_counter()
         self._draft_waiting = self._draft_waits()
         stats.draft_wait_rounds += int(self._draft_waiting)
-        k = self._choose_k(after_tokens=0)
         committed = len(s.history)
-        proposal = await self._proposal(k, ready, self._choose_tree(k))
+        if ready is not None and ready.source == GRAMMAR and ready.base_len == committed:
+            proposal, k = ready, len(ready.tokens)  # sure tokens: all verified, whatever k would be
+        else:
+            k = self._choose_k(after_tokens=0)
+            proposal = await self._proposal(k, ready, self._choose_tree(k))
         if self._by_evidence():
             k = min(k, len(proposal.tokens))  # the k the match's kind chose
         chain = proposal.tokens[:k]
@@ -223,12 +237,23 @@ class SpeculationLoop:
             if accepted == chain and next_token == proposal.guess and tokens and not s.finish_reason:
                 next_proposal = Proposal(len(s.history), tokens[:-1], list(drafted.probs)[:-1], tokens[-1], DRAFT,
                                          list(drafted.alternatives)[:-1])
+        next_proposal = self._forced(verified.forced) or next_proposal
         wall = time.perf_counter() - started
         stats.round_wall_s += wall
         if self._payoff is not None:  # a hybrid round between heads rounds: the way that does not ask
             self._payoff.observe(len(s.history) - committed, wall, catching_up=self._heads_last_round)
         self._heads_last_round = False
         return next_proposal
+
+    def _forced(self, forced: Sequence[int]) -> Proposal | None:
+        """The next round's proposal from what the grammar forces after the history (see the module docstring),
+        within the room the request has left; None where there is none, or the request does not speculate."""
+        s = self.state
+        room = min(s.remaining, self.max_context - len(s.history)) - 1
+        if not forced or s.finish_reason or room <= 0 or self.options.uses_heads or not (
+                self.options.uses_draft or self.options.uses_ngram):
+            return None
+        return Proposal(len(s.history), list(forced[:min(room, MAX_K)]), source=GRAMMAR)
 
     def _draft_instead_of_heads(self, ready: Proposal | None) -> bool:
         """Whether a heads request runs this round as a ``hybrid`` one: its heads measure slower
@@ -559,7 +584,9 @@ class SpeculationLoop:
             stats.rejected += along < chain_len
             stats.ngram_rounds += source in (NGRAM, CACHE)
             stats.cache_rounds += source == CACHE
-            if not self._draft_waiting:  # (a waiting round's n-gram guesses say nothing of the draft's)
+            stats.forced_tokens += accepted if source == GRAMMAR else 0
+            # (a waiting round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
+            if not self._draft_waiting and source != GRAMMAR:
                 self.state.tracker.observe(chain_len, along)
             if self._by_evidence() and source in (NGRAM, CACHE):
                 assert self.match_rates is not None

@@ -22,6 +22,7 @@ NGRAM = "ngram"  # the request's own text (prompt lookup)
 CACHE = "cache"  # the continuation cache: what every request generated (tandem.spec.shared_cache)
 DRAFT = "draft"
 HEADS = "heads"  # the target's own speculation heads (medusa, eagle): a tree from the last Verify's reply
+GRAMMAR = "grammar"  # the tokens a request's grammar forces next, from the last Prefill's or Verify's reply
 
 
 @dataclass(slots=True)

@@ -64,7 +64,7 @@ with one more copy, of the requests that asked only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +78,7 @@ class Verdict:
     next_token: int  # the recovered token (after a rejection) or the bonus token (all kept)
     path: list[int] | None = None  # a tree's kept nodes, root to leaf (None: a chain's first num_accepted)
     logprobs: list[TokenLogprob] | None = None  # asked (``params.logprobs``): one per emitted token, in order
+    forced: list[int] = field(default_factory=list)  # a grammar's forced tokens after next_token (the worker's)
 
     @property
     def accepted_nodes(self) -> list[int]:

@@ -51,6 +51,7 @@ class GenerationStats:
     prompt_tokens_reused: int = 0  # prompt tokens the target took from its prefix cache at the first Prefill
     # Rounds without the draft model while reading what it lacked (a long prompt) would not have paid yet
     draft_wait_rounds: int = 0
+    forced_tokens: int = 0  # tokens kept from GRAMMAR proposals: what the grammar forced
     # Heads rounds (medusa, eagle), per depth d >= 1 of the heads' tree: rounds whose tree reached depth d,
     # and rounds that kept a token at depth d (their ratio: the acceptance of head position d).
     depth_offered: Counter[int] = field(default_factory=Counter)
@@ -119,6 +120,7 @@ class GenerationStats:
             "branch_tokens": self.branch_tokens,
             "prompt_tokens_reused": self.prompt_tokens_reused,
             "draft_wait_rounds": self.draft_wait_rounds,
+            "forced_tokens": self.forced_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             **({"depth_acceptance": self.depth_acceptance} if self.depth_offered else {}),
         }

@@ -52,6 +52,7 @@ class Prefilled:
     proposal: TreeProposal | None = None  # asked with ``propose``: the first round's drafts
     reused_tokens: int = 0  # prompt tokens the target took from its prefix cache
     logprobs: list[TokenLogprob] | None = None  # asked with ``sampling.logprobs``: next_token's
+    forced: Sequence[int] = ()  # a constrained request: the tokens its grammar forces after next_token
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class Verified:
     next_token: int  # the target's own token after them
     proposal: TreeProposal | None = None  # asked with ``propose``: the next round's drafts, after next_token
     logprobs: list[TokenLogprob] | None = None  # asked with ``sampling.logprobs``: the kept drafts', next_token's
+    forced: Sequence[int] = ()  # a constrained request: the tokens its grammar forces after next_token
 
 
 @dataclass(slots=True, frozen=True)

@@ -73,6 +73,8 @@ def test_a_required_call_follows_its_schema_and_equals_constrained_target_only(a
         assert call.function.name == "get_time" and set(arguments) <= {"zone"}
     assert (call.function.name, arguments) == constrained_target_only(smollm2_dir, [WEATHER, CLOCK], "required")
     assert choice.tandem["accepted"] > 0  # speculation ran: drafts were kept under the grammar
+    # and what the grammar forced (the literal tags, the keys) came back from the target and was proposed and kept
+    assert choice.tandem["forced_tokens"] > 0
 
 
 def test_a_named_call_streams_as_one_delta_equal_to_the_whole(api):
