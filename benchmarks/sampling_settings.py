@@ -42,10 +42,12 @@ def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequ
 
     settings = list(samplings)
     generators = {"none": SpeculativeGenerator(target, None, SpecOptions("none", 0), structured=structured)}
-    for method in methods:  # one generator per method, kept for the run: its cost model stays warm
-        generators[method] = SpeculativeGenerator(target, None if method == "ngram" else draft,
-                                                  SpecOptions(method, k, adaptive_k, hybrid_min_match=3),
-                                                  structured=structured)
+    for name in methods:  # one generator per method, kept for the run: its cost model stays warm
+        method = name.removesuffix(UNFORCED)  # "-unforced": without proposing what a grammar forces
+        generators[name] = SpeculativeGenerator(
+            target, None if method == "ngram" else draft,
+            SpecOptions(method, k, adaptive_k, hybrid_min_match=3, forced_proposals=name == method),
+            structured=structured)
 
     def one(i: int, setting: str, method: str) -> dict[str, Any]:
         request = GenerationRequest(list(prompts[i]), max_new_tokens, samplings[setting], stop_ids)
@@ -125,19 +127,20 @@ def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: 
 
 
 METHODS = ("draft", "hybrid", "ngram")
+UNFORCED = "-unforced"  # a method's suffix: the same without proposing what a grammar forces
 
 
 def add_flags(parser: argparse.ArgumentParser, name: str, seed_help: str = "prompts chosen by it",
-              prompts: bool = True) -> None:
+              prompts: bool = True, methods: Sequence[str] = METHODS) -> None:
     """The models, prompts, methods and output flags every script of this kind takes (seeded_sampling.py too);
-    ``prompts`` False: a script with prompts of its own (no categories to choose)."""
+    ``prompts`` False: a script with prompts of its own (no categories to choose); ``methods``: those it runs."""
     from tandem.cli.draft_flags import add_draft_flags
 
     parser.add_argument("--target", default="qwen-coder-1.5b", help="a catalog name or a model directory")
     parser.add_argument("--draft", default="qwen-coder-0.5b", help="a catalog name or a model directory")
     add_draft_flags(parser)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(methods), help=f"comma-separated, of {', '.join(methods)}")
     if prompts:
         parser.add_argument("--categories", default=",".join(ALL_CATEGORIES),
                             help="HumanEval and Spec-Bench categories")

@@ -10,9 +10,11 @@ constrained. A call's JSON repeats names the prompt holds (tool and argument nam
 proposals can copy from the prompt.
 
 Per prompt and setting, target-only runs first and is the reference, then each method in a rotating
-order. Reported per setting and method: tokens/s and its ratio to target-only under the same setting,
-acceptance, tokens per round, how many prompts gave exactly target-only's output, and how many answers
-held calls (parsed as the coordinator parses them) and how many held a call that is not valid.
+order; each method runs twice, as served and ``-unforced`` (without proposing the tokens the grammar
+forces, which the target lists after each verification). Reported per setting and method: tokens/s
+and its ratio to target-only under the same setting, acceptance, tokens per round, how many prompts
+gave exactly target-only's output, how many answers held calls (parsed as the coordinator parses
+them), how many held a call that is not valid, and how many forced tokens were proposed and kept.
 
 Writes tool_calls.json / .md / .png into --out (default benchmarks/results).
 """
@@ -32,6 +34,7 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/tool_calls.py` from an
 from benchmarks.common import names_from  # noqa: E402
 from benchmarks.sampling_settings import (  # noqa: E402
     METHODS,
+    UNFORCED,
     add_counts,
     add_flags,
     load_models,
@@ -44,12 +47,14 @@ from benchmarks.sampling_settings import (  # noqa: E402
 NAME = "tool_calls"
 TITLE = "Speculation for tool calls: greedy, calls left to the model (auto) or enforced (required)"
 TASKS = _REPO_ROOT / "benchmarks" / "data" / "tool_tasks" / "tasks.json"
+# Each method also without proposing what the grammar forces (GRAMMAR rounds): what they add, side by side.
+ALL_METHODS = (*METHODS, *(m + UNFORCED for m in METHODS))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    add_flags(parser, NAME, prompts=False)
+    add_flags(parser, NAME, prompts=False, methods=ALL_METHODS)
     parser.add_argument("--tasks", type=Path, default=TASKS, help="tools and requests (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="the first N requests only")
     return parser
@@ -71,7 +76,7 @@ def valid_calls(calls: list[Any], tools: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    methods = names_from(args.methods, METHODS)
+    methods = names_from(args.methods, ALL_METHODS)
     from tandem.sampling import SamplingParams
     from tandem.structured_output import StructuredOutput
     from tandem.tokenizer import encode_messages

@@ -255,3 +255,22 @@ def test_tool_calls_bench_data_compiles_and_its_validity_check_catches_bad_calls
         assert not tool_calls.valid_calls([good, bad], schemas), bad
     args = tool_calls.build_parser().parse_args(["--limit", "2", "--methods", "ngram"])
     assert args.limit == 2 and not hasattr(args, "categories")  # its own prompts: no categories to choose
+
+
+def test_unforced_methods_run_without_grammar_proposals_side_by_side(tmp_path):
+    from benchmarks.sampling_settings import measure
+    from tandem.config import EngineConfig, ModelConfig
+    from tandem.engine import ModelEngine
+    from tandem.sampling import SamplingParams
+    from tandem.structured_output import StructuredOutput
+    from tests.spec.losslessness import save_six_token_pair
+
+    target_dir, _ = save_six_token_pair(tmp_path)
+    target = ModelEngine.load(EngineConfig(target_dir, dtype="float32", block_size=4))
+    forced = SamplingParams(grammar='start: /[!#]/ "!#!#!" /[!#]*/')  # five tokens forced after the first
+    rows = measure(target, None, [[0, 3, 2, 5]], ["ngram", "ngram-unforced"], 12, {"forced": forced}, 2,
+                   frozenset({1}), adaptive_k=False, structured=StructuredOutput(target_dir,
+                                                                                 ModelConfig.from_dir(target_dir)))
+    by = {r["method"]: r for r in rows}
+    assert by["ngram"]["forced"] == 5 and by["ngram-unforced"]["forced"] == 0
+    assert by["ngram"]["same_as_target_only"] and by["ngram-unforced"]["same_as_target_only"]

@@ -250,8 +250,9 @@ class SpeculationLoop:
         within the room the request has left; None where there is none, or the request does not speculate."""
         s = self.state
         room = min(s.remaining, self.max_context - len(s.history)) - 1
-        if not forced or s.finish_reason or room <= 0 or self.options.uses_heads or not (
-                self.options.uses_draft or self.options.uses_ngram):
+        opts = self.options
+        if not forced or s.finish_reason or room <= 0 or opts.uses_heads or not opts.forced_proposals or not (
+                opts.uses_draft or opts.uses_ngram):
             return None
         return Proposal(len(s.history), list(forced[:min(room, MAX_K)]), source=GRAMMAR)
 

@@ -94,6 +94,9 @@ class SpecOptions:
     # A lone unpipelined request runs n-gram rounds while its draft's read of a long prompt would not pay yet
     # (``SpeculationLoop._draft_waits``); False: the draft reads it at once (spec_bench's ``*-eager`` methods)
     draft_waits: bool = True
+    # A constrained request proposes what its grammar forces next (``SpeculationLoop._forced``); False: only to
+    # measure what that adds (tool_calls.py's ``*-unforced`` methods)
+    forced_proposals: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":
