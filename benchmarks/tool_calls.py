@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                    adaptive_k=not args.fixed_k, structured=StructuredOutput(target_dir, target.config), name=NAME)
     schemas = {t.name: t.schema for t in tools}
     for row in rows:
-        _, calls = parse_tool_calls(tokenizer.decode(row["token_ids"], skip_special_tokens=True), fmt)
+        _, calls = parse_tool_calls(tokenizer.decode(row["token_ids"], skip_special_tokens=True))
         row["calls"] = len(calls)
         row["with_calls"] = bool(calls)
         row["invalid_calls"] = not valid_calls(calls, schemas)

@@ -116,9 +116,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             pass
         text, calls = run.state.text.text, []
         if run.tool_calls is not None:
-            text, calls = run.tool_calls.feed(text)
-            rest, more = run.tool_calls.finish()
-            text, calls = text + rest, calls + more
+            text, calls = run.tool_calls.feed(text, final=True)
         return generation_pb2.GenerateResponse(
             request_id=run.request_id, text=text, token_ids=run.state.generated,
             finish_reason=_finish_reason(run), stats=self._stats(run),
@@ -167,7 +165,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
                                self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
-        parser = ToolCallParser(self.tool_format) if tools is not None and tools.shown else None
+        parser = ToolCallParser() if tools is not None and tools.shown else None
         return _Request(request_id, state, options, placement, loop, tool_calls=parser)
 
     async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
@@ -181,10 +179,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             done = state.finish_reason is not None
             calls: list[ToolCall] = []
             if run.tool_calls is not None:  # calls out of the text, as they complete; the rest is content
-                text, calls = run.tool_calls.feed(text)
-                if done:
-                    rest, more = run.tool_calls.finish()
-                    text, calls = text + rest, calls + more
+                text, calls = run.tool_calls.feed(text, final=done)
             if not (text or tokens or done or calls):
                 continue
             msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens,

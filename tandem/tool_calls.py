@@ -202,21 +202,27 @@ class ToolCallParser:
     """A streamed text split into content and calls, as it arrives.
 
     ``feed`` takes the next piece of text and returns (the content it completes, the calls it completes);
-    ``finish`` returns what was held back. Held back: text that may be the start of a ``<tool_call>`` tag,
-    a block until its ``</tool_call>``, and whitespace until text follows it (the blank lines around
-    calls are not content). Without any call, the content is exactly the text.
+    with ``final`` (the text's last piece) what was held back too. Held back: text that may be the start
+    of a ``<tool_call>`` tag, a block until its ``</tool_call>``, and whitespace until text follows it
+    (the blank lines around calls are not content). Without any call, the content is exactly the text.
     """
 
-    def __init__(self, fmt: HermesFormat | None = None) -> None:
-        self.open = (fmt or HermesFormat(False)).OPEN
-        self.close = (fmt or HermesFormat(False)).CLOSE
+    def __init__(self) -> None:
+        self.open, self.close = HermesFormat.OPEN, HermesFormat.CLOSE  # the tags' text, whether tokens or not
         self._buffer = ""  # text not yet decided
         self._in_call = False
         self._spaces = ""  # whitespace held until text follows it
         self._after_call = False  # whitespace right after a call is dropped
         self.calls: list[ToolCall] = []  # every call so far
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        content, calls = self._feed(text)
+        if final:
+            rest, more = self._finish()
+            content, calls = content + rest, calls + more
+        return content, calls
+
+    def _feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
         content, calls = "", []
         while True:
@@ -246,7 +252,7 @@ class ToolCallParser:
             break
         return content, calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def _finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed block (the text ended inside it, e.g. at max_tokens) is a call if its JSON is
         complete, else text; held whitespace is content only if no call was made."""
         content, calls = "", []
@@ -285,12 +291,9 @@ class ToolCallParser:
         return body
 
 
-def parse_tool_calls(text: str, fmt: HermesFormat | None = None) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole text."""
-    parser = ToolCallParser(fmt)
-    content, calls = parser.feed(text)
-    rest, more = parser.finish()
-    return content + rest, calls + more
+    return ToolCallParser().feed(text, final=True)
 
 
 def _partial_tag(text: str, tag: str) -> int:
