@@ -36,9 +36,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def constraint_field(params: SamplingParams) -> str:
-    """The request field that constrains the text, as errors name it."""
-    return "grammar" if params.grammar else "response_format"
+def cannot_enforce(params: SamplingParams, error: str) -> InvalidRequestError:
+    """The error for a constraint llguidance refuses, naming the request field that set it."""
+    if params.grammar:
+        return InvalidRequestError(f"grammar: the grammar cannot be enforced: {error}")
+    return InvalidRequestError(f"response_format: the JSON schema cannot be enforced: {error}")
 
 
 def grammar_of(params: SamplingParams) -> str:
@@ -62,8 +64,7 @@ def check_response_format(params: SamplingParams) -> None:
 
     error = llguidance.LLMatcher.validate_grammar(grammar_of(params))
     if error:
-        what = "the grammar" if params.grammar else "the JSON schema"
-        raise InvalidRequestError(f"{constraint_field(params)}: {what} cannot be enforced: {error}")
+        raise cannot_enforce(params, error)
 
 
 class StructuredOutput:
@@ -108,8 +109,7 @@ class StructuredOutput:
 
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar_of(params), log_level=0)
         if matcher.is_error():
-            what = "the grammar" if params.grammar else "the JSON schema"
-            raise InvalidRequestError(f"{constraint_field(params)}: {what} cannot be enforced: {matcher.get_error()}")
+            raise cannot_enforce(params, matcher.get_error())
         out = Matcher(matcher, self.vocab_size, self.stop_ids)
         out.commit(generated)
         return out
@@ -146,8 +146,9 @@ class Matcher:
             self.ended = False
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces after the committed text (the only ones its masks would allow
-        there, one after the other); none once the matcher stopped following."""
+        """Up to ``limit`` tokens the grammar forces after the committed text: the only text it allows next, in the
+        tokenizer's own spelling (a row's mask also allows other spellings of it); none once the matcher stopped
+        following."""
         if self.ended or limit <= 0:
             return []
         return [t for t in self.matcher.compute_ff_tokens()[:limit] if t < self.vocab_size]
