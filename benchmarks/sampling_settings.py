@@ -42,11 +42,11 @@ def measure(target: Any, draft: Any, prompts: Sequence[list[int]], methods: Sequ
 
     settings = list(samplings)
     generators = {"none": SpeculativeGenerator(target, None, SpecOptions("none", 0), structured=structured)}
-    for name in methods:  # one generator per method, kept for the run: its cost model stays warm
-        method = name.removesuffix(UNFORCED)  # "-unforced": without proposing what a grammar forces
-        generators[name] = SpeculativeGenerator(
+    for listed in methods:  # one generator per method, kept for the run: its cost model stays warm
+        method = listed.removesuffix(UNFORCED)  # "-unforced": without proposing what a grammar forces
+        generators[listed] = SpeculativeGenerator(
             target, None if method == "ngram" else draft,
-            SpecOptions(method, k, adaptive_k, hybrid_min_match=3, forced_proposals=name == method),
+            SpecOptions(method, k, adaptive_k, hybrid_min_match=3, forced_proposals=listed == method),
             structured=structured)
 
     def one(i: int, setting: str, method: str) -> dict[str, Any]:
