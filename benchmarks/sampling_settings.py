@@ -128,6 +128,7 @@ def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: 
 
 METHODS = ("draft", "hybrid", "ngram")
 UNFORCED = "-unforced"  # a method's suffix: the same without proposing what a grammar forces
+GRAMMAR_METHODS = (*METHODS, *(m + UNFORCED for m in METHODS))  # what scripts with grammars may run
 
 
 def add_flags(parser: argparse.ArgumentParser, name: str, seed_help: str = "prompts chosen by it",

@@ -5,7 +5,10 @@ model answers as it likes: often a code fence around JSON, or prose) and ``json`
 json_object: the target masks every verified row to what the grammar allows after that row's path,
 tandem.structured_output). Drafts are not constrained: a draft model or an n-gram lookup proposes
 freely, and the target turns down what the grammar refuses. What this measures is what the grammar
-costs speculation, and what its masks cost a forward.
+costs speculation, and what its masks cost a forward. With ``--settings ...,schema``, a third:
+``response_format`` json_schema with ``SCHEMA``, whose keys the prompts do not name, so the grammar
+forces them; with ``--methods ...,ngram-unforced`` a method runs without proposing what the grammar
+forces too, side by side.
 
 Per prompt and setting, target-only runs first and is the reference, then each method in a rotating
 order. Reported per setting and method: tokens/s and its ratio to target-only under the same setting,
@@ -28,6 +31,7 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/structured_output.py` 
 
 from benchmarks.common import names_from  # noqa: E402
 from benchmarks.sampling_settings import (  # noqa: E402
+    GRAMMAR_METHODS,
     METHODS,
     add_counts,
     add_flags,
@@ -40,13 +44,23 @@ from benchmarks.sampling_settings import (  # noqa: E402
 
 NAME = "structured_output"
 TITLE = "Speculation under a JSON grammar: greedy, free and constrained"
-ASK = " Answer with a JSON object."  # appended to every prompt: both settings are asked for JSON
+ASK = " Answer with a JSON object."  # appended to every prompt: every setting is asked for JSON
+# The schema setting's: keys the prompt does not name, so the grammar forces them (GRAMMAR proposals).
+SCHEMA = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 60}, "answer": {"type": "string", "maxLength": 160},
+    "key_points": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 3},
+    "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+    "required": ["topic", "answer", "key_points", "confidence"], "additionalProperties": False}
+SETTINGS = ("free", "json", "schema")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    add_flags(parser, NAME)
+    add_flags(parser, NAME, methods=GRAMMAR_METHODS)
+    parser.set_defaults(methods=",".join(METHODS))  # -unforced ones when asked
+    parser.add_argument("--settings", default="free,json", help=f"comma-separated, of {', '.join(SETTINGS)} "
+                        "(schema: SCHEMA, whose keys the prompts do not name)")
     return parser
 
 
@@ -60,14 +74,17 @@ def parses(text: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    methods = names_from(args.methods, METHODS)
+    methods = names_from(args.methods, GRAMMAR_METHODS)
+    chosen = names_from(args.settings, SETTINGS, "--settings")
     from tandem.sampling import SamplingParams
     from tandem.structured_output import StructuredOutput
     from tandem.tokenizer import encode_prompt
 
     target_dir, tokenizer, target, draft, prompts, stop_ids = load(args, methods)
     encoded = [encode_prompt(tokenizer, p.text + ASK, chat=True) for p in prompts]
-    samplings = {"free": SamplingParams(), "json": SamplingParams(json_object=True)}
+    every = {"free": SamplingParams(), "json": SamplingParams(json_object=True),
+             "schema": SamplingParams(json_schema=json.dumps(SCHEMA))}
+    samplings = {name: every[name] for name in chosen}
     print(f"[{NAME}] {len(encoded)} prompts x {len(samplings)} settings x (1 + {len(methods)}) runs", file=sys.stderr,
           flush=True)
     rows = measure(target, draft, encoded, methods, args.max_new_tokens, samplings, args.k, stop_ids,
@@ -77,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         row["json_object"] = parses(text)
         row["finished"] = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
     summary = summarize(rows)
-    add_counts(summary, rows, {"finished": "finished", "parse_as_object": "json_object"})
+    add_counts(summary, rows, {"finished": "finished", "parse_as_object": "json_object", "forced_kept": "forced"})
     settings = {**run_settings(args, methods), "ask": ASK}
     print(report(rows, summary, settings, args.out, args.name, TITLE))
     return 0

@@ -33,8 +33,7 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/tool_calls.py` from an
 
 from benchmarks.common import names_from  # noqa: E402
 from benchmarks.sampling_settings import (  # noqa: E402
-    METHODS,
-    UNFORCED,
+    GRAMMAR_METHODS,
     add_counts,
     add_flags,
     load_models,
@@ -47,14 +46,12 @@ from benchmarks.sampling_settings import (  # noqa: E402
 NAME = "tool_calls"
 TITLE = "Speculation for tool calls: greedy, calls left to the model (auto) or enforced (required)"
 TASKS = _REPO_ROOT / "benchmarks" / "data" / "tool_tasks" / "tasks.json"
-# Each method also without proposing what the grammar forces (GRAMMAR rounds): what they add, side by side.
-ALL_METHODS = (*METHODS, *(m + UNFORCED for m in METHODS))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    add_flags(parser, NAME, prompts=False, methods=ALL_METHODS)
+    add_flags(parser, NAME, prompts=False, methods=GRAMMAR_METHODS)
     parser.add_argument("--tasks", type=Path, default=TASKS, help="tools and requests (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="the first N requests only")
     return parser
@@ -76,7 +73,7 @@ def valid_calls(calls: list[Any], tools: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    methods = names_from(args.methods, ALL_METHODS)
+    methods = names_from(args.methods, GRAMMAR_METHODS)
     from tandem.sampling import SamplingParams
     from tandem.structured_output import StructuredOutput
     from tandem.tokenizer import encode_messages
