@@ -274,3 +274,22 @@ def test_unforced_methods_run_without_grammar_proposals_side_by_side(tmp_path):
     by = {r["method"]: r for r in rows}
     assert by["ngram"]["forced"] == 5 and by["ngram-unforced"]["forced"] == 0
     assert by["ngram"]["same_as_target_only"] and by["ngram-unforced"]["same_as_target_only"]
+
+
+def test_structured_output_bench_settings_and_schema():
+    import json
+
+    import pytest
+
+    from benchmarks import structured_output
+    from benchmarks.common import names_from
+    from tandem.sampling import SamplingParams
+    from tandem.structured_output import check_response_format
+
+    args = structured_output.build_parser().parse_args([])
+    assert (args.settings, args.methods) == ("free,json", "draft,hybrid,ngram")  # make bench runs as before
+    args = structured_output.build_parser().parse_args(["--settings", "schema", "--methods", "ngram,ngram-unforced"])
+    assert names_from(args.methods, structured_output.GRAMMAR_METHODS) == ["ngram", "ngram-unforced"]
+    with pytest.raises(SystemExit, match="--settings"):
+        names_from("yaml", structured_output.SETTINGS, "--settings")
+    check_response_format(SamplingParams(json_schema=json.dumps(structured_output.SCHEMA)))  # it compiles
