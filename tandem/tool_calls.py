@@ -162,7 +162,8 @@ class HermesFormat:
 
 def check_tool_schemas(use: ToolUse) -> None:
     """Each tool's parameter schema compiles to a grammar (llguidance's JSON schema compiler), else an error naming
-    the tool: checked for every request that shows tools, since a call to any of them is parsed back as JSON."""
+    the tool: checked for every request that shows tools, whatever its choice, so that a schema no grammar can hold
+    is named at once (about 0.12 ms a tool, on every request: not cached)."""
     import llguidance
 
     for i, tool in enumerate(use.tools):
