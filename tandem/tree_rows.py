@@ -49,3 +49,26 @@ def path_to(parents: Sequence[int], row: int) -> list[int]:
     while parents[path[-1]] >= 0:
         path.append(parents[path[-1]])
     return path[::-1]
+
+
+def covering_paths(parents: Sequence[int]) -> list[tuple[list[int], int]]:
+    """Root-to-node paths that together hold every row, and the rows each one is the first to hold.
+
+    Deepest rows first: each row not yet held starts a path (its ancestors in depth order, then
+    itself) and the path holds it and every ancestor not held by an earlier path. An ancestor is held
+    whenever a descendant is, so the rows a path adds are a suffix of it: returns, per path, the
+    path and the depth where that suffix starts. A deep tree of few branches needs few paths, which
+    lets attention compute each path's rows as one chain (tandem/attention/sdpa.py).
+    """
+    level = depths(parents)
+    held = [False] * len(parents)
+    paths = []
+    for row in sorted(range(len(parents)), key=lambda r: (-level[r], r)):
+        if held[row]:
+            continue
+        path = path_to(parents, row)
+        start = next(d for d, r in enumerate(path) if not held[r])
+        for r in path[start:]:
+            held[r] = True
+        paths.append((path, start))
+    return paths

@@ -25,9 +25,13 @@ A batch runs in phases, all on the model thread (the batcher's):
 
 Prefix caching: a new prompt starts on the KV blocks it shares with earlier
 prompts (``ModelEngine.reuse_prefix``) and computes only the rest, at least its
-last token (``tandem.block_pool.prefix_limit``); once computed, its own
-full blocks are offered to the cache (prompt blocks only: generated tokens may be
-rolled back, and their rows are computed another way).
+last token (``tandem.block_pool.prefix_limit``). Once a call is decided, the
+sequence's full blocks of committed tokens whose KV is in place are offered to
+the cache: the prompt's, and the generated tokens' unless ``cache_generated`` is
+off (a chat's next turn then finds the answer it resends cached). Every row is
+fixed by its position (tandem/attention/sdpa.py), so a generated token's KV is
+bitwise what a prompt holding it computes; a rejected draft never reaches a
+cached block, as only committed tokens are offered.
 Chunked prefill (``tandem/rpc/prefill_chunks.py``): while other sequences are
 running, a long prompt computes one chunk per batch step beside their rows; the
 call's result is then ``Unfinished`` and the batcher queues it again, first,
@@ -163,9 +167,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     engine: ModelEngine
 
     def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None,
-                 prefill_chunk_tokens: int | None = 0, structured: StructuredOutput | None = None) -> None:
+                 prefill_chunk_tokens: int | None = 0, structured: StructuredOutput | None = None,
+                 cache_generated: bool = True) -> None:
         super().__init__(engine, leases)
         self.drafter = drafter
+        self.cache_generated = cache_generated  # offer generated tokens' blocks to the prefix cache too
         self.structured = structured  # None: requests with a response format are refused (no tokenizer)
         # None: chunks sized from the measured step cost; 0: prompts always computed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
@@ -233,13 +239,16 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         """A chunk is in the KV: the prompt's full blocks so far go to the prefix cache; the call goes on."""
         seq = self.sequences[plan.call.seq_id]
         seq.prefilling = plan.call
-        self._offer_prompt(plan.call.seq_id, seq)
+        self._offer_committed(plan.call.seq_id, seq)
         return Unfinished()
 
-    def _offer_prompt(self, seq_id: str, seq: TargetSequence) -> None:
-        """The prompt's full blocks in the KV go to the prefix cache (generated ones never: their rows were
-        computed row by row, a prompt's by position, as another prompt's would be; tandem/attention/sdpa.py)."""
-        self.engine.commit(seq_id, seq.history, seq.prompt_len)
+    def _offer_committed(self, seq_id: str, seq: TargetSequence) -> None:
+        """The sequence's full blocks of committed tokens in the KV go to the prefix cache: the prompt's (while
+        it is computed, its chunks so far), and the generated tokens' unless ``cache_generated`` is off. The KV
+        holds every committed token but the last (the module doc's invariant); rows are fixed by position, so
+        each block holds what a prompt of those tokens computes (tandem/attention/sdpa.py)."""
+        generated = self.cache_generated and seq.prefilling is None
+        self.engine.commit(seq_id, seq.history, len(seq.history) - 1 if generated else seq.prompt_len)
 
     def _drop_failed_chunks(self, calls: list[Call], results: list) -> None:
         """A chunked Prefill that failed (refused, or its pass failed) leaves nothing behind."""
@@ -367,16 +376,19 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 self.drafter.rollback(call.seq_id, call.committed_len - 1)
 
     def _reuse_prefix(self, plan: _Plan) -> None:
-        """Start the Prefill's sequence on the prompt's cached blocks, and feed only the rest.
+        """Start the Prefill's sequence on its tokens' cached blocks, and feed only the rest.
 
         What is left of the prompt (at least its last token: ``prefix_limit``) is fed as prompt tokens, so
-        its rows are the ones the prompt computed in one run has; a rebuild's generated tokens are fed as
-        they were first computed (``history_runs``).
+        its rows are the ones the prompt computed in one run has. A rebuild may find its generated tokens'
+        blocks too (preempted on this target, they stayed cached): what is left of its history, at least
+        the token before its last, is fed as it was first computed (``history_runs``).
         """
         call = plan.call
+        rebuilt = len(call.token_ids) - 1 if call.prompt_len else 0  # a rebuild's KV: all but its last token
         reused = self.engine.reuse_prefix(call.seq_id, call.token_ids,
-                                          limit=prefix_limit(call.prompt_len or len(call.token_ids)))
-        self.sequences[call.seq_id].reused = reused  # the reply says so once the prompt is computed
+                                          limit=prefix_limit(rebuilt or len(call.token_ids)))
+        # the reply says so once the prompt is computed: prompt tokens only
+        self.sequences[call.seq_id].reused = min(reused, call.prompt_len or reused)
         if not reused:
             return
         if not call.prompt_len:
@@ -509,8 +521,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         return super()._free(seq_id)
 
     def _commit(self, plan: _Plan, verdict: Verdict) -> Prefilled | Verdict:
-        """Apply a read verdict: the history, and the KV cut (or moved) to what was kept; a Prefill's
-        prompt blocks are offered to the prefix cache."""
+        """Apply a read verdict: the history, and the KV cut (or moved) to what was kept; the committed
+        blocks are offered to the prefix cache."""
         call = plan.call
         seq = self.sequences[call.seq_id]
         if isinstance(call, PrefillCall):
@@ -519,7 +531,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 seq.history.append(verdict.next_token)
                 if seq.grammar is not None:
                     seq.grammar.commit([verdict.next_token])
-            self._offer_prompt(call.seq_id, seq)
+            self._offer_committed(call.seq_id, seq)
             return Prefilled(verdict.next_token, seq.reused, verdict.logprobs, tuple(self._forced(seq)))
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
@@ -528,6 +540,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             self.engine.keep_path(call.seq_id, call.committed_len - 1, [0, *(n + 1 for n in verdict.accepted_nodes)])
         kept = [*(call.draft_tokens[n] for n in verdict.accepted_nodes), verdict.next_token]
         seq.history.extend(kept)
+        self._offer_committed(call.seq_id, seq)
         if seq.grammar is not None:
             seq.grammar.commit(kept)
             verdict.forced = self._forced(seq)

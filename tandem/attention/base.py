@@ -42,7 +42,8 @@ class AttentionMetadata:
     # [num_seqs] per sequence: None for a chain, else each new token's parent row (-1: the context)
     tree_parents: list[list[int] | None]
     # [num_seqs] per sequence: its new tokens are prompt tokens (prefill, a chunk of one, what the prefix
-    # cache left of one), whose attention is fixed by position whatever the run's length (tandem/attention/sdpa.py)
+    # cache left of one). Attention computes every row by position alone whatever the run (tandem/attention/sdpa.py);
+    # the linear layers of an unpacked bf16 model give a prompt run a call of its own (RowBlocks).
     prompt_runs: list[bool]
 
     @property

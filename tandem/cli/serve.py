@@ -115,6 +115,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
                              "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
                              "--threads is then per rank (default: cores / N) (default: %(default)s)")
+    target.add_argument("--no-cache-generated", action="store_true",
+                        help="keep only prompt blocks in the prefix cache; by default the full blocks of generated "
+                             "tokens are kept too, so that a conversation's next turn, which sends the answer back "
+                             "in its prompt, finds it cached")
     _server_flags(target, 50052)
     target.set_defaults(func=run_worker)
 
@@ -215,7 +219,8 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                        gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
                        idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
-                       prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock)
+                       prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock,
+                       cache_generated=args.role == "target" and not args.no_cache_generated)
     if args.role == "target":
         from target_worker.main import serve
     else:

@@ -1,0 +1,136 @@
+"""The prefix cache holds generated tokens' blocks too: a conversation's next turn reuses the answer it sends back.
+
+The rules (docs/DESIGN.md, "Prefix caching"): only committed tokens whose KV is in place are offered, so a rejected
+draft never reaches a cached block; every cached block holds what a prompt of its tokens computes; greedy output
+with the cache on equals it off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.block_pool import block_hash
+from tandem.config import EngineConfig
+from tandem.engine import ModelEngine
+from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+from tandem.sampling import SamplingParams
+from tandem.spec.options import SpecOptions
+from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
+from tests.target_worker.test_engine import kv_of, ok
+
+GREEDY = SamplingParams()
+BLOCK = 4
+FIRST = list(range(10, 33))  # 23 tokens: the first turn's prompt ends inside a block
+FOLLOW_UP = [5, 6, 7, 8, 9, 5]  # what the next turn adds after the answer
+
+
+def load(model_dir, caching: bool = True, dtype: str = "float32") -> ModelEngine:
+    return ModelEngine.load(EngineConfig(model_dir, dtype=dtype, kv_cache_tokens=4096, block_size=BLOCK,
+                                         prefix_caching=caching))
+
+
+def chain_hashes(engine: ModelEngine, tokens: list[int]) -> list[bytes]:
+    """The content hashes of the full blocks ``tokens`` begins with, in order."""
+    hashes, parent = [], engine.kv_cache.salt
+    for i in range(len(tokens) // BLOCK):
+        parent = block_hash(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
+        hashes.append(parent)
+    return hashes
+
+
+def registered(engine: ModelEngine) -> set[bytes]:
+    return set(engine.kv_cache.pool._hash_of.values())
+
+
+def converse(target: ModelEngine, method: str, draft: ModelEngine | None = None, tree: bool = False) -> list:
+    """Two turns: the second prompt is the first, its answer and a follow-up."""
+    options = {"tree": "on", "tree_width": 2} if tree else {}
+    spec = SpecOptions(method, 4 if method != "none" else 0, adaptive_k=False, **options)
+    generator = SpeculativeGenerator(target, draft, spec)
+    (first,) = generator.generate([GenerationRequest(FIRST, max_new_tokens=30, sampling=GREEDY)])
+    second_prompt = [*FIRST, *first.token_ids, *FOLLOW_UP]
+    (second,) = generator.generate([GenerationRequest(second_prompt, max_new_tokens=20, sampling=GREEDY)])
+    return [first, second]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_qwen2_dir, dtype) -> list[list[int]]:
+    return [r.token_ids for r in converse(load(tiny_qwen2_dir, caching=False, dtype=dtype), "none")]
+
+
+@pytest.mark.parametrize("method,tree", [("none", False), ("draft", False), ("ngram", False), ("hybrid", True)])
+def test_the_next_turn_reuses_the_answer_and_its_output_is_unchanged(tiny_qwen2_dir, tiny_qwen2_other_dir, dtype,
+                                                                     uncached, method, tree):
+    target = load(tiny_qwen2_dir, dtype=dtype)
+    draft = load(tiny_qwen2_other_dir, dtype=dtype) if method in ("draft", "hybrid") else None
+    first, second = converse(target, method, draft, tree)
+    assert [first.token_ids, second.token_ids] == uncached
+    # The answer's full blocks were cached as it was generated: the second prompt reuses all it can (all but its
+    # last token, in whole blocks), far past the first prompt.
+    second_len = len(FIRST) + len(first.token_ids) + len(FOLLOW_UP)
+    answered = (len(FIRST) + len(first.token_ids) - 1) // BLOCK * BLOCK  # the answer's last token has no KV
+    assert second.stats.prompt_tokens_reused == min(answered, (second_len - 1) // BLOCK * BLOCK) > len(FIRST)
+    assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks  # everything released
+
+
+def test_without_cache_generated_only_prompt_blocks_are_kept(tiny_qwen2_dir):
+    engine = load(tiny_qwen2_dir)
+    target = TargetEngine(engine, cache_generated=False)
+    ok(target.run_batch([PrefillCall("a", FIRST, GREEDY)]))
+    for _ in range(4):
+        ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), [], [])]))
+    history = target.sequences["a"].history
+    assert len(history) - 1 >= 3 * BLOCK * 2  # several generated blocks' worth of KV
+    assert registered(engine) == set(chain_hashes(engine, FIRST))
+
+
+def test_only_committed_tokens_reach_the_cache_and_each_block_holds_its_prompt_kv(tiny_qwen2_dir):
+    engine = load(tiny_qwen2_dir)
+    target = TargetEngine(engine)
+    ok(target.run_batch([PrefillCall("a", FIRST, GREEDY), PrefillCall("b", FIRST[:13], GREEDY)]))
+    for round_ in range(8):  # wrong chains and trees (mostly rejected), and empty ones (a decode step)
+        ha, hb = target.sequences["a"].history, target.sequences["b"].history
+        drafts = [] if round_ % 3 == 0 else [1, 2, 3]
+        ok(target.run_batch([VerifyCall("a", len(ha), drafts, []),
+                             VerifyCall("b", len(hb), [4, 5, 6, 7, 8], [], [-1, 0, -1, 2, 2])]))
+        # Exactly the full blocks of each sequence's committed tokens with KV (all but the last) are cached.
+        expected = {h for seq in ("a", "b")
+                    for h in chain_hashes(engine, target.sequences[seq].history[:-1])}
+        assert registered(engine) == expected
+    # Each cached block holds the KV a fresh prompt of those tokens computes (none of a rejected draft's rows).
+    for seq in ("a", "b"):
+        history = target.sequences[seq].history
+        fresh = load(tiny_qwen2_dir, caching=False)
+        TargetEngine(fresh).run_batch([PrefillCall("x", history[:-1] + [0], GREEDY)])
+        kv = kv_of(fresh, "x")  # [2, L, len, Hkv, D]
+        cache = engine.kv_cache
+        for i, content in enumerate(chain_hashes(engine, history[:-1])):
+            block = cache.pool.lookup(content)
+            cached = torch.stack([cache.key[:, block], cache.value[:, block]])
+            assert torch.equal(cached, kv[:, :, i * BLOCK:(i + 1) * BLOCK]), f"{seq}: block {i}"
+    ok(target.run_batch([ReleaseCall("a"), ReleaseCall("b")]))
+
+
+def test_a_retry_that_cuts_back_into_a_cached_generated_block_leaves_the_cache_as_it_was(tiny_qwen2_dir):
+    engine = load(tiny_qwen2_dir)
+    target = TargetEngine(engine)
+    ok(target.run_batch([PrefillCall("a", FIRST, GREEDY)]))
+    for _ in range(6):
+        ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), [], [])]))
+    history = list(target.sequences["a"].history)  # 30 tokens: the KV of 29, 7 cached blocks
+    cached = registered(engine)
+    assert cached == set(chain_hashes(engine, history[:-1]))
+    # A Verify from an earlier committed_len (a coordinator's retry) cuts the history back inside block 6, which
+    # only this sequence holds: the block leaves the index before it is written, and comes back once committed.
+    ok(target.run_batch([VerifyCall("a", 26, [], [])]))
+    assert target.sequences["a"].history == history[:27]  # greedy: the same next token
+    assert registered(engine) == set(chain_hashes(engine, history[:26]))
+    for committed in (27, 28):  # the KV reaches 28 tokens: block 6 is full again, with the same content
+        ok(target.run_batch([VerifyCall("a", committed, [], [])]))
+    assert registered(engine) == cached
