@@ -10,6 +10,8 @@ with empty prefix caches): bf16, the Qwen pair by default.
   one-replica        one target replica, prefix caching on: the hit rate one replica reaches
                      (the reference of the placement goal), then the chunked-prefill scenario
   no-chunking        one target replica, --prefill-chunk-tokens 0: the same scenario unchunked
+  prompts-only       one target replica, --no-cache-generated: its prefix cache keeps prompt blocks only
+                     (as before generated tokens' blocks were cached), beside one-replica's cache of both
 
 Workloads, the same token ids in every configuration (Spec-Bench text, benchmarks/data; the
 target's chat template applied here, sent as token ids), one request at a time, streamed:
@@ -125,6 +127,7 @@ def configs(chunk_tokens: int | None) -> dict[str, Config]:
         Config("cache-on+prefix", 2, (), chunk, placement="prefix"),
         Config("one-replica", 1, (), chunk, scenario=True),
         Config("no-chunking", 1, (), ("--prefill-chunk-tokens", "0"), workloads=False, scenario=True),
+        Config("prompts-only", 1, (), (*chunk, "--no-cache-generated")),
     )}
 
 
@@ -140,11 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculation method of the workloads' requests (default: %(default)s; see above)")
     p.add_argument("--configs", default=",".join(configs(None)),
                    help="configurations to run, comma-separated subset (default: all)")
+    p.add_argument("--workloads", default=",".join((*WORKLOADS, "scenario")),
+                   help="workloads to run, comma-separated subset; scenario: the chunked-prefill scenario of the "
+                        "configurations that have it (default: all)")
     p.add_argument("--chat-turns", type=int, default=None, help="turns of the chat (default: 10; --quick: 3)")
     p.add_argument("--chat-tokens", type=int, default=None,
                    help="about this many prompt tokens at the chat's last turn (default: 2000; --quick: 240)")
     p.add_argument("--answer-tokens", type=int, default=None,
                    help="tokens of each chat answer and each question's answer (default: 48; --quick: 8)")
+    p.add_argument("--chat-ends-at-eos", action="store_true",
+                   help="each chat answer ends at the model's end of turn (at most --answer-tokens), as a real chat's "
+                        "does: the next turn then resends exactly what was generated. By default it runs to "
+                        "--answer-tokens past its end of turn, whose special tokens the resent text lacks")
     p.add_argument("--samples", type=int, default=None, help="samples of the one prompt (default: 8; --quick: 3)")
     p.add_argument("--sample-prompt-tokens", type=int, default=None,
                    help="tokens of the sampled prompt's document (default: 600; --quick: 80)")
@@ -208,6 +218,11 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not names:
         raise SystemExit(f"unknown or no configurations {unknown}; choose from {', '.join(known)}")
     args.configs = [n for n in known if n in names]  # table order
+    asked = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = sorted(set(asked) - {*WORKLOADS, "scenario"})
+    if unknown or not asked:
+        raise SystemExit(f"unknown or no workloads {unknown}; choose from {', '.join((*WORKLOADS, 'scenario'))}")
+    args.workloads = asked
     sizes = (args.chat_turns, args.chat_tokens, args.answer_tokens, args.samples, args.sample_prompt_tokens,
              args.sample_tokens, args.system_tokens, args.questions, args.probe_tokens, args.streams,
              args.stream_lead_tokens, args.long_prompt_tokens, args.k)
@@ -286,14 +301,16 @@ def build_workloads(pool: TextPool, tokenizer: Any, args: argparse.Namespace) ->
 
 # ----- requests ---------------------------------------------------------------------
 def request(prompt: list[int], method: str, k: int, max_new_tokens: int, temperature: float = 0.0,
-            seed: int | None = None) -> Any:
-    """Token ids in, exactly ``max_new_tokens`` out (EOS ignored, so that every configuration does the same work)."""
+            seed: int | None = None, ignore_eos: bool = True) -> Any:
+    """Token ids in, exactly ``max_new_tokens`` out (EOS ignored, so that every configuration does the same work;
+    ``ignore_eos`` False: at most that many, ending at the model's end of turn, the same in every configuration as
+    greedy output does not depend on the cache)."""
     from tandem.client import build_request
     from tandem.sampling_params import SamplingParams
 
     sampling = SamplingParams(temperature, seed=seed) if temperature > 0 else SamplingParams(0.0)
     return build_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling, method=method, k=k,
-                         pipelining=False, ignore_eos=True)
+                         pipelining=False, ignore_eos=ignore_eos)
 
 
 def stream_one(client: Any, req: Any) -> dict[str, Any]:
@@ -321,7 +338,8 @@ def run_chat(client: Any, tokenizer: Any, w: Workloads, args: argparse.Namespace
     rows, messages = [], []
     for turn, user in enumerate(w.chat_turns):
         messages.append({"role": "user", "content": user})
-        row = stream_one(client, request(encode_messages(tokenizer, messages), args.method, args.k, args.answer_tokens))
+        row = stream_one(client, request(encode_messages(tokenizer, messages), args.method, args.k, args.answer_tokens,
+                                         ignore_eos=not args.chat_ends_at_eos))
         messages.append({"role": "assistant", "content": row["text"]})
         rows.append({"turn": turn + 1, **row})
     return rows
@@ -548,7 +566,7 @@ def run_config(config: Config, w: Workloads, tokenizer: Any, args: argparse.Name
         warm_up(client, tokenizer.encode(WARMUP_PROMPT, add_special_tokens=False), config.replicas,
                 args.method if uses_draft else "none")
         if config.workloads:
-            for name in WORKLOADS:
+            for name in (n for n in WORKLOADS if n in args.workloads):
                 print(f"{config.name}: {name}", file=sys.stderr)
                 before = worker_infos(cluster)
                 t0 = time.perf_counter()
@@ -562,7 +580,7 @@ def run_config(config: Config, w: Workloads, tokenizer: Any, args: argparse.Name
                                           "draft_cache": cache_delta(before, after, "draft"),
                                           "requests": [{k: v for k, v in r.items() if k != "text"} for r in rows]}
         client.close()
-        if config.scenario:
+        if config.scenario and "scenario" in args.workloads:
             print(f"{config.name}: chunked-prefill scenario", file=sys.stderr)
             out["scenario"] = run_scenario(cluster.coordinator.address, w, args)
     return out
@@ -649,11 +667,22 @@ def verdicts(results: list[dict[str, Any]], rows: list[dict[str, Any]],
     if summary["chat_last_turn_ttft_prefix_over_off"] is not None:
         lines.append(f"  info  chat's last turn TTFT, cache-on+prefix / cache-off: "
                      f"{summary['chat_last_turn_ttft_prefix_over_off']:.3f}")
-    for config in ("cache-on+load", "cache-on+prefix", "one-replica"):
+    one_chat, prompts_chat = _row(rows, "one-replica", "chat"), _row(rows, "prompts-only", "chat")
+    if one_chat and prompts_chat:
+        summary["chat_e2e_generated_over_prompts_only"] = _div(one_chat["e2e_s"], prompts_chat["e2e_s"])
+        summary["chat_ttft_generated_over_prompts_only"] = _div(one_chat["ttft_mean_s"], prompts_chat["ttft_mean_s"])
+        lines.append(f"  info  chat with generated blocks cached (one-replica) / prompt blocks only (prompts-only): "
+                     f"TTFT mean {_fmt_ratio(summary['chat_ttft_generated_over_prompts_only'])}, end to end "
+                     f"{_fmt_ratio(summary['chat_e2e_generated_over_prompts_only'])}")
+    for config in ("cache-on+load", "cache-on+prefix", "one-replica", "prompts-only"):
         rates = [f"{w} {_fmt_rate(_row(rows, config, w))}" for w in HIT_WORKLOADS if _row(rows, config, w)]
         if rates:
             lines.append(f"  info  hit rate {config}: {', '.join(rates)}")
     return summary, lines
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def _fmt_rate(row: dict[str, Any] | None) -> str:
@@ -760,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = [row for res in results if res["scenario"] for row in scenario_rows(res["config"], res["scenario"])]
     summary, lines = verdicts(results, rows, scenario)
     settings = {k: getattr(args, k) for k in (
-        "target", "method", "configs", "chat_turns", "chat_tokens", "answer_tokens", "samples", "sample_prompt_tokens",
+        "target", "method", "configs", "chat_turns", "chat_tokens", "answer_tokens", "chat_ends_at_eos", "samples",
+        "sample_prompt_tokens",
         "sample_tokens", "temperature", "system_tokens", "questions", "probe_tokens", "streams", "stream_lead_tokens",
         "long_prompt_tokens", "chunk_tokens", "call_timeout", "k", "seed", "dtype", "worker_threads", "kv_cache_tokens",
         "quick")}

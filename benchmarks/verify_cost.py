@@ -86,13 +86,15 @@ def measure(engine: Any, context: int, reps: int) -> dict[str, float]:
     return {name: seconds * 1000 for name, seconds in zip(SHAPES, medians)}
 
 
-def chart(rows: list[dict[str, Any]], out: Path, name: str) -> Path:
+def chart(rows: list[dict[str, Any]], out: Path, name: str, column: str = "{shape} ms",
+          ylabel: str = "ms per forward (median)", title: str = "one verify forward, batch 1") -> Path:
+    """One line per shape over the contexts: each row's ``column`` (with the shape's name filled in)."""
     fig, (ax,) = new_figure()
     for shape in SHAPES:
-        ax.plot([r["context"] for r in rows], [r[f"{shape} ms"] for r in rows], marker="o", label=shape)
+        ax.plot([r["context"] for r in rows], [r[column.format(shape=shape)] for r in rows], marker="o", label=shape)
     ax.set_xlabel("cached context (tokens)")
-    ax.set_ylabel("ms per forward (median)")
-    ax.set_title("one verify forward, batch 1")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     return save_figure(fig, out, name)
 

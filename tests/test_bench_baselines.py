@@ -117,6 +117,26 @@ def test_verify_cost_refuses_contexts_that_are_not_lengths():
         verify_cost.contexts_from("0")
 
 
+def test_attention_ab_runs_the_baseline_backend_from_git_beside_this_one(tiny_qwen2_dir, tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks import attention_ab
+
+    assert attention_ab.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--contexts", "9",
+                              "--reps", "1", "--out", str(tmp_path), "--name", "ab"]) == 0
+    (row,) = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    for shape in attention_ab.SHAPES:
+        assert row[f"{shape} baseline ms"] > 0 and row[f"{shape} now ms"] > 0
+        assert row[f"{shape} ratio"] == row[f"{shape} now ms"] / row[f"{shape} baseline ms"]
+    assert (tmp_path / "ab.md").is_file() and (tmp_path / "ab.png").is_file()
+    baseline = attention_ab.baseline_backend(attention_ab.BASELINE, None)
+    assert type(baseline).__module__ == "baseline_sdpa"  # not this checkout's class under another name
+    with pytest.raises(SystemExit, match="--baseline no-such-rev"):
+        attention_ab.baseline_backend("no-such-rev", None)
+
+
 def test_seeded_sampling_gives_plain_output_under_exact_draws_and_reports_both_rules(tiny_qwen2_dir, tmp_path):
     import json
 

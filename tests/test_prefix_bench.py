@@ -110,6 +110,20 @@ def test_quick_defaults_and_the_configurations_chosen():
         prefix_bench.resolve_args(["--configs", "cache-sideways"])
 
 
+def test_prompts_only_caches_no_generated_blocks_and_workloads_can_be_chosen():
+    table = prefix_bench.configs(None)
+    assert table["prompts-only"].target_args == ("--no-cache-generated",) and table["prompts-only"].replicas == 1
+    args = prefix_bench.resolve_args(["--workloads", "chat", "--configs", "prompts-only,one-replica"])
+    assert args.workloads == ["chat"] and args.configs == ["one-replica", "prompts-only"]
+    assert prefix_bench.resolve_args([]).workloads == [*prefix_bench.WORKLOADS, "scenario"]
+    with pytest.raises(SystemExit, match="unknown or no workloads"):
+        prefix_bench.resolve_args(["--workloads", "chat,lunch"])
+    results = [result("one-replica", 4.0, 900, (2.0, 0.2)), result("prompts-only", 8.0, 500, (2.0, 0.2))]
+    summary, lines = verdicts(results, summarize(results), [])
+    assert summary["chat_e2e_generated_over_prompts_only"] == pytest.approx(0.5)
+    assert any(line.startswith("  info  chat with generated blocks cached") for line in lines)
+
+
 @needs_smollm2
 def test_workloads_grow_the_chat_to_its_target_and_share_no_text():
     from tandem.tokenizer import encode_messages, load_tokenizer

@@ -34,9 +34,9 @@ same in every case above.
   Coder 0.5B, bf16 and fp32), so generated tokens stayed out of the prefix
   cache. Padding a lone row's call to the piece's key count is not enough
   either: with fewer query rows than a piece (SmolLM2's 3), the kernel rounds
-  otherwise again. Pieces make a decode step 2-8% dearer at contexts of
-  300-2,000 and a 5-token verify no dearer (benchmarks/README.md,
-  verify_cost.py).
+  otherwise again. Pieces make a decode step up to 9% dearer at contexts of
+  300-2,000, a 5-token chain within 6% either way and a 12-node tree 4-12%
+  dearer (two runs of benchmarks/attention_ab.py, benchmarks/README.md).
 
 A tree sequence (``meta.tree_parents``, at most ``ROWWISE_MAX_QUERY`` tokens)
 goes row by row: row ``i`` is computed in its piece's call at its depth's

@@ -53,6 +53,13 @@ def test_target_pods_request_one_gpu_per_tensor_parallel_rank():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container(objects, "target")["volumeMounts"]
 
 
+def test_generated_blocks_are_cached_unless_the_target_values_say_not():
+    assert "--no-cache-generated" not in container(render(), "target")["args"]
+    objects = render(None, "target.cacheGenerated=false")
+    assert "--no-cache-generated" in container(objects, "target")["args"]
+    assert "--no-cache-generated" not in container(objects, "draft")["args"]  # a draft caches prompt blocks only
+
+
 def test_worker_rollouts_need_no_spare_gpu():
     objects = render()
     for fleet in FLEETS:

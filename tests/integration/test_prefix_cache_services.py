@@ -57,3 +57,41 @@ def test_workers_report_their_prefix_cache_and_their_kv_returns_to_baseline(shar
                         for k, v in metric_samples(service, "tandem_target_prefix_cache").items()})
     reused = [v for k, v in samples.items() if k.endswith("tandem_target_prefix_cache_reused_tokens_total")]
     assert reused and sum(reused) > 0, samples
+
+
+def test_a_conversation_s_next_turn_reuses_the_answer_and_equals_target_only(shared_cluster, smollm2_dir):
+    """Through the OpenAI API, as a chat client sends it: turn 2 resends turn 1's answer, and the target that
+    generated it finds it cached (its committed blocks), so the reuse reaches past turn 1's prompt; the answer is
+    still target-only decoding's with the cache off."""
+    import openai
+
+    from tandem.tokenizer import encode_messages, load_tokenizer
+    from tests.references import target_only
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    # Over 4 blocks of 16 tokens, so that both turns have the same placement key (their first 4 blocks) and go to
+    # the same target replica.
+    first = [{"role": "user", "content": "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, "
+                                         "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya, quince, "
+                                         "raspberry. Which of them are citrus fruits, and why?"}]
+    with openai.OpenAI(base_url=shared_cluster.coordinator.http_url, api_key="unused", max_retries=0,
+                       timeout=120) as api:
+        [card] = api.models.list().data
+        one = api.chat.completions.create(model=card.id, messages=first, max_tokens=48, temperature=0)
+        answer = one.choices[0].message.content
+        follow_up = {"role": "user", "content": "And which are berries?"}
+        second = [*first, {"role": "assistant", "content": answer}, follow_up]
+        two = api.chat.completions.create(model=card.id, messages=second, max_tokens=24, temperature=0)
+    first_ids, second_ids = encode_messages(tokenizer, first), encode_messages(tokenizer, second)
+    assert one.usage.prompt_tokens == len(first_ids) >= 64 and two.usage.prompt_tokens == len(second_ids)
+    assert one.choices[0].finish_reason == "length"  # 48 tokens of text, no stop token among them
+    generated = target_only(smollm2_dir, [first_ids], dtype="bfloat16", max_new_tokens=48)[tuple(first_ids)]
+    assert answer == tokenizer.decode(generated, skip_special_tokens=True)
+    # What the target holds of turn 1: its prompt and answer but the answer's last token (its KV is never computed),
+    # in full blocks; the turn-2 prompt re-renders the answer as text, and shares the tokens up to where they part.
+    held = [*first_ids, *generated[:-1]]
+    shared = next((i for i, (a, b) in enumerate(zip(held, second_ids)) if a != b), min(len(held), len(second_ids)))
+    assert shared > len(first_ids) + 16  # the answer's text re-encodes to the tokens it was generated as
+    assert two.usage.prompt_tokens_details.cached_tokens == min(shared, len(second_ids) - 1) // 16 * 16
+    expected = target_only(smollm2_dir, [second_ids], dtype="bfloat16", max_new_tokens=24)[tuple(second_ids)]
+    assert two.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
