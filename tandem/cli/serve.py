@@ -209,6 +209,17 @@ def run_worker(args: argparse.Namespace) -> int:
         import torch  # workers only: the coordinator runs without torch
 
         torch.set_num_threads(args.threads)
+    cfg = worker_config(args)
+    if args.role == "target":
+        from target_worker.main import serve
+    else:
+        from draft_worker.main import serve
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """A worker's configuration from its flags (the model found or prepared in the cache), validated."""
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     role_options = draft_engine_options(args) if args.role == "draft" else {
         "tensor_parallel_size": args.tensor_parallel_size}
@@ -216,17 +227,11 @@ def run_worker(args: argparse.Namespace) -> int:
                           args.kv_cache_tokens, args.attention, num_threads=args.threads,
                           packed_weights=args.packed_weights, prefix_caching=not args.no_prefix_caching,
                           **role_options)
-    cfg = WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
-                       gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
-                       idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
-                       prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock,
-                       cache_generated=args.role == "target" and not args.no_cache_generated)
-    if args.role == "target":
-        from target_worker.main import serve
-    else:
-        from draft_worker.main import serve
-    asyncio.run(serve(cfg))
-    return 0
+    return WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
+                        gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
+                        idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
+                        prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock,
+                        cache_generated=args.role == "target" and not args.no_cache_generated)
 
 
 def _heads_path(args: argparse.Namespace, root: Path) -> Path | None:

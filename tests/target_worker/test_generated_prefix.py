@@ -134,3 +134,19 @@ def test_a_retry_that_cuts_back_into_a_cached_generated_block_leaves_the_cache_a
     for committed in (27, 28):  # the KV reaches 28 tokens: block 6 is full again, with the same content
         ok(target.run_batch([VerifyCall("a", committed, [], [])]))
     assert registered(engine) == cached
+
+
+def test_no_cache_generated_reaches_the_target_workers_only(tiny_qwen2_dir):
+    from tandem.cli import build_parser
+    from tandem.cli.serve import worker_config
+    from tandem.cli.up import cluster_spec
+
+    parser = build_parser()
+    spec = cluster_spec(parser.parse_args(["up", "--target", "t", "--draft", "d", "--no-cache-generated"]))
+    assert "--no-cache-generated" in spec.target_args and "--no-cache-generated" not in spec.worker_args
+    assert "--no-cache-generated" not in cluster_spec(parser.parse_args(["up", "--target", "t"])).target_args
+    serve = ["serve", "target", "--model", str(tiny_qwen2_dir)]
+    assert worker_config(parser.parse_args(serve)).cache_generated
+    assert not worker_config(parser.parse_args([*serve, "--no-cache-generated"])).cache_generated
+    with pytest.raises(SystemExit):  # a draft caches prompt blocks only: it has no such flag
+        parser.parse_args(["serve", "draft", "--model", "d", "--no-cache-generated"])
