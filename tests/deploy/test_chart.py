@@ -60,6 +60,28 @@ def test_generated_blocks_are_cached_unless_the_target_values_say_not():
     assert "--no-cache-generated" not in container(objects, "draft")["args"]  # a draft caches prompt blocks only
 
 
+def test_a_chat_template_is_a_configmap_mounted_into_the_coordinator_and_passed_to_it():
+    from pathlib import Path
+
+    assert not of_kind(render(), "ConfigMap") and "--chat-template" not in container(render(), "coordinator")["args"]
+    objects = render("chat-template")
+    template = (Path(__file__).parents[2] / "examples/chat_templates/chatml_tools.jinja").read_text()
+    config_map = one(objects, "ConfigMap", f"{name('coordinator')}-chat-template")
+    assert config_map["data"] == {"template.jinja": template}
+    coordinator = container(objects, "coordinator")
+    path = flag(coordinator["args"], "--chat-template")
+    (mount,) = [m for m in coordinator["volumeMounts"] if m["name"] == "chat-template"]
+    assert path == f"{mount['mountPath']}/template.jinja" and mount["readOnly"]
+    pod = one(objects, "Deployment", name("coordinator"))["spec"]["template"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "chat-template"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    # A changed template rolls the pods (the coordinator reads it at start-up).
+    changed = one(render("chat-template", "coordinator.chatTemplate=other"), "Deployment", name("coordinator"))
+    assert pod["metadata"]["annotations"]["checksum/chat-template"] != (
+        changed["spec"]["template"]["metadata"]["annotations"]["checksum/chat-template"])
+    assert "--chat-template" not in container(objects, "target")["args"]
+
+
 def test_worker_rollouts_need_no_spare_gpu():
     objects = render()
     for fleet in FLEETS:
