@@ -1,11 +1,12 @@
 """Prefix-aware placement: send a prompt to the replica most likely to hold its prefix's KV.
 
-Every worker keeps the KV of full blocks it has computed, indexed by their
-content (its prefix cache); a prompt that starts like an earlier one reuses
-them, but only on the replica that computed them. So the coordinator gives
-each prompt a routing key, a hash chain over its first full blocks of token
-ids (``routing_key``: up to ``KEY_BLOCKS`` blocks of the target replicas'
-block size), and sends equal keys to the same replica:
+Every worker keeps the KV of full blocks it has computed (prompts and
+generated tokens), indexed by their content (its prefix cache); a prompt that
+starts like an earlier one reuses them, but only on the replica that computed
+them. So the coordinator gives each prompt a routing key, a hash chain over
+its first full routing blocks of token ids (``routing_key``: up to
+``KEY_BLOCKS`` blocks of ``ROUTING_BLOCK`` tokens), and sends equal keys to
+the same replica:
 
 - **Rendezvous (highest random weight) hashing.** Each replica's weight for a
   key is a hash of (key, replica address); the key goes to the heaviest.
@@ -25,16 +26,20 @@ block size), and sends equal keys to the same replica:
   once a second): with several coordinators each keeps its own share bounded,
   and so the sum.
 
-A prompt shorter than one full block has no key: nothing of it could be
-reused, so the pool's load score decides (``WorkerPool.pick``). The key
-stops at ``KEY_BLOCKS`` blocks (64 tokens at block size 16) because every
-request that shares those blocks shares a prefix worth caching: a chat's
-turns (each re-sends the conversation), the samples of one prompt, questions
-after one long system prompt all keep their key as they grow, while a chat
+A prompt shorter than one routing block has no key: nothing of it is worth
+routing for, so the pool's load score decides (``WorkerPool.pick``). The key
+stops at ``KEY_BLOCKS`` blocks (64 tokens) because every request that shares
+those shares a prefix worth caching: a chat's turns (each re-sends the
+conversation, answers included), the samples of one prompt, questions after
+one long system prompt all keep their key as they grow, while a chat
 template's fixed opening (about 25 tokens) is too short to make unrelated
-prompts collide. A conversation whose first prompt has fewer full blocks than
-that gets a shallower key for it, and may change replica once, at its second
-turn.
+prompts collide. A conversation whose first prompt has fewer full routing
+blocks than that gets a shallower key for it, and may change replica once, at
+its second turn. Routing blocks are 16 tokens whatever the workers' KV block
+size: they were the targets' blocks at first, and with the chart's 256-token
+blocks a conversation's key then changed at every turn until its prompt held
+1,024 tokens, each change free to move it off the replica that held its
+prompts and answers.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ import struct
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-KEY_BLOCKS = 4  # blocks of a prompt in its routing key (see the module docstring)
-DEFAULT_BLOCK_SIZE = 16  # what the workers use unless told otherwise (`--block-size`)
+KEY_BLOCKS = 4  # routing blocks of a prompt in its routing key (see the module docstring)
+ROUTING_BLOCK = 16  # tokens per routing block, whatever the workers' KV block size
 LOAD_FACTOR = 1.25  # c: no replica takes a new keyed request while it holds c times the mean or more
 _DIGEST_BYTES = 16
 
@@ -59,13 +64,12 @@ class Replica(Protocol):
 R = TypeVar("R", bound=Replica)
 
 
-def routing_key(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
+def routing_key(token_ids: Sequence[int], block_size: int = ROUTING_BLOCK,
                 max_blocks: int = KEY_BLOCKS) -> bytes | None:
-    """The hash chain over the prompt's first full blocks (at most ``max_blocks``); None when it has none.
+    """The hash chain over the prompt's first full routing blocks (at most ``max_blocks``); None when it has none.
 
     Block i's hash covers block i-1's hash and block i's token ids, so that a key names the whole
-    run of tokens before it, as a worker's prefix cache indexes its blocks. blake2b, not ``hash()``:
-    every coordinator process must compute the same key.
+    run of tokens before it. blake2b, not ``hash()``: every coordinator process must compute the same key.
     """
     if block_size < 1 or max_blocks < 1:
         raise ValueError(f"block size and key blocks must be positive, got {block_size} and {max_blocks}")

@@ -22,7 +22,7 @@ import grpc
 
 from coordinator.chat import conversation, tool_use
 from coordinator.placement import Placement
-from coordinator.prefix_routing import DEFAULT_BLOCK_SIZE, routing_key
+from coordinator.prefix_routing import routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
@@ -333,11 +333,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return ids
 
     def _routing_key(self, prompt_ids: list[int]) -> bytes | None:
-        """The prompt's prefix key at the target replicas' block size (None with --placement load)."""
-        if self.cfg.placement != "prefix":
-            return None
-        sizes = (c.info.block_size for c in self.targets.clients if c.routable and c.info and c.info.block_size)
-        return routing_key(prompt_ids, next(sizes, DEFAULT_BLOCK_SIZE))
+        """The prompt's prefix key (None with --placement load); not at the targets' KV block size (the module
+        doc of coordinator/prefix_routing.py says why)."""
+        return routing_key(prompt_ids) if self.cfg.placement == "prefix" else None
 
     def _present(self) -> set[tuple[str, str]]:
         """(role, address) of every replica the pools hold now, leaving ones included."""

@@ -180,7 +180,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="how a new request's target and draft replicas are chosen (default: %(default)s): prefix "
                             "(the replica that most likely holds the prompt's first blocks in its prefix cache, by "
                             "rendezvous hashing, unless it carries 1.25x the mean load: then the next; prompts under "
-                            "one KV block go by load) or load (most free KV, then the shortest queue)")
+                            "16 tokens go by load) or load (most free KV, then the shortest queue)")
     coord.add_argument("--ngram-min", type=int, default=1)
     coord.add_argument("--ngram-max", type=int, default=4)
     coord.add_argument("--no-continuation-cache", action="store_true",

@@ -48,7 +48,7 @@ def test_the_key_covers_the_first_full_blocks_only():
     assert routing_key(system[:BLOCK]) == routing_key(system[:BLOCK + 5])  # a partial block is not keyed
     assert routing_key(system[:2 * BLOCK]) != routing_key(system[:BLOCK])  # one more full block: deeper key
     assert routing_key(system[:BLOCK - 1]) is None  # no full block: no key (load decides)
-    assert routing_key(system, block_size=32) != key  # the workers' block size decides where blocks end
+    assert routing_key(system, block_size=32) != key  # (other routing blocks: another key)
     with pytest.raises(ValueError, match="block size"):
         routing_key(system, block_size=0)
 
@@ -160,14 +160,18 @@ def test_placement_puts_target_and_draft_on_the_keys_replicas_and_a_faulty_move_
 # ----- the service and its flag --------------------------------------------------------------------
 
 
-def test_the_service_keys_by_the_target_replicas_block_size_and_not_at_all_under_load_placement():
-    ids = list(range(64))
+def test_the_service_keys_in_routing_blocks_whatever_the_targets_block_size_and_not_under_load_placement():
+    """The chart's targets use 256-token blocks: keyed by those, a chat's key changed at every turn until its prompt
+    held 1,024 tokens, and each change could move it off the replica holding its prompts and answers."""
     targets = WorkerPool("target", [replica("a")])
-    targets.clients[0].info.block_size = 32
+    targets.clients[0].info.block_size = 256
     service = SimpleNamespace(cfg=SimpleNamespace(placement="prefix"), targets=targets)
-    assert GenerationService._routing_key(service, ids) == routing_key(ids, block_size=32)
+    first_turn = list(range(100, 170))  # 70 tokens: four routing blocks
+    turns = [first_turn, first_turn + list(range(300)), first_turn + list(range(1500))]
+    assert {GenerationService._routing_key(service, t) for t in turns} == {routing_key(first_turn)}
+    assert len({routing_key(t, block_size=256) for t in turns}) == 3  # keyed by 256-token blocks: no key, 1, 4
     service.cfg.placement = "load"
-    assert GenerationService._routing_key(service, ids) is None
+    assert GenerationService._routing_key(service, first_turn) is None
 
 
 def test_through_the_service_each_prompt_stays_on_one_target_and_prompts_spread(tmp_path):
