@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata, make_backend
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
@@ -34,8 +35,9 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.cost_fit import ForwardCostFit, PromptTokenCost
 from tandem.kv_cache import PagedKVCache, SeqId
 from tandem.models import CausalLM, load_model
+from tandem.models.layers import RowStableLinear
 from tandem.models.packed import pack_linear_weights
-from tandem.models.quantize import shrink_for_drafting
+from tandem.models.quantize import Int8Linear, shrink_for_drafting
 from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import local_kv_heads
 from tandem.models.transformer import HiddenStates
@@ -150,6 +152,16 @@ class ForwardItem:
         return torch.tensor(depths(self.parents), dtype=torch.int64) + context_len
 
 
+def _rows_fixed_by_position(model: CausalLM, backend: AttentionBackend) -> bool:
+    """Whether a token's KV and logits are bitwise the same however its row was computed: in a prompt run of any
+    length, decoded, verified or on a tree's path. SDPA computes every row by position (tandem/attention/sdpa.py);
+    the linear layers are row-invariant when every one is packed for oneDNN (tandem/models/packed.py). Elsewhere
+    (flash-attn on CUDA, dense or int8 weights) a decoded row rounds otherwise than a prompt's."""
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear))]
+    return backend.name == "sdpa" and all(isinstance(m, RowStableLinear) and m.packed_weight is not None
+                                          for m in linears)
+
+
 class ModelEngine:
     """A loaded model with its KV pool and attention backend."""
 
@@ -171,6 +183,7 @@ class ModelEngine:
         self.prompt_cost = PromptTokenCost()  # what a prompt chunk's tokens cost (tandem.rpc.prefill_chunks)
         # On a CPU, a second thread computing beside the one that loaded the model slows every pass: warn once.
         self.home_thread = HomeThread(f"the {model.config.model_type} engine") if self.device.type == "cpu" else None
+        self.rows_fixed_by_position = _rows_fixed_by_position(model, backend)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> ModelEngine:

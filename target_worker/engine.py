@@ -27,11 +27,11 @@ Prefix caching: a new prompt starts on the KV blocks it shares with earlier
 prompts (``ModelEngine.reuse_prefix``) and computes only the rest, at least its
 last token (``tandem.block_pool.prefix_limit``). Once a call is decided, the
 sequence's full blocks of committed tokens whose KV is in place are offered to
-the cache: the prompt's, and the generated tokens' unless ``cache_generated`` is
-off (a chat's next turn then finds the answer it resends cached). Every row is
-fixed by its position (tandem/attention/sdpa.py), so a generated token's KV is
-bitwise what a prompt holding it computes; a rejected draft never reaches a
-cached block, as only committed tokens are offered.
+the cache: the prompt's, and the generated tokens' (a chat's next turn then finds
+the answer it resends cached) where the engine's rows are fixed by position
+(``ModelEngine.rows_fixed_by_position``: a generated token's KV is then bitwise
+what a prompt holding it computes) unless ``cache_generated`` is off. A rejected
+draft never reaches a cached block, as only committed tokens are offered.
 Chunked prefill (``tandem/rpc/prefill_chunks.py``): while other sequences are
 running, a long prompt computes one chunk per batch step beside their rows; the
 call's result is then ``Unfinished`` and the batcher queues it again, first,
@@ -47,6 +47,7 @@ target's: extended with each committed row, rolled back and freed with it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,6 +82,8 @@ from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.structured_output import Matcher, StructuredOutput, apply_masks
 from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PrefillCall", "VerifyCall", "ReleaseCall", "TargetEngine", "TargetSequence", "Verdict", "Prefilled",
            "Proposed"]
@@ -171,7 +174,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                  cache_generated: bool = True) -> None:
         super().__init__(engine, leases)
         self.drafter = drafter
-        self.cache_generated = cache_generated  # offer generated tokens' blocks to the prefix cache too
+        # Offer generated tokens' blocks to the prefix cache too, where their KV is what a prompt computes.
+        self.cache_generated = cache_generated and engine.rows_fixed_by_position
+        if cache_generated and not self.cache_generated:
+            log.info("the prefix cache keeps prompt blocks only: on this engine (%s attention, weights not all "
+                     "packed, or int8) a generated token's KV rounds otherwise than a prompt's", engine.backend.name)
         self.structured = structured  # None: requests with a response format are refused (no tokenizer)
         # None: chunks sized from the measured step cost; 0: prompts always computed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
@@ -179,6 +186,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     @property
     def heads_kind(self) -> str:
         return "" if self.drafter is None else self.drafter.kind
+
+    @property
+    def caches_generated(self) -> bool:
+        return self.cache_generated
 
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
@@ -245,8 +256,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def _offer_committed(self, seq_id: str, seq: TargetSequence) -> None:
         """The sequence's full blocks of committed tokens in the KV go to the prefix cache: the prompt's (while
         it is computed, its chunks so far), and the generated tokens' unless ``cache_generated`` is off. The KV
-        holds every committed token but the last (the module doc's invariant); rows are fixed by position, so
-        each block holds what a prompt of those tokens computes (tandem/attention/sdpa.py)."""
+        holds every committed token but the last (the module doc's invariant); generated blocks only where rows are
+        fixed by position, so that each block holds what a prompt of those tokens computes."""
         generated = self.cache_generated and seq.prefilling is None
         self.engine.commit(seq_id, seq.history, len(seq.history) - 1 if generated else seq.prompt_len)
 
@@ -380,13 +391,16 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
         What is left of the prompt (at least its last token: ``prefix_limit``) is fed as prompt tokens, so
         its rows are the ones the prompt computed in one run has. A rebuild may find its generated tokens'
-        blocks too (preempted on this target, they stayed cached): what is left of its history, at least
-        the token before its last, is fed as it was first computed (``history_runs``).
+        blocks too (preempted on this target, they stayed cached), where rows are fixed by position: what is
+        left of its history, at least the token before its last, is fed as it was first computed
+        (``history_runs``).
         """
         call = plan.call
-        rebuilt = len(call.token_ids) - 1 if call.prompt_len else 0  # a rebuild's KV: all but its last token
-        reused = self.engine.reuse_prefix(call.seq_id, call.token_ids,
-                                          limit=prefix_limit(rebuilt or len(call.token_ids)))
+        if call.prompt_len and self.engine.rows_fixed_by_position:
+            limit = prefix_limit(len(call.token_ids) - 1)  # a rebuild's KV: all but its last token
+        else:  # (elsewhere a cached block holds prompt rows, which a generated token's row is not)
+            limit = prefix_limit(call.prompt_len or len(call.token_ids))
+        reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=limit)
         # the reply says so once the prompt is computed: prompt tokens only
         self.sequences[call.seq_id].reused = min(reused, call.prompt_len or reused)
         if not reused:

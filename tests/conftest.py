@@ -11,6 +11,18 @@ from tests.tiny_models import save_tiny_model, save_tiny_served_model
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="module")
+def every_linear_packed():
+    """Engines loaded in this module pack a tiny model's layers too (tandem/models/packed.py leaves test-sized
+    layers dense), so that their rows are fixed by position as a real model's are: a token's KV is then the same
+    decoded or in a prompt, and a target caches generated tokens' blocks (``ModelEngine.rows_fixed_by_position``)."""
+    from tandem.models import packed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)

@@ -90,6 +90,11 @@ class SequenceEngine(Generic[Sequence, Plan]):
         return ""
 
     @property
+    def caches_generated(self) -> bool:
+        """Whether its prefix cache keeps generated tokens' blocks too (only a target's may)."""
+        return False
+
+    @property
     def num_sequences(self) -> int:
         return len(self.sequences)
 

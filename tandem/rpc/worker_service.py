@@ -61,11 +61,13 @@ class WorkerServiceBase:
             forward_per_token_s=model.cost_fit.per_token_s, last_forward_base_s=model.cost_fit.last_base_s,
             last_forward_per_token_s=model.cost_fit.last_per_token_s,
             prompt_token_s=model.prompt_cost.per_token_s, lease_s=self.engine.leases.lease_s,
-            heads=self.engine.heads_kind, prefix_cache=_prefix_cache_info(cache.prefix_stats()),
+            heads=self.engine.heads_kind,
+            prefix_cache=_prefix_cache_info(cache.prefix_stats(), self.engine.caches_generated),
         )
 
 
-def _prefix_cache_info(stats: PrefixCacheStats) -> common_pb2.PrefixCacheInfo:
+def _prefix_cache_info(stats: PrefixCacheStats, generated: bool) -> common_pb2.PrefixCacheInfo:
     return common_pb2.PrefixCacheInfo(
         enabled=stats.enabled, prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens,
-        cached_blocks=stats.cached_blocks, evictable_blocks=stats.evictable_blocks, evictions=stats.evictions)
+        cached_blocks=stats.cached_blocks, evictable_blocks=stats.evictable_blocks, evictions=stats.evictions,
+        generated=stats.enabled and generated)

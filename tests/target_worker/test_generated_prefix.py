@@ -19,6 +19,10 @@ from tandem.spec.options import SpecOptions
 from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
 from tests.target_worker.test_engine import kv_of, ok
 
+# Every engine here packs the tiny model's layers, so that its rows are fixed by position and its target caches
+# generated tokens' blocks (an engine whose rows are not keeps prompt blocks only: the last test).
+pytestmark = pytest.mark.usefixtures("every_linear_packed")
+
 GREEDY = SamplingParams()
 BLOCK = 4
 FIRST = list(range(10, 33))  # 23 tokens: the first turn's prompt ends inside a block
@@ -26,8 +30,10 @@ FOLLOW_UP = [5, 6, 7, 8, 9, 5]  # what the next turn adds after the answer
 
 
 def load(model_dir, caching: bool = True, dtype: str = "float32") -> ModelEngine:
-    return ModelEngine.load(EngineConfig(model_dir, dtype=dtype, kv_cache_tokens=4096, block_size=BLOCK,
-                                         prefix_caching=caching))
+    config = EngineConfig(model_dir, dtype=dtype, kv_cache_tokens=4096, block_size=BLOCK, prefix_caching=caching)
+    if not config.pack_weights:
+        pytest.skip(f"{dtype} weights are not packed on this CPU: its targets cache prompt blocks only")
+    return ModelEngine.load(config)
 
 
 def chain_hashes(engine: ModelEngine, tokens: list[int]) -> list[bytes]:
@@ -60,7 +66,7 @@ def dtype(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def uncached(tiny_qwen2_dir, dtype) -> list[list[int]]:
+def uncached(tiny_qwen2_dir, dtype, every_linear_packed) -> list[list[int]]:
     return [r.token_ids for r in converse(load(tiny_qwen2_dir, caching=False, dtype=dtype), "none")]
 
 
@@ -136,6 +142,23 @@ def test_a_retry_that_cuts_back_into_a_cached_generated_block_leaves_the_cache_a
     assert registered(engine) == cached
 
 
+def test_a_rebuild_after_preemption_reads_its_own_generated_blocks_back(tiny_qwen2_dir):
+    engine = load(tiny_qwen2_dir)
+    target = TargetEngine(engine)
+    ok(target.run_batch([PrefillCall("a", FIRST, GREEDY)]))
+    for _ in range(14):
+        ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), [1, 2], [])]))
+    history = list(target.sequences["a"].history)
+    before = kv_of(engine, "a")
+    ok(target.run_batch([ReleaseCall("a")]))  # preempted: its KV freed, its blocks stay cached
+    reused = engine.kv_cache.prefix_stats().reused_tokens
+    (rebuilt,) = ok(target.run_batch([PrefillCall("a", history, GREEDY, prompt_len=len(FIRST))]))
+    # All but its last two tokens' blocks came back (the token before the last is always computed).
+    assert engine.kv_cache.prefix_stats().reused_tokens - reused == (len(history) - 2) // BLOCK * BLOCK > len(FIRST)
+    assert rebuilt.reused_tokens == len(FIRST)  # the reply counts prompt tokens only (all of them, here)
+    assert target.sequences["a"].history == history and torch.equal(kv_of(engine, "a"), before)
+
+
 def test_no_cache_generated_reaches_the_target_workers_only(tiny_qwen2_dir):
     from tandem.cli import build_parser
     from tandem.cli.serve import worker_config
@@ -150,3 +173,24 @@ def test_no_cache_generated_reaches_the_target_workers_only(tiny_qwen2_dir):
     assert not worker_config(parser.parse_args([*serve, "--no-cache-generated"])).cache_generated
     with pytest.raises(SystemExit):  # a draft caches prompt blocks only: it has no such flag
         parser.parse_args(["serve", "draft", "--model", "d", "--no-cache-generated"])
+
+
+def test_an_engine_whose_rows_are_not_fixed_by_position_caches_prompt_blocks_only(tiny_qwen2_dir, monkeypatch):
+    """Dense weights (a test-sized layer, bf16 on a CPU without native bf16) round a decoded row otherwise than a
+    prompt's: a generated block would not hold what a prompt of its tokens computes, so none is offered."""
+    from tandem.models import packed
+    from tandem.rpc.worker_service import _prefix_cache_info
+
+    monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 1 << 18)  # the tiny model's layers stay dense
+    engine = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=4096, block_size=BLOCK))
+    target = TargetEngine(engine)  # asked to cache generated blocks (the default), but it cannot
+    assert not engine.rows_fixed_by_position and not target.caches_generated
+    ok(target.run_batch([PrefillCall("a", FIRST, GREEDY)]))
+    for _ in range(12):
+        ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), [], [])]))
+    assert registered(engine) == set(chain_hashes(engine, FIRST))
+    assert not _prefix_cache_info(engine.kv_cache.prefix_stats(), target.caches_generated).generated
+    monkeypatch.undo()  # the module's packing of every layer is back
+    packed_engine = load(tiny_qwen2_dir)
+    assert _prefix_cache_info(packed_engine.kv_cache.prefix_stats(), TargetEngine(packed_engine).caches_generated
+                              ).generated
