@@ -27,9 +27,12 @@ so the target's acceptance test uses the q each token was drawn from.
 Prefix caching: a new sequence's first Propose starts on the KV blocks its
 prompt shares with earlier prompts (``ModelEngine.reuse_prefix``, leaving at
 least its last token to compute: ``prefix_limit``) and feeds the rest; once
-drafted, its prompt's full blocks are offered to the cache. Only the prompt:
-the tokens after it may be pipelined guesses the target has not verified, and
-a cached block must hold committed tokens only.
+drafted, the full blocks of what the call says is committed are offered to the
+cache: its prompt, and its first ``verified_len`` tokens (the target's own
+text, which a conversation's next turn resends) where the engine's rows are
+fixed by position or its weights are int8 (``caches_verified``). Never the
+tokens after those: pipelined guesses the target has not verified, or this
+draft's own drafts.
 
 Chunked prefill (``tandem/rpc/prefill_chunks.py``, the same policy as the
 target's): while other sequences are held here, a Propose whose unread prompt is
@@ -60,6 +63,7 @@ from tandem.errors import (
     UnknownSequenceError,
     check_token_ids,
 )
+from tandem.models.quantize import Int8Linear
 from tandem.penalties import adjust_logits
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
@@ -91,6 +95,7 @@ class ProposeCall:
     alternatives: int = 0  # next-best tokens to report per drafted position (speculation trees)
     prompt_len: int = 0  # the sequence's first prompt_len tokens are its prompt (0: not said, all fed as one run)
     owner: str = ""  # the calling coordinator's instance id (tandem.rpc.leases); it must be the sequence's owner
+    verified_len: int = 0  # its first verified_len tokens are the target's committed text (0: not said)
 
 
 @dataclass(slots=True)
@@ -149,6 +154,17 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         super().__init__(engine, leases)
         # None: chunks sized from the measured step cost; 0: prompts always fed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
+        # Verified generated tokens' blocks go to the prefix cache where a generated token's KV is what a prompt
+        # holding it computes (rows fixed by position), and on an int8 draft, whose rows depend on the run's
+        # length anyway (long runs dequantize: tandem/models/quantize.py), so that its prompt blocks are no more
+        # exact than those. Not on a dense unpacked draft: one of the target's own model must compute what
+        # the target does, and the target recomputes those tokens as prompt rows.
+        self.caches_verified = engine.rows_fixed_by_position or any(
+            isinstance(m, Int8Linear) for m in engine.model.modules())
+
+    @property
+    def caches_generated(self) -> bool:
+        return self.caches_verified
 
     def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
         if not isinstance(call, ProposeCall):
@@ -175,7 +191,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                     results[plan.index] = exc
         for plan in drafting:
             if results[plan.index] is None:
-                self._offer_prompt(plan)
+                self._offer_committed(plan)
         for plan in admitted:
             if results[plan.index] is None:
                 results[plan.index] = DraftReply(plan.drafted, plan.probs, plan.alternatives)
@@ -213,6 +229,9 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         if call.prompt_len > len(tokens):
             raise InvalidRequestError(
                 f"sequence {call.seq_id!r}: prompt_len {call.prompt_len} exceeds its {len(tokens)} tokens")
+        if not 0 <= call.verified_len <= len(tokens):
+            raise InvalidRequestError(
+                f"sequence {call.seq_id!r}: verified_len {call.verified_len} outside 0..{len(tokens)} (its tokens)")
         cached = held[: self.engine.seq_len(call.seq_id)]
         keep = common_prefix_len(cached, tokens)
         if call.k == 0:
@@ -241,11 +260,14 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         if seq.generator is not None:  # seeded: the draws of the positions drafted next, on any replica
             call.sampling.seed_at(seq.generator, len(plan.tokens), stream=DRAFT_SEED_OFFSET)
 
-    def _offer_prompt(self, plan: _Plan) -> None:
-        """The prompt is the only part a draft knows to be committed (later tokens may be pipelined
-        guesses), and it was fed as prompt tokens: its full blocks go to the prefix cache."""
-        if plan.call.prompt_len:
-            self.engine.commit(plan.call.seq_id, plan.tokens, plan.call.prompt_len)
+    def _offer_committed(self, plan: _Plan) -> None:
+        """The full blocks of what the call says is committed go to the prefix cache: its prompt, and (see
+        ``caches_verified``) its first ``verified_len`` tokens, the target's own text. Later tokens may be
+        pipelined guesses or this draft's own drafts: never offered."""
+        call = plan.call
+        committed = max(call.prompt_len, call.verified_len if self.caches_verified else 0)
+        if committed:
+            self.engine.commit(call.seq_id, plan.tokens, committed)
 
     def _feed_chunks(self, plans: list[_Plan]) -> list[_Plan]:
         """Feed one chunk of each long unread prompt while other sequences are held here; those plans."""
@@ -259,7 +281,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0,
                                          prompt=True) for p in long])
         for plan in long:  # the prompt's full blocks so far may serve other prompts already
-            self._offer_prompt(plan)
+            self._offer_committed(plan)
         return long
 
     def _draft(self, plans: list[_Plan]) -> None:

@@ -122,9 +122,10 @@ class LocalDraft:
         return self.engine.engine.kv_cache.cached_prefix_len(token_ids)
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
-        reply = await self.batcher.submit(
-            ProposeCall(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len))
+                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
+                      verified_len: int = 0) -> Drafted:
+        reply = await self.batcher.submit(ProposeCall(seq_id, committed_len, new_tokens, k, sampling, alternatives,
+                                                      prompt_len, verified_len=verified_len))
         return Drafted(reply.tokens, reply.probs, reply.alternatives)
 
     async def release(self, seq_id: str) -> None:

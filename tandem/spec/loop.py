@@ -169,7 +169,7 @@ class SpeculationLoop:
         early: asyncio.Task | None = None
         if self.draft is not None and k > 0 and self.options.pipelined and not self.options.uses_heads:
             # Draft while the target prefills: its first token is a guess of the target's first token.
-            early = self._spawn(self._propose(s.prompt_ids, k + 2))
+            early = self._spawn(self._propose(s.prompt_ids, k + 2, verified=len(s.prompt_ids)))
         propose = self._heads_budget(first=True)  # always: a worker drafts for a sequence whose Prefill asked
         prefilled = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose)
         first = prefilled.next_token
@@ -213,7 +213,7 @@ class SpeculationLoop:
         if (self.draft is not None and self.options.pipelined and proposal.source == DRAFT and chain
                 and proposal.guess is not None and len(chain) == len(proposal.tokens)):
             # Draft round r+1 now, betting that all of round r's chain is accepted and the guess is right.
-            ahead = self._spawn(self._propose([*s.history, *chain, proposal.guess], k + 1))
+            ahead = self._spawn(self._propose([*s.history, *chain, proposal.guess], k + 1, verified=len(s.history)))
         t0 = time.perf_counter()
         verified = await verifying
         kept, next_token = verified.kept, verified.next_token
@@ -357,7 +357,7 @@ class SpeculationLoop:
             return self._with_tree(ready, k, shape, branches, runs)
         extra = 1 if opts.pipelined else 0  # the guess of the target's extra token
         t0 = time.perf_counter()
-        drafted = await self._timed_draft(self._propose(s.history, k + extra))
+        drafted = await self._timed_draft(self._propose(s.history, k + extra, verified=len(s.history)))
         self.costs.observe_draft((time.perf_counter() - t0) / (k + extra))
         tokens, probs, alternatives = drafted.tokens, list(drafted.probs), list(drafted.alternatives)
         if extra and len(tokens) == k + 1:
@@ -421,12 +421,14 @@ class SpeculationLoop:
             if self.observer:
                 self.observer.on_draft(waited)
 
-    async def _propose(self, tokens: list[int], k: int) -> Drafted:
+    async def _propose(self, tokens: list[int], k: int, verified: int) -> Drafted:
         """The draft's proposal after ``tokens``; none without a draft. With none left, the request goes on
-        with n-gram proposals."""
+        with n-gram proposals. ``verified``: how many of ``tokens`` are committed (the rest are guesses of a
+        pipelined round), counted where ``tokens`` were taken, since the history grows while this waits."""
         if self.draft is None:
             return Drafted([])
-        drafted = await self.draft.propose(tokens, k, self.options.tree_width if self.options.tree != "off" else 0)
+        drafted = await self.draft.propose(tokens, k, self.options.tree_width if self.options.tree != "off" else 0,
+                                           verified)
         if drafted.gone:
             self.draft = None
         return drafted

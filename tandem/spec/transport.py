@@ -110,9 +110,11 @@ class DraftChannel(Protocol):
     """The draft side: Propose(seq, committed_len, new_tokens, k) as the draft worker defines it."""
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
-                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0) -> Drafted:
+                      sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
+                      verified_len: int = 0) -> Drafted:
         """Keep ``committed_len`` tokens, append ``new_tokens``, draft k (and ``alternatives``
-        next-best tokens per position); the sequence's first ``prompt_len`` tokens are its prompt."""
+        next-best tokens per position); the sequence's first ``prompt_len`` tokens are its prompt, its first
+        ``verified_len`` the target's committed text (prompt included), which the draft may cache."""
 
     async def release(self, seq_id: str) -> None: ...
 

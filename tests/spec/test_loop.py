@@ -106,7 +106,8 @@ class FakeDraft:
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.01, 0.001)
 
-    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0):
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0,
+                      verified_len=0):
         await asyncio.sleep(0)
         self.calls += 1
         self.prompt_lens.add(prompt_len)
@@ -227,7 +228,8 @@ class PricedPromptDraft(FakeDraft):
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.01, 0.001, prompt_token_s=0.002)
 
-    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0):
+    async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0,
+                      verified_len=0):
         self.reads.append((committed_len, len(new_tokens)))
         return await super().propose(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.block_pool import block_hash
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
@@ -83,6 +84,33 @@ def test_the_next_turn_reuses_the_answer_and_its_output_is_unchanged(tiny_qwen2_
     answered = (len(FIRST) + len(first.token_ids) - 1) // BLOCK * BLOCK  # the answer's last token has no KV
     assert second.stats.prompt_tokens_reused == min(answered, (second_len - 1) // BLOCK * BLOCK) > len(FIRST)
     assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks  # everything released
+
+
+def test_a_draft_caches_the_verified_text_and_never_its_drafts_or_guesses(tiny_qwen2_dir):
+    engine = load(tiny_qwen2_dir)
+    draft = DraftEngine(engine)
+    assert draft.caches_generated
+    tokens = [*FIRST, *range(40, 57)]  # 40: the prompt (23), 13 verified tokens, then 4 guesses of a pipelined round
+    verified = len(FIRST) + 13
+    (reply,) = ok(draft.run_batch([ProposeCall("a", 0, tokens, 6, GREEDY, prompt_len=len(FIRST),
+                                               verified_len=verified)]))
+    assert registered(engine) == set(chain_hashes(engine, tokens[:verified]))  # 9 blocks: not the guesses' 10th
+    # The target kept one guess and corrected the next: the draft rolls back to it and drafts again.
+    kept = [*tokens[:verified + 1], 90]
+    ok(draft.run_batch([ProposeCall("a", verified + 1, [90], 6, GREEDY, prompt_len=len(FIRST),
+                                    verified_len=len(kept))]))
+    assert registered(engine) == set(chain_hashes(engine, kept))  # now 9 full blocks still, 38 tokens: none more
+    assert not any(h in registered(engine) for h in chain_hashes(engine, [*tokens, *reply.tokens])[9:])
+    with pytest.raises(Exception, match="verified_len 99 outside 0..38"):
+        ok(draft.run_batch([ProposeCall("a", len(kept), [], 1, GREEDY, verified_len=99)]))
+
+
+def test_the_next_turn_s_draft_reads_the_answer_from_its_cache(tiny_qwen2_dir, tiny_qwen2_other_dir):
+    target, draft = load(tiny_qwen2_dir), load(tiny_qwen2_other_dir)
+    first, second = converse(target, "draft", draft)
+    held = len(FIRST) + len(first.token_ids) - 1  # the target's text with KV: the verified tokens
+    stats = draft.kv_cache.prefix_stats()
+    assert stats.reused_tokens >= held // BLOCK * BLOCK - BLOCK > len(FIRST)  # turn 2's draft read turn 1 back
 
 
 def test_without_cache_generated_only_prompt_blocks_are_kept(tiny_qwen2_dir):
