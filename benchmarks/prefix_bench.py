@@ -10,7 +10,7 @@ with empty prefix caches): bf16, the Qwen pair by default.
   one-replica        one target replica, prefix caching on: the hit rate one replica reaches
                      (the reference of the placement goal), then the chunked-prefill scenario
   no-chunking        one target replica, --prefill-chunk-tokens 0: the same scenario unchunked
-  prompts-only       one target replica, --no-cache-generated: its prefix cache keeps prompt blocks only
+  prompts-only       one target replica, workers --no-cache-generated: prefix caches keep prompt blocks only
                      (as before generated tokens' blocks were cached), beside one-replica's cache of both
 
 Workloads, the same token ids in every configuration (Spec-Bench text, benchmarks/data; the
@@ -127,7 +127,7 @@ def configs(chunk_tokens: int | None) -> dict[str, Config]:
         Config("cache-on+prefix", 2, (), chunk, placement="prefix"),
         Config("one-replica", 1, (), chunk, scenario=True),
         Config("no-chunking", 1, (), ("--prefill-chunk-tokens", "0"), workloads=False, scenario=True),
-        Config("prompts-only", 1, (), (*chunk, "--no-cache-generated")),
+        Config("prompts-only", 1, ("--no-cache-generated",), chunk),
     )}
 
 

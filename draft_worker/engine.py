@@ -150,7 +150,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
 
     engine: ModelEngine
 
-    def __init__(self, engine: ModelEngine, leases=None, prefill_chunk_tokens: int | None = 0) -> None:
+    def __init__(self, engine: ModelEngine, leases=None, prefill_chunk_tokens: int | None = 0,
+                 cache_generated: bool = True) -> None:
         super().__init__(engine, leases)
         # None: chunks sized from the measured step cost; 0: prompts always fed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
@@ -158,9 +159,9 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         # holding it computes (rows fixed by position), and on an int8 draft, whose rows depend on the run's
         # length anyway (long runs dequantize: tandem/models/quantize.py), so that its prompt blocks are no more
         # exact than those. Not on a dense unpacked draft: one of the target's own model must compute what
-        # the target does, and the target recomputes those tokens as prompt rows.
-        self.caches_verified = engine.rows_fixed_by_position or any(
-            isinstance(m, Int8Linear) for m in engine.model.modules())
+        # the target does, and the target recomputes those tokens as prompt rows. Nor with --no-cache-generated.
+        self.caches_verified = cache_generated and (engine.rows_fixed_by_position or any(
+            isinstance(m, Int8Linear) for m in engine.model.modules()))
 
     @property
     def caches_generated(self) -> bool:

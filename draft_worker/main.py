@@ -10,7 +10,8 @@ from tandem.v1 import draft_pb2_grpc
 
 DRAFT_ROLE = WorkerRole(
     name="draft",
-    make_engine=lambda engine, leases, cfg: DraftEngine(engine, leases, cfg.prefill_chunk_tokens),
+    make_engine=lambda engine, leases, cfg: DraftEngine(engine, leases, cfg.prefill_chunk_tokens,
+                                                     cache_generated=cfg.cache_generated),
     make_service=DraftService,
     add_to_server=draft_pb2_grpc.add_DraftWorkerServicer_to_server,
     service_full_name="tandem.v1.DraftWorker",

@@ -331,8 +331,8 @@ class WorkerConfig:
     # A target's chunked prefill (tandem/rpc/prefill_chunks.py): tokens per chunk of a long prompt while other
     # streams run; None: sized from the measured step cost; 0: prompts always computed whole.
     prefill_chunk_tokens: int | None = None
-    # A target's prefix cache keeps generated tokens' full blocks too (target_worker/engine.py); False: prompt
-    # blocks only.
+    # The prefix cache keeps the full blocks of the target's generated text too (a target's own, a draft's of
+    # what the target verified: target_worker/engine.py, draft_worker/engine.py); False: prompt blocks only.
     cache_generated: bool = True
     # A file that workers sharing these cores lock while they load and warm up, so that each one's timings
     # (row padding, the fitted forward cost) are taken alone (tandem.rpc.startup_lock); None: no lock.

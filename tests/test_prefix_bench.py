@@ -112,7 +112,7 @@ def test_quick_defaults_and_the_configurations_chosen():
 
 def test_prompts_only_caches_no_generated_blocks_and_workloads_can_be_chosen():
     table = prefix_bench.configs(None)
-    assert table["prompts-only"].target_args == ("--no-cache-generated",) and table["prompts-only"].replicas == 1
+    assert table["prompts-only"].worker_args == ("--no-cache-generated",) and table["prompts-only"].replicas == 1
     args = prefix_bench.resolve_args(["--workloads", "chat", "--configs", "prompts-only,one-replica"])
     assert args.workloads == ["chat"] and args.configs == ["one-replica", "prompts-only"]
     assert prefix_bench.resolve_args([]).workloads == [*prefix_bench.WORKLOADS, "scenario"]

@@ -70,6 +70,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt from its first token; by default the KV of committed full blocks "
                         "is kept after a request ends and reused by prompts that start the same way")
+    p.add_argument("--no-cache-generated", action="store_true",
+                   help="keep only prompt blocks in the prefix cache; by default the full blocks of the target's "
+                        "generated text are kept too (where a generated token's KV is what a prompt computes), so "
+                        "that a conversation's next turn, which sends the answer back in its prompt, finds it cached")
     p.add_argument("--gather-fraction", type=float, default=None,
                    help="while a sequence that called recently has not called again, wait for it up to this many "
                         "forward passes, so batches fill; 0: never wait (default: 1 for target, 8 for draft)")
@@ -115,10 +119,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
                              "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
                              "--threads is then per rank (default: cores / N) (default: %(default)s)")
-    target.add_argument("--no-cache-generated", action="store_true",
-                        help="keep only prompt blocks in the prefix cache; by default the full blocks of generated "
-                             "tokens are kept too, so that a conversation's next turn, which sends the answer back "
-                             "in its prompt, finds it cached")
     _server_flags(target, 50052)
     target.set_defaults(func=run_worker)
 
@@ -231,7 +231,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
                         idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
                         prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock,
-                        cache_generated=args.role == "target" and not args.no_cache_generated)
+                        cache_generated=not args.no_cache_generated)
 
 
 def _heads_path(args: argparse.Namespace, root: Path) -> Path | None:

@@ -83,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="workers compute every prompt from its first token (default: they reuse the KV of "
                         "prompts that start the same way)")
     p.add_argument("--no-cache-generated", action="store_true",
-                   help="targets keep only prompt blocks in their prefix cache (default: generated tokens' blocks "
-                        "too, so that a conversation's next turn finds the answer it sends back cached)")
+                   help="workers keep only prompt blocks in their prefix cache (default: the target's generated "
+                        "text's blocks too, so that a conversation's next turn finds the answer it sends back cached)")
     p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
                    help="workers compute a long prompt N tokens per step while other streams run; auto: "
                         "sized from the measured step cost; 0: whole (default: auto)")
@@ -158,10 +158,10 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
-        target_args=(*(("--heads", str(args.heads)) if args.heads else ()),
-                     *(("--no-cache-generated",) if args.no_cache_generated else ())),
+        target_args=("--heads", str(args.heads)) if args.heads else (),
         # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
         worker_args=("--host", "127.0.0.1", *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
+                     *(("--no-cache-generated",) if args.no_cache_generated else ()),
                      *(() if args.prefill_chunk_tokens is None else
                        ("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)))),
         log_dir=args.log_dir, cache_dir=args.cache_dir,

@@ -53,11 +53,12 @@ def test_target_pods_request_one_gpu_per_tensor_parallel_rank():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container(objects, "target")["volumeMounts"]
 
 
-def test_generated_blocks_are_cached_unless_the_target_values_say_not():
-    assert "--no-cache-generated" not in container(render(), "target")["args"]
+def test_generated_blocks_are_cached_unless_each_fleets_values_say_not():
+    assert all("--no-cache-generated" not in container(render(), f)["args"] for f in FLEETS)
     objects = render(None, "target.cacheGenerated=false")
     assert "--no-cache-generated" in container(objects, "target")["args"]
-    assert "--no-cache-generated" not in container(objects, "draft")["args"]  # a draft caches prompt blocks only
+    assert "--no-cache-generated" not in container(objects, "draft")["args"]
+    assert "--no-cache-generated" in container(render(None, "draft.cacheGenerated=false"), "draft")["args"]
 
 
 def test_a_chat_template_is_a_configmap_mounted_into_the_coordinator_and_passed_to_it():

@@ -187,20 +187,20 @@ def test_a_rebuild_after_preemption_reads_its_own_generated_blocks_back(tiny_qwe
     assert target.sequences["a"].history == history and torch.equal(kv_of(engine, "a"), before)
 
 
-def test_no_cache_generated_reaches_the_target_workers_only(tiny_qwen2_dir):
+def test_no_cache_generated_reaches_every_worker(tiny_qwen2_dir):
     from tandem.cli import build_parser
     from tandem.cli.serve import worker_config
     from tandem.cli.up import cluster_spec
 
     parser = build_parser()
     spec = cluster_spec(parser.parse_args(["up", "--target", "t", "--draft", "d", "--no-cache-generated"]))
-    assert "--no-cache-generated" in spec.target_args and "--no-cache-generated" not in spec.worker_args
-    assert "--no-cache-generated" not in cluster_spec(parser.parse_args(["up", "--target", "t"])).target_args
-    serve = ["serve", "target", "--model", str(tiny_qwen2_dir)]
-    assert worker_config(parser.parse_args(serve)).cache_generated
-    assert not worker_config(parser.parse_args([*serve, "--no-cache-generated"])).cache_generated
-    with pytest.raises(SystemExit):  # a draft caches prompt blocks only: it has no such flag
-        parser.parse_args(["serve", "draft", "--model", "d", "--no-cache-generated"])
+    assert "--no-cache-generated" in spec.worker_args  # targets and drafts
+    assert "--no-cache-generated" not in cluster_spec(parser.parse_args(["up", "--target", "t"])).worker_args
+    for role in ("target", "draft"):
+        serve = ["serve", role, "--model", str(tiny_qwen2_dir)]
+        assert worker_config(parser.parse_args(serve)).cache_generated
+        assert not worker_config(parser.parse_args([*serve, "--no-cache-generated"])).cache_generated
+    assert not DraftEngine(load(tiny_qwen2_dir), cache_generated=False).caches_generated
 
 
 def test_an_engine_whose_rows_are_not_fixed_by_position_caches_prompt_blocks_only(tiny_qwen2_dir, monkeypatch):
