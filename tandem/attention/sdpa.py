@@ -177,9 +177,9 @@ def _attend_pieces(
 ) -> list[torch.Tensor]:  # [rows of a piece, H, D] each, in order
     """The run in fixed pieces (module doc): piece j is PIECE query rows over (j + 1) * PIECE keys.
 
-    As in ``_attend_row``, the G query heads that share a KV head are that head's query rows
-    (in KV head h's rows, row r * G + g is piece row r of query head h * G + g), so one call per
-    piece reads K/V as they are:
+    The G query heads that share a KV head are that head's query rows (in KV head h's rows,
+    row r * G + g is piece row r of query head h * G + g), so one call per piece reads K/V as
+    they are:
     ``enable_gqa`` copied a piece's keys and values G times per call, which made prompt attention
     a quarter of a 391-token prefill of Qwen2.5-Coder-1.5B (G = 6) on a 2-core EPYC.
     """
