@@ -153,7 +153,8 @@ class WorkerClient:
         return self.prompt_blocks.match(token_ids, self.info.block_size)
 
     def read_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """This (draft) replica drafted after reading ``prompt_ids``: it cached the prompt's full blocks."""
+        """This (draft) replica drafted after reading ``prompt_ids`` (a prompt, or the target's text of a request
+        it drafted for): it cached their full blocks."""
         if self.info is not None and self.info.prefix_cache.enabled and self.info.block_size >= 1:
             self.prompt_blocks.record(prompt_ids, self.info.block_size, self.info.total_blocks)
 
@@ -185,6 +186,10 @@ class RequestChannel:
         self.client = client
         self.deadline = deadline  # asyncio loop time by which the client wants its answer; None: no limit
         self.owner = owner  # the coordinator's instance id, named in every call (the worker's lease)
+        # A draft's sequence as its Proposes built it, and how many of those tokens are the target's text (its
+        # last ``verified_len``): at release the mirror learns the blocks of that text the draft cached.
+        self._draft_tokens: list[int] = []
+        self._verified = 0
 
     def _timeout(self) -> float:
         timeout = self.client.call_timeout_s
@@ -247,13 +252,21 @@ class RequestChannel:
             owner=self.owner, verified_len=verified_len))
         if committed_len == 0 and k > 0 and 0 < prompt_len <= len(new_tokens):
             self.client.read_prompt(new_tokens[:prompt_len])  # (a draft offers a prompt it drafted after)
+        self._draft_tokens = [*self._draft_tokens[:committed_len], *new_tokens]
+        if k > 0:
+            self._verified = verified_len
         return Drafted(list(reply.tokens), list(reply.probs), [list(a.token_ids) for a in reply.alternatives])
 
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
         return self.client.cached_prefix(token_ids)
 
     async def release(self, seq_id: str) -> None:
-        """Best effort: a worker that is gone has freed the KV anyway."""
+        """Best effort: a worker that is gone has freed the KV anyway. A draft that caches the target's text
+        (Info's ``prefix_cache.generated``) kept the blocks of what its last drafting Propose said was
+        verified: the mirror learns them, so that a conversation's next turn is priced as mostly cached."""
+        if self._verified and self.client.info is not None and self.client.info.prefix_cache.generated:
+            self.client.read_prompt(self._draft_tokens[:self._verified])
+        self._draft_tokens, self._verified = [], 0
         try:
             await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001

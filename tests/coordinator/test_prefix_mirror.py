@@ -55,9 +55,9 @@ class DraftStub:
         return draft_pb2.ProposeResponse(tokens=[1] * request.k)
 
 
-def draft_info(enabled: bool = True, total_blocks: int = 100) -> common_pb2.WorkerInfo:
+def draft_info(enabled: bool = True, total_blocks: int = 100, generated: bool = False) -> common_pb2.WorkerInfo:
     return common_pb2.WorkerInfo(role="draft", block_size=4, total_blocks=total_blocks,
-                                 prefix_cache=common_pb2.PrefixCacheInfo(enabled=enabled))
+                                 prefix_cache=common_pb2.PrefixCacheInfo(enabled=enabled, generated=generated))
 
 
 def test_a_draft_replica_is_believed_to_hold_the_prompts_it_drafted_after():
@@ -86,6 +86,32 @@ def test_a_draft_replica_is_believed_to_hold_the_prompts_it_drafted_after():
         stub.info = draft_info(enabled=False)  # started with --no-prefix-caching
         await client.refresh()
         assert channel.cached_prefix(question) == 0
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_draft_that_caches_the_targets_text_is_believed_to_hold_a_finished_requests_verified_text():
+    async def scenario():
+        client = WorkerClient("127.0.0.1:1", "draft", 60.0)
+        client.stub = DraftStub(draft_info(generated=True))
+        await client.refresh()
+        answer = [4, 5, 6, 7, 8, 9, 10]
+        next_turn = [*SYSTEM, 1, 2, *answer, 11, 12]  # the next turn resends the prompt and the answer
+        channel = client.for_request(None)
+        await channel.propose("a", 0, [*SYSTEM, 1, 2], 3, SamplingParams(), prompt_len=42, verified_len=42)
+        await channel.propose("a", 42, answer[:4], 3, SamplingParams(), prompt_len=42, verified_len=46)
+        await channel.propose("a", 46, [*answer[4:], 99], 3, SamplingParams(), prompt_len=42, verified_len=49)
+        assert channel.cached_prefix(next_turn) == 40  # the prompt's blocks, while the request runs
+        await channel.release("a")
+        assert channel.cached_prefix(next_turn) == 48  # its 49 verified tokens: 12 blocks, not the guess 99
+        client.stub = DraftStub(draft_info())  # a draft that caches prompts only
+        await client.refresh()
+        other = client.for_request(None)
+        await other.propose("b", 0, [*SYSTEM, 3, 3], 3, SamplingParams(), prompt_len=42, verified_len=42)
+        await other.propose("b", 42, answer, 3, SamplingParams(), prompt_len=42, verified_len=49)
+        await other.release("b")
+        assert other.cached_prefix([*SYSTEM, 3, 3, *answer]) == 40
         await client.close()
 
     asyncio.run(scenario())
