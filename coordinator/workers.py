@@ -186,8 +186,8 @@ class RequestChannel:
         self.client = client
         self.deadline = deadline  # asyncio loop time by which the client wants its answer; None: no limit
         self.owner = owner  # the coordinator's instance id, named in every call (the worker's lease)
-        # A draft's sequence as its Proposes built it, and how many of those tokens are the target's text (its
-        # last ``verified_len``): at release the mirror learns the blocks of that text the draft cached.
+        # A draft's sequence as its Proposes built it, and how many of those tokens are the target's text (the
+        # last drafting Propose's ``verified_len``): at release the mirror learns the blocks the draft cached of it.
         self._draft_tokens: list[int] = []
         self._verified = 0
 
