@@ -375,7 +375,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                                                          heads=call.propose > 0,
                                                          prompt_len=call.prompt_len or len(call.token_ids),
                                                          grammar=plan.grammar)
-            if not plan.item.features:  # heads need every row's feature: their prompt is computed whole
+            if not plan.item.features or (not call.prompt_len and not self.drafter.reads_every_prompt_row):
+                # (EAGLE needs every prompt row's features: its prompt, and any heads rebuild, is computed whole)
                 self._reuse_prefix(plan)
         else:
             seq = self.sequences[call.seq_id]
@@ -485,8 +486,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         call = plan.call
         features = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]  # [rows fed, F]
         if isinstance(call, PrefillCall):  # every row fed is committed: the prompt (or the rebuilt history)
-            history = self.sequences[call.seq_id].history
-            return HeadStep(call.seq_id, 0, features, history[1:], call.propose)
+            seq = self.sequences[call.seq_id]
+            # (a Medusa prompt may start on the prefix cache: its first ``reused`` rows were not fed)
+            return HeadStep(call.seq_id, seq.reused, features, seq.history[seq.reused + 1:], call.propose)
         accepted = [call.draft_tokens[n] for n in verdict.accepted_nodes]
         if plan.children is None:
             kept = features[: verdict.num_accepted + 1]

@@ -73,6 +73,8 @@ class MedusaDrafter(TimedDrafter):
     """K heads on the last new row; the tree is the best paths through each head's top ``width`` tokens."""
 
     kind = "medusa"
+    # Only the last fed row's features make a proposal: a prompt may start on the target's prefix cache.
+    reads_every_prompt_row = False
 
     def __init__(self, heads: MedusaHeads, width: int = 4) -> None:
         self.heads = heads
@@ -115,6 +117,8 @@ class EagleDrafter(TimedDrafter):
     """EAGLE-3 drafting with EAGLE-2's dynamic tree: expand the ``width`` best nodes for ``depth`` steps."""
 
     kind = "eagle"
+    # Its own KV holds a row per target row, made from that row's features: a prompt is computed whole.
+    reads_every_prompt_row = True
 
     def __init__(self, head: EagleHead, embed: nn.Embedding, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", depth: int = 5, width: int = 4) -> None:
