@@ -252,7 +252,8 @@ class RequestChannel:
             owner=self.owner, verified_len=verified_len))
         if committed_len == 0 and k > 0 and 0 < prompt_len <= len(new_tokens):
             self.client.read_prompt(new_tokens[:prompt_len])  # (a draft offers a prompt it drafted after)
-        self._draft_tokens = [*self._draft_tokens[:committed_len], *new_tokens]
+        del self._draft_tokens[committed_len:]  # (in place: no copy of the whole history per round)
+        self._draft_tokens.extend(new_tokens)
         if k > 0:
             self._verified = verified_len
         return Drafted(list(reply.tokens), list(reply.probs), [list(a.token_ids) for a in reply.alternatives])

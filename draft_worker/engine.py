@@ -30,7 +30,7 @@ least its last token to compute: ``prefix_limit``) and feeds the rest; once
 drafted, the full blocks of what the call says is committed are offered to the
 cache: its prompt, and its first ``verified_len`` tokens (the target's own
 text, which a conversation's next turn resends) where the engine's rows are
-fixed by position or its weights are int8 (``caches_verified``). Never the
+fixed by position or its weights are int8 (``caches_generated``). Never the
 tokens after those: pipelined guesses the target has not verified, or this
 draft's own drafts.
 
@@ -160,12 +160,12 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         # length anyway (long runs dequantize: tandem/models/quantize.py), so that its prompt blocks are no more
         # exact than those. Not on a dense unpacked draft: one of the target's own model must compute what
         # the target does, and the target recomputes those tokens as prompt rows. Nor with --no-cache-generated.
-        self.caches_verified = cache_generated and (engine.rows_fixed_by_position or any(
+        self._caches_generated = cache_generated and (engine.rows_fixed_by_position or any(
             isinstance(m, Int8Linear) for m in engine.model.modules()))
 
     @property
     def caches_generated(self) -> bool:
-        return self.caches_verified
+        return self._caches_generated
 
     def call_cost(self, call: ProposeCall | ReleaseCall) -> int:
         if not isinstance(call, ProposeCall):
@@ -263,10 +263,10 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
 
     def _offer_committed(self, plan: _Plan) -> None:
         """The full blocks of what the call says is committed go to the prefix cache: its prompt, and (see
-        ``caches_verified``) its first ``verified_len`` tokens, the target's own text. Later tokens may be
+        ``caches_generated``) its first ``verified_len`` tokens, the target's own text. Later tokens may be
         pipelined guesses or this draft's own drafts: never offered."""
         call = plan.call
-        committed = max(call.prompt_len, call.verified_len if self.caches_verified else 0)
+        committed = max(call.prompt_len, call.verified_len if self._caches_generated else 0)
         if committed:
             self.engine.commit(call.seq_id, plan.tokens, committed)
 

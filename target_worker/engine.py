@@ -175,8 +175,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         super().__init__(engine, leases)
         self.drafter = drafter
         # Offer generated tokens' blocks to the prefix cache too, where their KV is what a prompt computes.
-        self.cache_generated = cache_generated and engine.rows_fixed_by_position
-        if cache_generated and not self.cache_generated:
+        self._caches_generated = cache_generated and engine.rows_fixed_by_position
+        if cache_generated and not self._caches_generated:
             log.info("the prefix cache keeps prompt blocks only: on this engine (%s attention, weights not all "
                      "packed, or int8) a generated token's KV rounds otherwise than a prompt's", engine.backend.name)
         self.structured = structured  # None: requests with a response format are refused (no tokenizer)
@@ -189,7 +189,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     @property
     def caches_generated(self) -> bool:
-        return self.cache_generated
+        return self._caches_generated
 
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
@@ -258,7 +258,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         it is computed, its chunks so far), and the generated tokens' unless ``cache_generated`` is off. The KV
         holds every committed token but the last (the module doc's invariant); generated blocks only where rows are
         fixed by position, so that each block holds what a prompt of those tokens computes."""
-        generated = self.cache_generated and seq.prefilling is None
+        generated = self._caches_generated and seq.prefilling is None
         self.engine.commit(seq_id, seq.history, len(seq.history) - 1 if generated else seq.prompt_len)
 
     def _drop_failed_chunks(self, calls: list[Call], results: list) -> None:
