@@ -29,7 +29,9 @@ Speculation: method --method, default none. TTFT is then the target's prefill al
 stream's tokens come one per step, so the token gaps of the chunked-prefill scenario measure
 the stall, not how many draft tokens a round accepted (a burst of accepted tokens arrives as one
 message). With --method hybrid/draft every configuration gets one draft replica, placed by the
-same key, and its prefix cache's hit rate is reported too. The scenario always runs method none.
+same key, and its prefix cache's hit rate is reported too. With --method eagle/medusa every target
+worker serves --heads (an EAGLE prompt starts on as many blocks as the target's cache and its head's
+hold). The scenario always runs method none.
 
 Reported per configuration and workload: end-to-end time (the requests' wall time, summed, seen
 by the client), time to first token per request (client side: the first streamed message with
@@ -94,7 +96,8 @@ NAME = "prefix_bench"
 QUICK_MODEL = "smollm2"
 WORKLOADS = ("chat", "samples", "system", "probe")
 HIT_WORKLOADS = ("chat", "samples", "system")  # the placement goal's hit rates (the probe is two requests)
-METHODS = ("none", "ngram", "draft", "hybrid")
+METHODS = ("none", "ngram", "draft", "hybrid", "eagle", "medusa")
+HEADS_METHODS = ("eagle", "medusa")  # served by the targets' --heads
 WARMUP_PROMPT = "Name three colours."  # raw text shorter than a KV block: it leaves nothing in a prefix cache
 # Spec-Bench categories per use, so that no workload finds another's text in a cache.
 CHAT_CATEGORIES = ("mt_bench", "math_reasoning", "translation")
@@ -141,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft model, used when --method drafts (default: qwen-coder-0.5b; --quick: smollm2)")
     p.add_argument("--method", default="none", choices=METHODS,
                    help="speculation method of the workloads' requests (default: %(default)s; see above)")
+    p.add_argument("--heads", default=None, metavar="PATH|NAME",
+                   help="speculation heads for every target worker (`tandem serve target --heads`); needed by "
+                        "--method eagle and medusa")
     p.add_argument("--configs", default=",".join(configs(None)),
                    help="configurations to run, comma-separated subset (default: all)")
     p.add_argument("--workloads", default=",".join((*WORKLOADS, "scenario")),
@@ -228,6 +234,9 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
              args.stream_lead_tokens, args.long_prompt_tokens, args.k)
     if min(sizes) <= 0 or args.temperature <= 0:
         raise SystemExit("every size, --k and --temperature must be positive")
+    if (args.method in HEADS_METHODS) != (args.heads is not None):
+        raise SystemExit(f"--method {args.method} " + ("needs --heads (the heads the target workers serve)"
+                                                       if args.heads is None else "uses no --heads"))
     if args.chunk_tokens is not None and args.chunk_tokens <= 0:
         raise SystemExit("--chunk-tokens must be positive (the no-chunking configuration is the unchunked run)")
     return args
@@ -544,6 +553,11 @@ def warm_up(client: Any, prompt: list[int], replicas: int, method: str) -> None:
     raise RuntimeError(f"the warm-up reached {len(seen)} of {replicas} target replicas")
 
 
+def heads_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The target workers' --heads flag, when the workloads' method drafts with heads."""
+    return ("--heads", args.heads) if args.heads is not None else ()
+
+
 def run_config(config: Config, w: Workloads, tokenizer: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from tandem.client import TandemClient
     from tandem.cluster import ClusterSpec, LocalCluster
@@ -551,11 +565,11 @@ def run_config(config: Config, w: Workloads, tokenizer: Any, args: argparse.Name
     uses_draft = args.method in ("draft", "hybrid") and config.workloads
     spec = ClusterSpec(target=args.target, draft=args.draft if uses_draft else None, target_replicas=config.replicas,
                        dtype=args.dtype, worker_threads=args.worker_threads, kv_cache_tokens=args.kv_cache_tokens,
-                       worker_args=config.worker_args, target_args=config.target_args,
+                       worker_args=config.worker_args, target_args=(*config.target_args, *heads_args(args)),
                        coordinator_args=("--placement", config.placement, "--call-timeout", str(args.call_timeout)),
                        log_dir=workdir / config.name)
     out: dict[str, Any] = {"config": config.name, "replicas": config.replicas,
-                           "worker_args": [*config.worker_args, *config.target_args],
+                           "worker_args": [*config.worker_args, *config.target_args, *heads_args(args)],
                            "placement": config.placement, "workloads": {}, "scenario": None}
     print(f"{config.name}: starting {config.replicas} x {args.target}"
           + (f" + {args.draft} draft" if uses_draft else ""), file=sys.stderr)
@@ -789,8 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = [row for res in results if res["scenario"] for row in scenario_rows(res["config"], res["scenario"])]
     summary, lines = verdicts(results, rows, scenario)
     settings = {k: getattr(args, k) for k in (
-        "target", "method", "configs", "chat_turns", "chat_tokens", "answer_tokens", "chat_ends_at_eos", "samples",
-        "sample_prompt_tokens",
+        "target", "method", "heads", "configs", "chat_turns", "chat_tokens", "answer_tokens", "chat_ends_at_eos",
+        "samples", "sample_prompt_tokens",
         "sample_tokens", "temperature", "system_tokens", "questions", "probe_tokens", "streams", "stream_lead_tokens",
         "long_prompt_tokens", "chunk_tokens", "call_timeout", "k", "seed", "dtype", "worker_threads", "kv_cache_tokens",
         "quick")}

@@ -35,14 +35,17 @@ draft never reaches a cached block, as only committed tokens are offered.
 Chunked prefill (``tandem/rpc/prefill_chunks.py``): while other sequences are
 running, a long prompt computes one chunk per batch step beside their rows; the
 call's result is then ``Unfinished`` and the batcher queues it again, first,
-until its last chunk gives the first token.
+until its last chunk gives the first token. A heads prompt's chunks go to the
+heads as they are computed (EAGLE's KV grows with them), the proposal with the last.
 
 Speculation heads (``drafter``, tandem/heads): a sequence whose Prefill asked for
 proposals (``propose`` > 0) gets the features of every row it commits from the
 same forward pass; after the verdicts, ONE heads step for the whole batch turns
 them into each call's proposal for the next round (a token tree rooted after its
 next token), returned with the result (``Proposed``). EAGLE's own KV follows the
-target's: extended with each committed row, rolled back and freed with it.
+target's: extended with each committed row, rolled back and freed with it, and
+cached with it: an EAGLE prompt starts on the blocks both the target's cache and
+the head's hold, and the head's rows of committed tokens are offered as the target's.
 """
 
 from __future__ import annotations
@@ -219,11 +222,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     self._forward_failed(plan)
                     results[plan.index] = exc
             else:
-                for plan in admitted:
-                    if plan.partial:
-                        results[plan.index] = self._chunk_done(plan)
+                chunks = [p for p in admitted if p.partial]
+                for plan in chunks:
+                    results[plan.index] = self._chunk_done(plan)
                 done = [(p, rows) for p, rows in zip(admitted, logits) if not p.partial]
-                self._finish([p for p, _ in done], [rows for _, rows in done], results)
+                self._finish([p for p, _ in done], [rows for _, rows in done], results, chunks)
 
         self._drop_failed_chunks(calls, results)
         self._release_late(calls, late, results)  # phase 4
@@ -234,8 +237,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         """Cut each long new prompt to one chunk when other sequences are running (module doc)."""
         if not self.chunks.enabled:
             return
-        prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len
-                   and not p.item.features]  # rebuilds and heads prompts are computed whole
+        prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len]  # (not rebuilds)
         prefilling = {p.call.seq_id for p in prompts}
         if not any(s not in prefilling and seq.prefilling is None for s, seq in self.sequences.items()):
             return  # nobody is waiting on these prompts
@@ -258,8 +260,12 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         it is computed, its chunks so far), and the generated tokens' unless ``cache_generated`` is off. The KV
         holds every committed token but the last (the module doc's invariant); generated blocks only where rows are
         fixed by position, so that each block holds what a prompt of those tokens computes."""
+        self.engine.commit(seq_id, seq.history, self._cacheable(seq))
+
+    def _cacheable(self, seq: TargetSequence) -> int:
+        """How many of the sequence's first rows may be offered to the prefix cache (``_offer_committed``)."""
         generated = self._caches_generated and seq.prefilling is None
-        self.engine.commit(seq_id, seq.history, len(seq.history) - 1 if generated else seq.prompt_len)
+        return len(seq.history) - 1 if generated else seq.prompt_len
 
     def _drop_failed_chunks(self, calls: list[Call], results: list) -> None:
         """A chunked Prefill that failed (refused, or its pass failed) leaves nothing behind."""
@@ -295,7 +301,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             seq = self.sequences.get(call.seq_id)
             if seq is not None and seq.prefilling is call:  # its next chunk, after those in the KV
                 done = self.engine.seq_len(call.seq_id)
-                item = ForwardItem(call.seq_id, list(call.token_ids[done:]), num_logits=1, prompt=True)
+                item = ForwardItem(call.seq_id, list(call.token_ids[done:]), num_logits=1, features=seq.heads,
+                                   prompt=True)
                 return _Plan(index, call, item, kv_len=len(call.token_ids), resumed=True)
             if seq is not None and not call.replace:
                 # Another request's id, or a stray repeat: replacing it would hand one request's state to another.
@@ -375,8 +382,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                                                          heads=call.propose > 0,
                                                          prompt_len=call.prompt_len or len(call.token_ids),
                                                          grammar=plan.grammar)
-            if not plan.item.features or (not call.prompt_len and not self.drafter.reads_every_prompt_row):
-                # (EAGLE needs every prompt row's features: its prompt, and any heads rebuild, is computed whole)
+            if not plan.item.features or not call.prompt_len:  # (a heads rebuild is computed whole)
                 self._reuse_prefix(plan)
         else:
             seq = self.sequences[call.seq_id]
@@ -401,7 +407,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             limit = prefix_limit(len(call.token_ids) - 1)  # a rebuild's KV: all but its last token
         else:  # (elsewhere a cached block holds prompt rows, which a generated token's row is not)
             limit = prefix_limit(call.prompt_len or len(call.token_ids))
+        if plan.item.features:  # EAGLE's layer has a row per target row: the rows fed are those both caches lack
+            limit = min(limit, self.drafter.cached_prefix_len(call.token_ids))
         reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=limit)
+        if plan.item.features:
+            self.drafter.start(call.seq_id, call.token_ids, reused)
         # the reply says so once the prompt is computed: prompt tokens only
         self.sequences[call.seq_id].reused = min(reused, call.prompt_len or reused)
         if not reused:
@@ -436,11 +446,13 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         elif self.engine.seq_len(call.seq_id) > call.committed_len - 1:
             self.engine.rollback(call.seq_id, call.committed_len - 1)
 
-    def _finish(self, plans: list[_Plan], logits: list[torch.Tensor], results: list) -> None:
+    def _finish(self, plans: list[_Plan], logits: list[torch.Tensor], results: list,
+                chunks: Sequence[_Plan] = ()) -> None:
         """Decide every call on the device, read all the verdicts with ONE copy, then apply each.
 
         That copy is the batch's one host sync after the forward pass: what each call keeps
         decides its KV and its reply. A call whose decision or application fails fails alone.
+        ``chunks``: the batch's chunked Prefills that are not done yet (their rows still go to the heads).
         """
         decided: list[tuple[_Plan, Verdict | PendingVerdict]] = []
         for plan, rows in zip(plans, logits):
@@ -464,31 +476,37 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             except Exception as exc:  # noqa: BLE001
                 self._forward_failed(plan)
                 results[plan.index] = exc
-        self._propose(committed, results)
+        self._propose(committed, chunks, results)
 
-    def _propose(self, committed: list[tuple[_Plan, Verdict]], results: list) -> None:
-        """One heads step for the batch's heads sequences: their committed rows in, next proposals out."""
+    def _propose(self, committed: list[tuple[_Plan, Verdict]], chunks: Sequence[_Plan], results: list) -> None:
+        """One heads step for the batch's heads sequences: their committed rows in, next proposals out (a chunk
+        of a heads prompt: its rows in, no proposal yet)."""
         if self.drafter is None:
             return
         steps, plans = [], []
-        for plan, verdict in committed:
+        for plan, verdict in [*committed, *((p, None) for p in chunks)]:
             if plan.features:
                 steps.append(self._head_step(plan, verdict))
                 plans.append(plan)
         if not steps:
             return
         for plan, proposal in zip(plans, self.drafter.step(steps)):
-            if plan.call.propose:
+            if plan.call.propose and not plan.partial:
                 results[plan.index] = Proposed(results[plan.index], proposal)
+            seq = self.sequences[plan.call.seq_id]  # the head's rows for the rows just committed: as the target's
+            self.drafter.commit(plan.call.seq_id, seq.history, self._cacheable(seq))
 
-    def _head_step(self, plan: _Plan, verdict: Verdict) -> HeadStep:
-        """The rows a call committed to the KV, their features, and the token after each."""
+    def _head_step(self, plan: _Plan, verdict: Verdict | None) -> HeadStep:
+        """The rows a call committed to the KV, their features, and the token after each (``verdict`` None: a
+        chunk of a prompt, which proposes nothing yet)."""
         call = plan.call
         features = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]  # [rows fed, F]
         if isinstance(call, PrefillCall):  # every row fed is committed: the prompt (or the rebuilt history)
             seq = self.sequences[call.seq_id]
-            # (a Medusa prompt may start on the prefix cache: its first ``reused`` rows were not fed)
-            return HeadStep(call.seq_id, seq.reused, features, seq.history[seq.reused + 1:], call.propose)
+            # The rows fed start past the prefix cache's and the earlier chunks' (the KV before this pass).
+            start = self.engine.seq_len(call.seq_id) - features.shape[0]
+            tokens = seq.history[start + 1:start + 1 + features.shape[0]]  # a prompt's last row: then b
+            return HeadStep(call.seq_id, start, features, tokens, 0 if plan.partial else call.propose)
         accepted = [call.draft_tokens[n] for n in verdict.accepted_nodes]
         if plan.children is None:
             kept = features[: verdict.num_accepted + 1]

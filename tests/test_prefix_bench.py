@@ -124,6 +124,16 @@ def test_prompts_only_caches_no_generated_blocks_and_workloads_can_be_chosen():
     assert any(line.startswith("  info  chat with generated blocks cached") for line in lines)
 
 
+def test_heads_methods_give_every_target_worker_the_heads():
+    args = prefix_bench.resolve_args(["--method", "eagle", "--heads", "qwen-coder-1.5b-eagle"])
+    assert prefix_bench.heads_args(args) == ("--heads", "qwen-coder-1.5b-eagle")
+    assert prefix_bench.heads_args(prefix_bench.resolve_args([])) == ()
+    with pytest.raises(SystemExit, match="--method medusa needs --heads"):
+        prefix_bench.resolve_args(["--method", "medusa"])
+    with pytest.raises(SystemExit, match="--method none uses no --heads"):
+        prefix_bench.resolve_args(["--heads", "qwen-coder-1.5b-eagle"])
+
+
 @needs_smollm2
 def test_workloads_grow_the_chat_to_its_target_and_share_no_text():
     from tandem.tokenizer import encode_messages, load_tokenizer

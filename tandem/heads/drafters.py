@@ -11,7 +11,11 @@ The drafter returns a token tree rooted after ``b`` for each step that asks for 
 - ``EagleDrafter`` keeps its layer's KV in a paged cache of its own, one pair per
   target KV position, so that its length always equals the target's: it is extended
   with every committed row, rolled back and released with the target's, and the
-  tree it drafts is rolled back before it returns.
+  tree it drafts is rolled back before it returns. Where the target caches prefixes,
+  so does the head: a row's KV is made of the target's feature at its position and
+  the token after it, so its blocks are keyed by the chain of (token, next token)
+  pairs (``NextTokenPairs``), and a prompt starts on as many blocks as both caches
+  hold (``cached_prefix_len``, ``start``); only committed rows are offered (``commit``).
 
 Everything for a batch runs as batched forwards on the device; each drafting depth
 reads its top candidates back with one copy (the tree's shape is decided on the host).
@@ -24,6 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 from torch import nn
@@ -73,8 +78,6 @@ class MedusaDrafter(TimedDrafter):
     """K heads on the last new row; the tree is the best paths through each head's top ``width`` tokens."""
 
     kind = "medusa"
-    # Only the last fed row's features make a proposal: a prompt may start on the target's prefix cache.
-    reads_every_prompt_row = False
 
     def __init__(self, heads: MedusaHeads, width: int = 4) -> None:
         self.heads = heads
@@ -98,6 +101,16 @@ class MedusaDrafter(TimedDrafter):
             out[i] = medusa_tree(candidates, min(steps[i].budget, MAX_PROPOSAL))
         return out
 
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """Any cached prefix will do: only the last fed row's features make a proposal."""
+        return len(tokens)
+
+    def start(self, seq_id: str, tokens: Sequence[int], length: int) -> None:
+        """Nothing to hold: the target's first ``length`` rows were cached, Medusa never reads them."""
+
+    def commit(self, seq_id: str, tokens: Sequence[int], upto: int) -> None:
+        """Nothing to cache."""
+
     def rollback(self, seq_id: str, length: int) -> None:
         """Nothing to roll back: Medusa keeps no state between rounds."""
 
@@ -117,20 +130,20 @@ class EagleDrafter(TimedDrafter):
     """EAGLE-3 drafting with EAGLE-2's dynamic tree: expand the ``width`` best nodes for ``depth`` steps."""
 
     kind = "eagle"
-    # Its own KV holds a row per target row, made from that row's features: a prompt is computed whole.
-    reads_every_prompt_row = True
 
     def __init__(self, head: EagleHead, embed: nn.Embedding, num_blocks: int, block_size: int,
-                 attention_backend: str = "auto", depth: int = 5, width: int = 4) -> None:
+                 attention_backend: str = "auto", depth: int = 5, width: int = 4, prefix_caching: bool = False,
+                 salt: bytes = b"") -> None:
         cfg = head.config
-        weight = head.fc.weight
+        weight = head.norm.weight  # (a packed linear's dense weight is gone)
         self.head = head
         self.embed = embed  # the target's own table (EAGLE reads the target's token embeddings)
         self.depth, self.width = depth, width
         self.spec = FeatureSpec(cfg.feature_streams)
         self.device, self.dtype = weight.device, weight.dtype
+        # prefix_caching: as the target's (salt: its own, so that no chain is ever the target's)
         self.cache = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, weight.dtype,
-                                  weight.device)
+                                  weight.device, prefix_caching, salt + b"|eagle pairs")
         self.backend = make_backend(attention_backend, weight.dtype, weight.device, block_size)
         self.seconds = 0.0  # wall time spent in ``step`` (what drafting costs a target worker)
 
@@ -146,6 +159,29 @@ class EagleDrafter(TimedDrafter):
         if self.cache.has_sequence(seq_id):
             self.cache.release(seq_id)
 
+    # ----- the head's prefix cache ------------------------------------------------
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading rows of a sequence of ``tokens`` the head's cache holds now (full blocks), changing
+        nothing. Row ``t`` needs ``tokens[t + 1]``, so the prompt's last token never heads a cached row."""
+        return self.cache.cached_prefix_len(NextTokenPairs(tokens))
+
+    def start(self, seq_id: str, tokens: Sequence[int], length: int) -> None:
+        """A new sequence whose target took its first ``length`` rows from the prefix cache takes the head's rows
+        for them too (at most ``cached_prefix_len``, as the target was told, so it gets them all). Should it not
+        (nothing else changes the head's cache between the two), the sequence drafts no more: ``_step`` finds
+        its length short of the rows fed."""
+        self.release(seq_id)
+        held = self.cache.reuse_prefix(seq_id, NextTokenPairs(tokens), length) if length else 0
+        if held != length:
+            log.warning("EAGLE head: %d of %d cached rows of %r were found; it drafts no more", held, length, seq_id)
+            self.release(seq_id)
+
+    def commit(self, seq_id: str, tokens: Sequence[int], upto: int) -> None:
+        """The sequence's first ``upto`` rows are committed (``tokens``: its committed tokens, one past them): their
+        full blocks go to the head's prefix cache. A drafted tree's rows never do: they are gone by now."""
+        if self.cache.has_sequence(seq_id):
+            self.cache.commit(seq_id, NextTokenPairs(tokens), upto)
+
     # ----- one batch step -----------------------------------------------------------
     @torch.inference_mode()
     def _step(self, steps: Sequence[HeadStep]) -> list[HeadProposal]:
@@ -160,7 +196,8 @@ class EagleDrafter(TimedDrafter):
         if not ready:
             return out
         items = [ForwardItem(steps[i].seq_id, steps[i].next_tokens) for i in ready]
-        hidden = self.head.project(torch.cat([steps[i].features for i in ready]))  # [T, H]
+        blocks = RowBlocks.from_query_lens([len(it.token_ids) for it in items], ROWWISE_MAX_QUERY)
+        hidden = self.head.project(torch.cat([steps[i].features for i in ready]), blocks)  # [T, H]
         try:
             outputs = self._forward(items, hidden)  # [T, H]
         except Exception:  # noqa: BLE001 - proposals are an optimisation: the round goes on without them
@@ -278,6 +315,36 @@ class EagleDrafter(TimedDrafter):
                 else:
                     self.cache.release(it.seq_id)
             raise
+
+
+class NextTokenPairs(Sequence[int]):
+    """A view of ``tokens`` as each position's token and the one after it, one int per pair: what the head's row
+    at that position is made of (the target's feature there, which its prefix decides, and the next token's
+    embedding). Hash chains of these name a head block's every input; ``len(tokens) - 1`` pairs."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return max(0, len(self.tokens) - 1)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("NextTokenPairs slices take a step of 1")
+            run = self.tokens[start:stop + 1]
+            return [a << 32 | b for a, b in zip(run, run[1:])]  # ids < 2**31: one int64 per pair
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"pair {index} of {len(self)}")
+        index %= len(self)
+        return self.tokens[index] << 32 | self.tokens[index + 1]
 
 
 def _promising(nodes: list[_Node], frontier: list[int], budget: int) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tandem.heads.config import HeadsConfig
-from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowBlocks, RowStableLinear
 from tandem.models.transformer import Attention, ForwardContext
 
 
@@ -56,17 +56,21 @@ class EagleHead(nn.Module):
         if cfg.kind != "eagle":
             raise ValueError(f"EagleHead needs an eagle config, got {cfg.kind!r}")
         self.config = cfg
-        self.fc = nn.Linear(cfg.feature_size, cfg.hidden_size, bias=False)
+        # Row-stable as the layer's own linears: a row's KV is then the same whether its feature came with a
+        # prompt or with one verified token (the head's prefix cache keeps rows of both).
+        self.fc = RowStableLinear(cfg.feature_size, cfg.hidden_size, bias=False)
         self.layer = EagleLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Row-stable too: a node's scores do not depend on what else the batch step drafts.
+        self.lm_head = RowStableLinear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         # draft id -> target id ([draft_vocab] int64); the identity when the draft vocabulary is the target's
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
 
-    def project(self, features: torch.Tensor) -> torch.Tensor:  # [T, feature_size] -> [T, H]
-        """A target feature as the layer's hidden input."""
-        return self.fc(features)
+    def project(self, features: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:
+        """A target feature as the layer's hidden input: ``[T, feature_size]`` -> ``[T, H]`` (``blocks``: how the
+        rows split into runs, ``RowStableLinear``'s)."""
+        return self.fc(features, blocks)
 
     def forward(
         self,

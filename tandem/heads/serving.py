@@ -24,7 +24,7 @@ def drafter_for(heads: Heads, target: ModelEngine, where: str = "given") -> Head
         pack_linear_weights(heads, PaddingTuner())  # the layer's linears as the target's: packed, row-invariant
     cache = target.kv_cache  # the head's KV holds one pair per target KV position: the same pool size
     return EagleDrafter(heads, target.model.embed_tokens, cache.num_blocks, cache.block_size,  # type: ignore[arg-type]
-                        depth=EAGLE_DEPTH, width=TREE_WIDTH)
+                        depth=EAGLE_DEPTH, width=TREE_WIDTH, prefix_caching=cache.prefix_caching, salt=cache.salt)
 
 
 def load_drafter(path: Path | str, target: ModelEngine) -> HeadDrafter:

@@ -7,6 +7,8 @@ with the cache on equals it off.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -37,13 +39,18 @@ def load(model_dir, caching: bool = True, dtype: str = "float32") -> ModelEngine
     return ModelEngine.load(config)
 
 
-def chain_hashes(engine: ModelEngine, tokens: list[int]) -> list[bytes]:
-    """The content hashes of the full blocks ``tokens`` begins with, in order."""
-    hashes, parent = [], engine.kv_cache.salt
+def hash_chain(salt: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """The content hashes of the full blocks ``tokens`` begins with, in order, from a cache's ``salt``."""
+    hashes, parent = [], salt
     for i in range(len(tokens) // BLOCK):
         parent = block_hash(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
         hashes.append(parent)
     return hashes
+
+
+def chain_hashes(engine: ModelEngine, tokens: list[int]) -> list[bytes]:
+    """The content hashes of the full blocks ``tokens`` begins with, in the engine's cache."""
+    return hash_chain(engine.kv_cache.salt, tokens)
 
 
 def registered(engine: ModelEngine) -> set[bytes]:

@@ -65,12 +65,13 @@ def test_greedy_output_with_the_prefix_cache_is_the_uncached_output(method, dtyp
     assert [r.token_ids for r in first] == uncached
     assert [r.token_ids for r in second] == uncached
     reused = [r.stats.prompt_tokens_reused for r in second]
-    if method != "eagle":  # (Medusa's heads read the last row alone)
-        assert reused == [60, 60, 44, 60], reused  # their cached whole blocks (all but the last token at most)
-        if draft is not None:
-            assert draft.kv_cache.prefix_stats().reused_tokens > 0  # the draft's first Propose reused too
-    else:
-        assert reused == [0] * len(PROMPTS)  # EAGLE needs every prompt row's features: computed whole
+    # their cached whole blocks (all but the last token at most); EAGLE's from its head's cache as well
+    assert reused == [60, 60, 44, 60], reused
+    if draft is not None:
+        assert draft.kv_cache.prefix_stats().reused_tokens > 0  # the draft's first Propose reused too
+    if method == "eagle":
+        assert heads.cache.prefix_stats().reused_tokens == sum(reused)
+        assert heads.cache.num_free_blocks == heads.cache.num_blocks
     for engine in filter(None, (target, draft)):
         assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # all released, cached ones evictable
         assert all(engine.kv_cache.pool.refcount(b) == 0 for b in range(engine.kv_cache.num_blocks))
