@@ -743,7 +743,10 @@ def chart(results: list[dict[str, Any]], rows: list[dict[str, Any]], out: Path) 
     axes[3].set_xlabel("s since the long prompt was sent (dashed: its first token)")
     axes[3].set_ylabel("gap between a stream's tokens, ms")
     axes[3].set_title("decoding streams while a long prompt arrives")
-    axes[3].legend(fontsize="small")
+    if any(res["scenario"] for res in results):
+        axes[3].legend(fontsize="small")
+    else:
+        axes[3].text(0.5, 0.5, "not run", ha="center", va="center", transform=axes[3].transAxes)
     return save_figure(fig, out, NAME)
 
 

@@ -382,8 +382,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                                                          heads=call.propose > 0,
                                                          prompt_len=call.prompt_len or len(call.token_ids),
                                                          grammar=plan.grammar)
-            if not plan.item.features or not call.prompt_len:  # (a heads rebuild is computed whole)
-                self._reuse_prefix(plan)
+            self._reuse_prefix(plan)
         else:
             seq = self.sequences[call.seq_id]
             del seq.history[call.committed_len:]

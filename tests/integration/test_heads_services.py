@@ -106,6 +106,15 @@ def test_greedy_heads_through_services_are_the_targets(heads_service, reference,
     assert all(stats.drafted > 0 for _, stats in results)  # the heads proposed; the rule kept only the target's
 
 
+def test_a_heads_request_starts_on_the_prefix_cache(heads_service, reference):
+    """Medusa reads the last row alone; EAGLE's head keeps its own rows cached beside the target's blocks."""
+    kind, client = heads_service
+    prompt = PROMPTS[2]  # 30 tokens: its first send leaves its full blocks in both caches
+    first, second = stream(client, prompt, kind), stream(client, prompt, kind)
+    assert first[0] == second[0] == reference[tuple(prompt)]
+    assert second[1].prompt_tokens_reused > 0
+
+
 def test_info_names_the_targets_heads(heads_service):
     kind, client = heads_service
     assert [w.info.heads for w in client.info().target_workers] == [kind]

@@ -206,3 +206,22 @@ def test_an_eagle_prompt_is_prefilled_in_chunks_beside_a_running_stream(tiny_qwe
         assert drafter.length("b") == engine.seq_len("b")  # the head keeps up with every chunk
     assert steps > 1 and result.result == expected.result and result.proposal == expected.proposal
     assert torch.equal(head_kv(drafter, "b"), head_kv(whole_drafter, "b"))
+
+
+def test_a_rebuild_after_preemption_reads_the_head_s_rows_back_too(tiny_qwen2_dir):
+    engine, drafter = load(tiny_qwen2_dir)
+    target = TargetEngine(engine, drafter=drafter)
+    (result,) = ok(target.run_batch([PrefillCall("a", FIRST, GREEDY, propose=NODES)]))
+    for _ in range(10):
+        proposal = result.proposal
+        (result,) = ok(target.run_batch([VerifyCall("a", len(target.sequences["a"].history), proposal.tokens, [],
+                                                    proposal.parents, propose=NODES)]))
+    history = list(target.sequences["a"].history)
+    before = head_kv(drafter, "a")
+    ok(target.run_batch([ReleaseCall("a")]))  # preempted: its KV and its head's freed, their blocks stay cached
+    reused = drafter.cache.prefix_stats().reused_tokens
+    (rebuilt,) = ok(target.run_batch([PrefillCall("a", history, GREEDY, prompt_len=len(FIRST), propose=NODES)]))
+    # Both caches gave back all but the last two tokens' blocks (the token before the last is always computed).
+    assert drafter.cache.prefix_stats().reused_tokens - reused == (len(history) - 2) // BLOCK * BLOCK > len(FIRST)
+    assert isinstance(rebuilt, Proposed) and rebuilt.proposal == result.proposal  # as if never preempted
+    assert torch.equal(head_kv(drafter, "a"), before)
