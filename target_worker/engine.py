@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
-from tandem.block_pool import prefix_limit
+from tandem.block_pool import PrefixCacheStats, prefix_limit
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
@@ -193,6 +193,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     @property
     def caches_generated(self) -> bool:
         return self._caches_generated
+
+    def heads_prefix_stats(self) -> PrefixCacheStats | None:
+        return None if self.drafter is None else self.drafter.prefix_stats()
 
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""

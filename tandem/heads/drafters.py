@@ -35,6 +35,7 @@ from torch import nn
 
 from tandem.attention import AttentionMetadata, make_backend
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
+from tandem.block_pool import PrefixCacheStats
 from tandem.engine import FeatureSpec, ForwardItem, tree_parents_of
 from tandem.heads.eagle import EagleHead
 from tandem.heads.medusa import MedusaHeads
@@ -111,6 +112,10 @@ class MedusaDrafter(TimedDrafter):
     def commit(self, seq_id: str, tokens: Sequence[int], upto: int) -> None:
         """Nothing to cache."""
 
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """No cache of its own."""
+        return None
+
     def rollback(self, seq_id: str, length: int) -> None:
         """Nothing to roll back: Medusa keeps no state between rounds."""
 
@@ -160,6 +165,10 @@ class EagleDrafter(TimedDrafter):
             self.cache.release(seq_id)
 
     # ----- the head's prefix cache ------------------------------------------------
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """Its own cache's counters (Info's ``heads_prefix_cache``); None with prefix caching off."""
+        return self.cache.prefix_stats() if self.cache.prefix_caching else None
+
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
         """How many leading rows of a sequence of ``tokens`` the head's cache holds now (full blocks), changing
         nothing. Row ``t`` needs ``tokens[t + 1]``, so the prompt's last token never heads a cached row."""

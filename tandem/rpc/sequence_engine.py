@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
+from tandem.block_pool import PrefixCacheStats
 from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSequenceError
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.leases import Expired, Leases
@@ -93,6 +94,10 @@ class SequenceEngine(Generic[Sequence, Plan]):
     def caches_generated(self) -> bool:
         """Whether its prefix cache keeps generated tokens' blocks too (only a target's may)."""
         return False
+
+    def heads_prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache of its heads' own KV (an EAGLE head's, on a target); None where they keep none."""
+        return None
 
     @property
     def num_sequences(self) -> int:

@@ -78,6 +78,8 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
     server.registry.register(PrefixCacheCollector(role.name, engine.kv_cache.prefix_stats))
+    if role_engine.heads_prefix_stats() is not None:  # an EAGLE head's own cache: tandem_target_heads_prefix_cache_*
+        server.registry.register(PrefixCacheCollector(f"{role.name}_heads", role_engine.heads_prefix_stats))
 
     def kv_gauges() -> None:
         metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)

@@ -63,6 +63,8 @@ class WorkerServiceBase:
             prompt_token_s=model.prompt_cost.per_token_s, lease_s=self.engine.leases.lease_s,
             heads=self.engine.heads_kind,
             prefix_cache=_prefix_cache_info(cache.prefix_stats(), self.engine.caches_generated),
+            heads_prefix_cache=(None if (heads := self.engine.heads_prefix_stats()) is None
+                                else _prefix_cache_info(heads, self.engine.caches_generated)),
         )
 
 

@@ -32,6 +32,8 @@ from tandem.engine import ModelEngine
 from tandem.heads.store import save_heads
 from tandem.sampling import SamplingParams
 from tests.heads.tiny_heads import tiny_heads
+from tests.integration.faults import worker_info
+from tests.integration.test_services import metric_samples
 from tests.references import target_only
 from tests.spec.losslessness import (
     PAIR_PROMPT,
@@ -57,15 +59,16 @@ def load_target(model_dir: Path) -> ModelEngine:
 
 
 @contextmanager
-def serving_heads(model_dir: Path, heads_dir: Path, log_dir: Path, draft: Path | None = None) -> Iterator[TandemClient]:
+def serving_heads(model_dir: Path, heads_dir: Path, log_dir: Path, draft: Path | None = None,
+                  metrics: bool = False) -> Iterator[tuple[LocalCluster, TandemClient]]:
     """One target worker serving the heads in ``heads_dir``, a coordinator, a draft worker of ``draft`` (if
-    given); a client of it."""
+    given); the cluster and a client of it."""
     spec = ClusterSpec(target=str(model_dir), draft=str(draft) if draft else None, dtype="float32",
-                       kv_cache_tokens=65536, log_dir=log_dir, metrics=False,
+                       kv_cache_tokens=65536, log_dir=log_dir, metrics=metrics,
                        target_args=("--heads", str(heads_dir)), worker_args=("--host", "127.0.0.1"),
                        coordinator_args=("--host", "127.0.0.1"))
     with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=120) as client:
-        yield client
+        yield cluster, client
 
 
 # ----- greedy ------------------------------------------------------------------
@@ -75,14 +78,21 @@ def reference(tiny_served_dir) -> dict[tuple[int, ...], list[int]]:
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def heads_service(request, tiny_served_dir, tmp_path_factory) -> Iterator[tuple[str, TandemClient]]:
-    """(kind, client) of a tiny system whose target serves random heads of that kind."""
+def heads_cluster(request, tiny_served_dir, tmp_path_factory) -> Iterator[tuple[str, LocalCluster, TandemClient]]:
+    """(kind, cluster, client) of a tiny system whose target serves random heads of that kind."""
     kind = request.param
     heads_dir = tmp_path_factory.mktemp(f"{kind}-heads")
     save_heads(tiny_heads(load_target(tiny_served_dir), kind), heads_dir)
     with serving_heads(tiny_served_dir, heads_dir, tmp_path_factory.mktemp(f"{kind}-logs"),
-                       draft=tiny_served_dir) as client:
-        yield kind, client
+                       draft=tiny_served_dir, metrics=True) as (cluster, client):
+        yield kind, cluster, client
+
+
+@pytest.fixture
+def heads_service(heads_cluster) -> tuple[str, TandemClient]:
+    """(kind, client) of ``heads_cluster``."""
+    kind, _, client = heads_cluster
+    return kind, client
 
 
 def stream(client: TandemClient, prompt: list[int], method: str):
@@ -106,13 +116,21 @@ def test_greedy_heads_through_services_are_the_targets(heads_service, reference,
     assert all(stats.drafted > 0 for _, stats in results)  # the heads proposed; the rule kept only the target's
 
 
-def test_a_heads_request_starts_on_the_prefix_cache(heads_service, reference):
+def test_a_heads_request_starts_on_the_prefix_cache(heads_cluster, reference):
     """Medusa reads the last row alone; EAGLE's head keeps its own rows cached beside the target's blocks."""
-    kind, client = heads_service
+    kind, cluster, client = heads_cluster
     prompt = PROMPTS[2]  # 30 tokens: its first send leaves its full blocks in both caches
     first, second = stream(client, prompt, kind), stream(client, prompt, kind)
     assert first[0] == second[0] == reference[tuple(prompt)]
     assert second[1].prompt_tokens_reused > 0
+    (target,) = cluster.workers("target")
+    info = worker_info(target)  # the worker's own, now (a coordinator's copy is as of its last poll)
+    reused = metric_samples(target, "tandem_target_heads_prefix_cache_reused_tokens_total")
+    if kind == "eagle":  # Info and the metrics count what the head's own cache gave: at least this send's reuse
+        assert info.heads_prefix_cache.reused_tokens >= second[1].prompt_tokens_reused
+        assert reused == {"tandem_target_heads_prefix_cache_reused_tokens_total": info.heads_prefix_cache.reused_tokens}
+    else:
+        assert not info.HasField("heads_prefix_cache") and not reused
 
 
 def test_info_names_the_targets_heads(heads_service):
@@ -165,7 +183,7 @@ def sample_with_heads(pair_target: Path, heads: tuple[str, Path], log_dir: Path,
                                 method=kind, k=4, ignore_eos=True)
         return client.generate(request)
 
-    with serving_heads(pair_target, heads_dir, log_dir) as client, ThreadPoolExecutor(16) as pool:
+    with serving_heads(pair_target, heads_dir, log_dir) as (_, client), ThreadPoolExecutor(16) as pool:
         return list(pool.map(one, range(samples)))
 
 
