@@ -12,6 +12,9 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
 - ``speculative-greedy``: greedy output of draft, n-gram, hybrid and tree
   speculation equal to target-only, token for token (the serving dtype); draft
   and hybrid trees again under penalties and a logit bias.
+- ``heads``: Medusa and EAGLE-3 heads (random, the target's shapes) on the device: greedy
+  output equal to target-only, each prompt twice, so that the second pass starts on the
+  prefix cache (an EAGLE prompt on its head's cached rows too) and must reuse some of it.
 - ``lossless``: the chi-square test of speculative sampling (chains, then trees)
   through the worker engines on the device, as tests/spec/test_rejection.py runs it on CPU.
 - ``processes``: a target worker, a draft worker and a coordinator as real
@@ -223,6 +226,30 @@ def speculative_greedy(target_dir: Path, draft_dir: Path, plan: Plan) -> dict[st
     return {"methods": [*methods, "draft-penalised", "hybrid-tree-penalised"], "accepted_tokens": accepted}
 
 
+def heads_greedy(target_dir: Path, plan: Plan) -> dict[str, Any]:
+    from tandem.heads.serving import drafter_for
+    from tests.heads.tiny_heads import tiny_heads  # random heads of the target's shapes, on its device
+
+    uncached = load(target_dir, plan.device, plan.serving_dtype, prefix_caching=False)
+    prompts = random_prompts(plan.greedy_prompts, 40, uncached.config.vocab_size, seed=5)
+    requests = [GenerationRequest(p, plan.new_tokens) for p in prompts]
+    expected = [r.token_ids for r in SpeculativeGenerator(uncached).generate(requests)]
+    del uncached
+    target = load(target_dir, plan.device, plan.serving_dtype, prefix_caching=True)
+    drafted, reused = {}, {}
+    for kind in ("medusa", "eagle"):
+        generator = SpeculativeGenerator(target, options=SpecOptions(kind, 4, adaptive_k=False, heads_nodes=8),
+                                         heads=drafter_for(tiny_heads(target, kind), target))
+        for attempt in ("first", "cached"):  # the second pass finds every prompt's blocks cached
+            results = generator.generate(requests)
+            assert [r.token_ids for r in results] == expected, f"{kind} ({attempt}): greedy output differs"
+            drafted[f"{kind} {attempt}"] = sum(r.stats.drafted for r in results)
+            reused[f"{kind} {attempt}"] = sum(r.stats.prompt_tokens_reused for r in results)
+        assert reused[f"{kind} cached"] > 0, f"{kind}: the second pass reused no cached prompt block"
+        assert drafted[f"{kind} first"] > 0, f"{kind}: the heads proposed nothing"
+    return {"drafted_tokens": drafted, "prompt_tokens_reused": reused}
+
+
 def lossless(plan: Plan, work: Path) -> dict[str, Any]:
     from scipy.stats import chisquare
 
@@ -426,6 +453,8 @@ def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset(),
     if wanted("speculative-greedy"):
         report.check("speculative-greedy", pair,
                      lambda: speculative_greedy(model(plan.target), model(plan.draft), plan))
+    if wanted("heads"):
+        report.check("heads", plan.target, lambda: heads_greedy(model(plan.target), plan))
     if wanted("lossless"):
         report.check("lossless", "vocabulary of 6", lambda: lossless(plan, work))
     if wanted("processes"):

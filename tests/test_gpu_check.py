@@ -8,7 +8,8 @@ import pytest
 
 from benchmarks import gpu_check
 
-CHECKS = {"engine-vs-transformers", "speculative-greedy", "lossless", "processes", "tensor-parallel", "attention"}
+CHECKS = {"engine-vs-transformers", "speculative-greedy", "heads", "lossless", "processes", "tensor-parallel",
+          "attention"}
 MEASUREMENTS = {"forward-cost", "decode", "self-speculation"}
 
 
