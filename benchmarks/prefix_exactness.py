@@ -12,6 +12,13 @@ the chat template), three ways:
            sequence is decoding on the target, so it is computed a chunk per batch step beside
            that sequence's rows (driven through TargetEngine.run_batch, as a worker's batcher does).
 
+With --heads (Medusa or EAGLE heads of the target), two more ways, speculating with them:
+
+- heads-cached:  prefix caching on, one prompt at a time: an EAGLE prompt starts on the blocks
+                 both the target's cache and its head's hold;
+- heads-chunked: prefix caching off, every prompt at once with --chunk tokens per chunk: each
+                 heads prompt's chunks go to the heads as they are computed.
+
 Per prompt: whether its tokens equal ``off``'s, and where they first differ. fp32 is expected to be
 identical on these prompts (the rule the tests hold, tests/target_worker/test_prefix_and_chunks.py);
 bf16 is what this measures. Writes prefix_exactness.{json,md} into --out.
@@ -20,6 +27,7 @@ bf16 is what this measures. Writes prefix_exactness.{json,md} into --out.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=5,
                    help="prefill chunk for the chunked way (default: %(default)s, about what auto picks on a "
                         "2-core CPU for Qwen2.5-Coder-1.5B)")
+    p.add_argument("--heads", default=None, metavar="PATH|NAME",
+                   help="speculation heads of the target: adds the heads-cached and heads-chunked ways")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
     return p
@@ -121,19 +131,37 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     system = PREAMBLE * args.preamble_repeats
     prompts = [encode_messages(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in questions]
+    heads_dir = None
+    if args.heads is not None:
+        from tandem import model_store
+        from tandem.heads.locate import resolve_heads
+
+        heads_dir = resolve_heads(args.heads, model_store.cache_root_from(args.cache_dir, os.environ))
     rows = []
     for dtype in args.dtypes:
-        def generate(caching: bool, together: bool, chunk: int = 0, dtype: str = dtype) -> tuple[list[list[int]], int]:
-            """Each prompt's tokens, and the prompt tokens taken from the cache."""
+        def generate(caching: bool, together: bool, chunk: int = 0, dtype: str = dtype,
+                     heads: Path | None = None) -> tuple[list[list[int]], int]:
+            """Each prompt's tokens, and the prompt tokens taken from the cache (with ``heads``: speculating)."""
+            from tandem.heads.serving import load_drafter
+            from tandem.spec.options import SpecOptions
+
             engine = ModelEngine.load(EngineConfig(model_dir, dtype=dtype, prefix_caching=caching))
-            gen = SpeculativeGenerator(engine, prefill_chunk_tokens=chunk)
+            drafter = None if heads is None else load_drafter(heads, engine)
+            options = None if drafter is None else SpecOptions(drafter.kind, 4)
+            gen = SpeculativeGenerator(engine, options=options, heads=drafter, prefill_chunk_tokens=chunk)
             requests = [GenerationRequest(p, args.max_new_tokens) for p in prompts]
             results = gen.generate(requests) if together else [gen.generate([r])[0] for r in requests]
             return [r.token_ids for r in results], sum(r.stats.prompt_tokens_reused for r in results)
 
         off, _ = generate(caching=False, together=False)
-        for way, (tokens, reused) in (("cached", generate(caching=True, together=False)),
-                                      ("chunked", chunked_beside_a_stream(model_dir, dtype, prompts, args))):
+        ways = [("cached", lambda: generate(caching=True, together=False)),
+                ("chunked", lambda dtype=dtype: chunked_beside_a_stream(model_dir, dtype, prompts, args))]
+        if heads_dir is not None:
+            ways += [("heads-cached", lambda: generate(caching=True, together=False, heads=heads_dir)),
+                     ("heads-chunked", lambda: generate(caching=False, together=True, chunk=args.chunk,
+                                                        heads=heads_dir))]
+        for way, ran in ways:
+            tokens, reused = ran()
             rows.append({"dtype": dtype, "way": way, "reused_tokens": reused, **compare(off, tokens)})
             print(rows[-1], flush=True)
     return rows

@@ -41,6 +41,7 @@ from tandem.spec.request import RequestState, StopConditions
 from tandem.structured_output import check_response_format
 from tandem.text_stream import TextStream
 from tandem.tokenizer import encode_messages, encode_prompt
+from tandem.tool_call_deltas import ToolCallDelta
 from tandem.tool_calls import HermesFormat, ToolCall, ToolCallParser, ToolUse, check_tool_schemas
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -178,12 +179,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tokens = state.generated[start:]
             done = state.finish_reason is not None
             calls: list[ToolCall] = []
-            if run.tool_calls is not None:  # calls out of the text, as they complete; the rest is content
+            deltas: list[ToolCallDelta] = []
+            if run.tool_calls is not None:  # calls out of the text, as written and once complete; the rest: content
                 text, calls = run.tool_calls.feed(text, final=done)
-            if not (text or tokens or done or calls):
+                deltas = run.tool_calls.take_deltas()
+            if not (text or tokens or done or calls or deltas):
                 continue
-            msg = generation_pb2.GenerateStreamResponse(request_id=run.request_id, text=text, token_ids=tokens,
-                                                        tool_calls=_calls_to_proto(calls))
+            msg = generation_pb2.GenerateStreamResponse(
+                request_id=run.request_id, text=text, token_ids=tokens, tool_calls=_calls_to_proto(calls),
+                tool_call_deltas=[generation_pb2.ToolCallDelta(id=d.id, name=d.name, arguments=d.arguments)
+                                  for d in deltas])
             if state.logprobs is not None:
                 msg.logprobs.extend(logprobs_to_proto(state.logprobs[start:run.emitted_tokens]))
             if done:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import InvalidRequestError
+from tandem.tool_call_deltas import StreamedArguments, ToolCallDelta
 
 TOOL_CHOICES = ("auto", "none", "required", "function")
 MAX_TOOLS = 128  # as OpenAI
@@ -206,6 +207,8 @@ class ToolCallParser:
     with ``final`` (the text's last piece) what was held back too. Held back: text that may be the start
     of a ``<tool_call>`` tag, a block until its ``</tool_call>``, and whitespace until text follows it
     (the blank lines around calls are not content). Without any call, the content is exactly the text.
+    A call's arguments are streamed too while its block is open (``take_deltas``,
+    ``tandem.tool_call_deltas``); the call then completes with the id its deltas had.
     """
 
     def __init__(self) -> None:
@@ -215,6 +218,13 @@ class ToolCallParser:
         self._spaces = ""  # whitespace held until text follows it
         self._after_call = False  # whitespace right after a call is dropped
         self.calls: list[ToolCall] = []  # every call so far
+        self._streamed: StreamedArguments | None = None  # the open block's call, once its opening is in
+        self._deltas: list[ToolCallDelta] = []  # not yet taken
+
+    def take_deltas(self) -> list[ToolCallDelta]:
+        """The pieces of calls streamed since the last take (each call's first names it)."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         content, calls = self._feed(text)
@@ -230,9 +240,11 @@ class ToolCallParser:
             if self._in_call:
                 end = self._buffer.find(self.close)
                 if end < 0:
+                    self._stream(self._buffer)
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(self.close):]
                 self._in_call = False
+                self._stream(body)
                 call = self._call(body)
                 if call is None:  # not a call: it stays text, as written
                     content += self._text(self.open + body + self.close)
@@ -258,6 +270,7 @@ class ToolCallParser:
         complete, else text; held whitespace is content only if no call was made."""
         content, calls = "", []
         if self._in_call:
+            self._stream(self._buffer)
             call = self._call(self._buffer)
             if call is None:
                 content = self._text(self.open + self._buffer)
@@ -271,11 +284,26 @@ class ToolCallParser:
         self._spaces = ""
         return content, calls
 
+    def _stream(self, body: str) -> None:
+        """The open block's body so far: name its call once its opening is in, then pass on new arguments text."""
+        if self._streamed is None:
+            self._streamed = StreamedArguments.opening(body, new_call_id())
+            if self._streamed is None:
+                return
+            named = self._streamed.name
+        else:
+            named = ""
+        text = self._streamed.advance(body)
+        if named or text:
+            self._deltas.append(ToolCallDelta(self._streamed.call_id, named, text))
+
     def _call(self, body: str) -> ToolCall | None:
+        """The closed block's call (with the id its deltas had, if it streamed); None for a block that is not one."""
+        streamed, self._streamed = self._streamed, None
         parsed = parse_call(body.strip())
         if parsed is None:
             return None
-        call = ToolCall(new_call_id(), *parsed)
+        call = ToolCall(streamed.call_id if streamed is not None else new_call_id(), *parsed)
         self.calls.append(call)
         return call
 

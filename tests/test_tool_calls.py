@@ -45,6 +45,55 @@ def test_streamed_in_any_pieces_the_parser_gives_what_the_whole_text_gives(text)
         assert (streamed, summary(got)) == (content, summary(calls)), size
 
 
+NESTED = ('<tool_call>\n{"name": "search", "arguments": {"q": "a } and a \\" and {", "filters": [{"k": [1, {}]}], '
+          '"n": 3}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("text", [*TEXTS, NESTED])
+def test_arguments_stream_as_written_in_any_pieces_and_join_to_the_call(text):
+    """Each call's deltas: the first names it, all share the call's id, and the arguments text they add, joined,
+    is the arguments object as written (nothing of the wrapper after it), whatever the pieces."""
+    _, calls = parse_tool_calls(text)
+    for size in range(1, len(text) + 1):
+        parser, got, deltas = ToolCallParser(), [], []
+        for start in range(0, len(text), size):
+            got += parser.feed(text[start:start + size], final=start + size >= len(text))[1]
+            deltas += parser.take_deltas()
+        assert summary(got) == summary(calls)
+        for call in got:
+            mine = [d for d in deltas if d.id == call.id]
+            assert [d.name for d in mine if d.name] == [call.name] and mine[0].name == call.name
+            arguments = "".join(d.arguments for d in mine)
+            assert json.loads(arguments) == json.loads(call.arguments) and arguments.endswith("}"), size
+        assert {d.id for d in deltas} == {c.id for c in got}, size  # no delta of a block that is no call
+
+
+def test_a_call_streams_before_its_block_closes_and_one_written_otherwise_does_not():
+    parser = ToolCallParser()
+    parser.feed('Sure <tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    [first] = parser.take_deltas()
+    assert (first.name, first.arguments) == ("get_weather", '{"ci')
+    parser.feed('ty": "Paris"}}\n</tool_')
+    assert [d.arguments for d in parser.take_deltas()] == ['ty": "Paris"}']  # not the wrapper's brace
+    assert parser.feed("call>", final=True)[1][0].id == first.id
+    # arguments first, or as a string: nothing streams; the call comes whole when its block closes
+    for body in ('{"arguments": {"city": "Rome"}, "name": "get_weather"}',
+                 '{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'):
+        parser = ToolCallParser()
+        _, calls = parser.feed(f"<tool_call>{body}</tool_call>", final=True)
+        assert summary(calls) == [("get_weather", {"city": "Rome"})] and parser.take_deltas() == []
+
+
+def test_a_block_that_opens_as_a_call_and_breaks_has_streamed_and_becomes_content():
+    """Unconstrained (auto), a model may open a call and never close its JSON: what streamed stays streamed (OpenAI's
+    protocol cannot take it back) and the block is content, as every block that is no call."""
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_call>'
+    parser = ToolCallParser()
+    content, calls = parser.feed(text, final=True)
+    assert (content, calls) == (text, [])
+    assert [(d.name, d.arguments) for d in parser.take_deltas()] == [("get_weather", '{"city": "Par')]
+
+
 def test_what_is_content_and_what_is_a_call():
     assert parse_tool_calls(TEXTS[0])[0] == "Let me look." and summary(parse_tool_calls(TEXTS[0])[1]) == [
         ("get_weather", {"city": "Paris"})]

@@ -30,6 +30,7 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[common_pb2.TokenLogprobs] = []
         self.tool_calls: list[generation_pb2.ToolCall] = []
+        self.call_index: dict[str, int] = {}  # a call's id -> its index among the choice's calls, as streamed
         self.finish_reason: str | None = None
         self.stats: generation_pb2.GenerationStats | None = None
         self.text_offset = 0  # completions' logprobs: where the next token's text starts in this choice's text
@@ -95,16 +96,32 @@ class Shapes:
             logprobs = self._logprobs(choice, list(msg.token_ids), list(msg.logprobs)) if asked else None
             body = {"delta": {"content": msg.text}} if self.chat else {"text": msg.text}
             out.append(self._chunk({"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}))
-        if self.chat and msg.tool_calls:  # each call whole, in one delta (index: its place among the choice's calls)
-            first = len(choice.tool_calls) - len(msg.tool_calls)
-            out.append(self._chunk({"index": choice.index, "delta": {"tool_calls": [
-                {"index": first + i, **_call(call)} for i, call in enumerate(msg.tool_calls)]},
-                "logprobs": None, "finish_reason": None}))
+        if self.chat and (msg.tool_call_deltas or msg.tool_calls):
+            calls = [*(self._delta(choice, d) for d in msg.tool_call_deltas),
+                     *(self._whole(choice, c) for c in msg.tool_calls if c.id not in choice.call_index)]
+            out.append(self._chunk({"index": choice.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                    "finish_reason": None}))
         if msg.finish_reason:
             body = {"delta": {}} if self.chat else {"text": ""}
             out.append(self._chunk({"index": choice.index, **body, "logprobs": None,
                                     "finish_reason": msg.finish_reason, "tandem": tandem_stats(msg.stats)}))
         return out
+
+    @staticmethod
+    def _delta(choice: Choice, delta: generation_pb2.ToolCallDelta) -> dict[str, Any]:
+        """A call's piece as its arguments are written: the first names it, the next add arguments text (``index``:
+        the call's place among the choice's calls, by which a client joins the pieces)."""
+        if delta.id not in choice.call_index:
+            choice.call_index[delta.id] = len(choice.call_index)
+            return {"index": choice.call_index[delta.id], "id": delta.id, "type": "function",
+                    "function": {"name": delta.name, "arguments": delta.arguments}}
+        return {"index": choice.call_index[delta.id], "function": {"arguments": delta.arguments}}
+
+    @staticmethod
+    def _whole(choice: Choice, call: generation_pb2.ToolCall) -> dict[str, Any]:
+        """A call that streamed no deltas (its block written otherwise than name, then arguments): whole."""
+        choice.call_index[call.id] = len(choice.call_index)
+        return {"index": choice.call_index[call.id], **_call(call)}
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         """``stream_options.include_usage``: the last chunk, with no choices."""

@@ -74,21 +74,43 @@ def test_a_call_comes_back_parsed_out_of_the_content(tokenizer):
     run(go())
 
 
-def test_a_streamed_call_is_one_delta_and_the_tags_never_reach_the_content(tokenizer):
+def test_a_streamed_call_s_arguments_arrive_as_written_and_the_tags_never_reach_the_content(tokenizer):
     async def go():
         async with http_coordinator(tokenizer, info=INFO) as running:
             running.target.script = [*spell(tokenizer, "Sure." + CALL + CALL.replace("Paris", "Rome")), EOS]
             stream = await client(running).chat.completions.create(
                 model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, temperature=0, stream=True)
-            content, calls, finish = "", [], None
+            content, pieces, finish = "", [], None
             async for chunk in stream:
                 delta = chunk.choices[0].delta
                 content += delta.content or ""
-                calls += delta.tool_calls or []
+                pieces += delta.tool_calls or []
                 finish = chunk.choices[0].finish_reason or finish
             assert content == "Sure." and finish == "tool_calls"
-            assert [c.index for c in calls] == [0, 1] and len({c.id for c in calls}) == 2
-            assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+            # As OpenAI streams a call: its first piece has its index, id, type and name; the next ones only add
+            # arguments text, a character at a time here (the scripted target writes one token a step).
+            firsts = [p for p in pieces if p.id]
+            assert [p.index for p in firsts] == [0, 1] and len({p.id for p in firsts}) == 2
+            assert all(p.type == "function" and p.function.name == "get_weather" for p in firsts)
+            assert all(p.id is None and p.function.name is None for p in pieces if p not in firsts)
+            arguments = ["".join(p.function.arguments for p in pieces if p.index == i) for i in (0, 1)]
+            assert arguments == ['{"city":"Paris"}', '{"city":"Rome"}']  # as written, whole once joined
+            assert len([p for p in pieces if p.index == 0]) == len(arguments[0])
+    run(go())
+
+
+def test_a_call_written_otherwise_arrives_whole_in_the_stream(tokenizer):
+    """Arguments before the name: nothing is streamed until the block closes, then the call comes in one piece."""
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            call = '<tool_call>{"arguments":{"city":"Oslo"},"name":"get_weather"}</tool_call>'
+            running.target.script = [*spell(tokenizer, call), EOS]
+            stream = await client(running).chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, temperature=0, stream=True)
+            pieces = [p async for chunk in stream for p in chunk.choices[0].delta.tool_calls or []]
+            [piece] = pieces
+            assert piece.index == 0 and piece.function.name == "get_weather"
+            assert json.loads(piece.function.arguments) == {"city": "Oslo"}
     run(go())
 
 
@@ -218,7 +240,11 @@ def test_the_grpc_api_returns_the_calls_too(tokenizer):
                 assert whole.token_ids[-1] == EOS and len(whole.token_ids) == len(spell(tokenizer, "Ok." + CALL)) + 1
                 parts = [msg async for msg in stub.GenerateStream(request)]
                 assert "".join(m.text for m in parts) == "Ok." and parts[-1].finish_reason == "tool_calls"
-                assert [c.name for m in parts for c in m.tool_calls] == ["get_weather"]
+                [streamed] = [c for m in parts for c in m.tool_calls]
+                deltas = [d for m in parts for d in m.tool_call_deltas]
+                assert streamed.name == "get_weather" and {d.id for d in deltas} == {streamed.id}
+                assert [d.name for d in deltas if d.name] == ["get_weather"]
+                assert json.loads("".join(d.arguments for d in deltas)) == json.loads(streamed.arguments)
     run(go())
 
 

@@ -77,7 +77,7 @@ def test_a_required_call_follows_its_schema_and_equals_constrained_target_only(a
     assert choice.tandem["forced_tokens"] > 0
 
 
-def test_a_named_call_streams_as_one_delta_equal_to_the_whole(api):
+def test_a_named_call_streams_as_written_and_joins_to_the_whole(api):
     model = api.models.list().data[0].id
     named = {"type": "function", "function": {"name": "get_time"}}
     whole = api.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice=named,
@@ -91,8 +91,11 @@ def test_a_named_call_streams_as_one_delta_equal_to_the_whole(api):
         if chunk.choices:
             calls += chunk.choices[0].delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
-    [streamed] = calls
-    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    first, *rest = calls  # the call's first piece names it; the rest add its arguments as they are written
+    assert (first.index, first.function.name) == (0, call.function.name) and first.id.startswith("call_")
+    assert all(piece.index == 0 and piece.id is None and piece.function.name is None for piece in rest)
+    arguments = "".join(piece.function.arguments for piece in calls)
+    assert json.loads(arguments) == json.loads(call.function.arguments)
     assert finish == "tool_calls"
 
 
