@@ -16,8 +16,8 @@ With --heads (Medusa or EAGLE heads of the target), two more ways, speculating w
 
 - heads-cached:  prefix caching on, one prompt at a time: an EAGLE prompt starts on the blocks
                  both the target's cache and its head's hold;
-- heads-chunked: prefix caching off, every prompt at once with --chunk tokens per chunk: each
-                 heads prompt's chunks go to the heads as they are computed.
+- heads-chunked: as chunked, each prompt's sequence drafting with the heads (every round verifies
+                 their proposal): its chunks go to the heads as they are computed.
 
 Per prompt: whether its tokens equal ``off``'s, and where they first differ. fp32 is expected to be
 identical on these prompts (the rule the tests hold, tests/target_worker/test_prefix_and_chunks.py);
@@ -80,18 +80,22 @@ def compare(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any
             "first_difference": ",".join("-" if f is None else str(f) for f in firsts)}
 
 
-def chunked_beside_a_stream(model_dir: Path, dtype: str, prompts: list[list[int]],
-                            args: argparse.Namespace) -> tuple[list[list[int]], int]:
-    """Greedy decoding of each prompt, prefilled in chunks while another sequence decodes (see the module doc)."""
+def chunked_beside_a_stream(model_dir: Path, dtype: str, prompts: list[list[int]], args: argparse.Namespace,
+                            heads: Path | None = None) -> tuple[list[list[int]], int]:
+    """Greedy decoding of each prompt, prefilled in chunks while another sequence decodes (see the module doc);
+    with ``heads``, each prompt's sequence drafts with them, every round verifying their proposal."""
     from tandem.config import EngineConfig
     from tandem.engine import ModelEngine
+    from tandem.heads.serving import load_drafter
     from tandem.rpc.batcher import Unfinished
     from tandem.sampling import SamplingParams
-    from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
+    from target_worker.engine import PrefillCall, Proposed, ReleaseCall, TargetEngine, VerifyCall
 
-    target = TargetEngine(ModelEngine.load(EngineConfig(model_dir, dtype=dtype, prefix_caching=False)),
-                          prefill_chunk_tokens=args.chunk)
+    engine = ModelEngine.load(EngineConfig(model_dir, dtype=dtype, prefix_caching=False))
+    drafter = None if heads is None else load_drafter(heads, engine)
+    target = TargetEngine(engine, drafter=drafter, prefill_chunk_tokens=args.chunk)
     greedy = SamplingParams()
+    nodes = 0 if drafter is None else 8  # proposal nodes a round
 
     def step(calls: list) -> list:
         results = target.run_batch(calls)
@@ -103,16 +107,17 @@ def chunked_beside_a_stream(model_dir: Path, dtype: str, prompts: list[list[int]
     outputs, chunked_steps = [], 0
     for i, prompt in enumerate(prompts):
         step([PrefillCall("stream", prompts[(i + 1) % len(prompts)][:32], greedy)])  # a sequence that runs
-        call, result = PrefillCall("p", prompt, greedy), Unfinished()
+        call, result = PrefillCall("p", prompt, greedy, propose=nodes), Unfinished()
         while isinstance(result, Unfinished):
             result, _ = step([call, VerifyCall("stream", len(target.sequences["stream"].history), [], [])])
             chunked_steps += 1
-        tokens = [result.next_token]
-        while len(tokens) < args.max_new_tokens:
-            (verdict,) = step([VerifyCall("p", len(target.sequences["p"].history), [], [])])
-            tokens.append(verdict.next_token)
+        history = target.sequences["p"].history
+        while len(history) - len(prompt) < args.max_new_tokens:
+            proposal = result.proposal if isinstance(result, Proposed) else None
+            drafts, parents = (proposal.tokens, proposal.parents) if proposal is not None else ([], [])
+            (result,) = step([VerifyCall("p", len(history), drafts, [], parents, propose=nodes)])
         step([ReleaseCall("p"), ReleaseCall("stream")])
-        outputs.append(tokens)
+        outputs.append(history[len(prompt):len(prompt) + args.max_new_tokens])
     if chunked_steps <= len(prompts):
         raise SystemExit(f"no prompt was chunked ({chunked_steps} steps for {len(prompts)} prompts): lower --chunk")
     return outputs, 0
@@ -158,8 +163,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 ("chunked", lambda dtype=dtype: chunked_beside_a_stream(model_dir, dtype, prompts, args))]
         if heads_dir is not None:
             ways += [("heads-cached", lambda: generate(caching=True, together=False, heads=heads_dir)),
-                     ("heads-chunked", lambda: generate(caching=False, together=True, chunk=args.chunk,
-                                                        heads=heads_dir))]
+                     ("heads-chunked", lambda dtype=dtype: chunked_beside_a_stream(model_dir, dtype, prompts, args,
+                                                                                    heads_dir))]
         for way, ran in ways:
             tokens, reused = ran()
             rows.append({"dtype": dtype, "way": way, "reused_tokens": reused, **compare(off, tokens)})

@@ -118,6 +118,9 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--json-schema", "{oops"], "response_format: json_schema is not JSON"),
     (["--json-schema", '{"type": "colour"}'], "response_format: the JSON schema cannot be enforced"),
     (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read /nonexistent/schema.json"),
+    (["--tools", "tools.json"], "--tools: only with --addr"),
+    (["--tool-choice", "required"], "--tool-choice and --single-call need --tools"),
+    (["--single-call"], "--tool-choice and --single-call need --tools"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store
@@ -127,6 +130,23 @@ def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypa
 
     monkeypatch.setattr(model_store, "resolve_model", no_model_work)
     assert main(["generate", "hi", "--target", "/nonexistent", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "--tools: cannot read"),
+    ("{oops", "is not JSON"),
+    ("{}", "must hold a list of tools, got dict"),
+    ("[]", "must hold a list of tools, got list (empty)"),
+    ('[{"type": "retrieval"}]', "--tools[0].type: function tools only, got 'retrieval'"),
+    ('[{"description": "no name"}]', "--tools[0]: a function with a name"),
+    ('[{"name": "f", "parameters": [1]}]', "--tools[0].parameters: a JSON schema (an object), got [1]"),
+])
+def test_a_bad_tools_file_is_refused_naming_what_is_wrong_before_any_call(tmp_path, content, message, capsys):
+    path = tmp_path / "tools.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["generate", "hi", "--addr", "127.0.0.1:1", "--tools", str(path)]) == 2  # nothing listens there
     assert message in capsys.readouterr().err
 
 

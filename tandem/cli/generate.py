@@ -17,15 +17,20 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem import model_store
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options
 from tandem.cli.security_flags import add_client_flags, client_options
+from tandem.cli.tool_flags import add_tool_flags, tool_options_from_args
 from tandem.config import ATTENTION_BACKENDS, DTYPES, PACKED_WEIGHTS, PACKED_WEIGHTS_HELP, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
 from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, heads_fallback, resolve_method
 from tandem.structured_output import check_response_format
+
+if TYPE_CHECKING:
+    from tandem.v1 import generation_pb2
 
 DEFAULT_TARGET = "qwen-coder-1.5b"
 
@@ -126,6 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop string (repeatable; with --addr)")
     p.add_argument("--no-pipelining", action="store_true", help="with --addr: no pipelined drafting")
     p.add_argument("--timeout", type=float, default=600.0, help="with --addr: request deadline in seconds")
+    add_tool_flags(p)
     add_client_flags(p)
     add_sampling_flags(p)
     add_model_flags(p)
@@ -190,8 +196,9 @@ def chat_turns(system: str, prompt: str) -> list[dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    tools = tool_options_from_args(args)  # (refused in process, before any model loads)
     if args.addr:
-        return run_remote(args)
+        return run_remote(args, tools)
     from tandem.inprocess import GenerationRequest
     from tandem.pipeline import LocalPipeline
     from tandem.tokenizer import encode_messages, encode_prompt
@@ -220,20 +227,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_remote(args: argparse.Namespace) -> int:
-    """Stream from a coordinator; the server validates the request and names any bad field."""
+def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | None = None) -> int:
+    """Stream from a coordinator; the server validates the request and names any bad field. With ``tools`` the
+    prompt goes as a conversation (tools are shown by the chat template) and the calls are printed after the text."""
     import grpc
 
     from tandem.client import TandemClient, build_request
 
     sampling = sampling_from_args(args)
     method = "" if args.method == "auto" else args.method
-    prompt = args.prompt if args.system is None else chat_turns(args.system, args.prompt)
+    prompt: str | list[dict[str, str]] = args.prompt
+    if args.system is not None:
+        prompt = chat_turns(args.system, args.prompt)
+    elif tools is not None:
+        prompt = [{"role": "user", "content": args.prompt}]
     request = build_request(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
                             stop_strings=tuple(args.stop), tree=args.tree)
+    if tools is not None:
+        request.tools.CopyFrom(tools)
     tokens: list[int] = []
     text_parts: list[str] = []
+    calls: list[dict[str, object]] = []
     last = None
     tls, token = client_options(args)
     with TandemClient(args.addr, timeout_s=args.timeout, tls=tls, token=token) as client:
@@ -241,6 +256,7 @@ def run_remote(args: argparse.Namespace) -> int:
             for chunk in client.stream(request):
                 tokens.extend(chunk.token_ids)
                 text_parts.append(chunk.text)
+                calls += [{"id": c.id, "name": c.name, "arguments": json.loads(c.arguments)} for c in chunk.tool_calls]
                 if not args.json:
                     print(chunk.text, end="", flush=True)
                 last = chunk
@@ -255,10 +271,15 @@ def run_remote(args: argparse.Namespace) -> int:
             MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
             if stats else {}
         )
-        print(json.dumps({"text": "".join(text_parts), "token_ids": tokens,
-                          "finish_reason": last.finish_reason if last else "", "stats": stats_dict}))
+        out = {"text": "".join(text_parts), "token_ids": tokens, "finish_reason": last.finish_reason if last else "",
+               "stats": stats_dict}
+        if tools is not None:
+            out["tool_calls"] = calls
+        print(json.dumps(out))
     else:
         print()
+        for call in calls:  # one JSON object a line, after the text
+            print(json.dumps(call))
         if stats:
             print(f"[{stats.generated_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, method {stats.method}, "
                   f"accepted {stats.accepted}/{stats.drafted} drafted in {stats.rounds} rounds]", file=sys.stderr)

@@ -248,6 +248,36 @@ def test_the_grpc_api_returns_the_calls_too(tokenizer):
     run(go())
 
 
+@pytest.mark.parametrize("choice,as_json", [(None, True), ("get_weather", True), (None, False)])
+def test_tandem_generate_sends_tools_and_prints_the_calls(tokenizer, tmp_path, capsys, choice, as_json):
+    from tandem.cli import main
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER, CLOCK["function"]]))  # OpenAI's items, or a function alone
+
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            running.target.script = [*spell(tokenizer, "Sure." + CALL), EOS]
+            flags = ["--tool-choice", choice, "--single-call"] if choice else []
+            flags += ["--json"] if as_json else []
+            code = await asyncio.to_thread(main, ["generate", "weather?", "--addr", running.grpc_address, "--tools",
+                                                  str(tools), "--max-new-tokens", "200", *flags])
+            assert code == 0
+            # the prompt went as a chat turn, through the template that shows the tools
+            assert tokenizer.decode(running.target.prompts[-1]).startswith("get_weatherget_time<tool_call>")
+            assert bool(running.target.samplings[-1].grammar) == bool(choice)  # a named call: enforced
+    run(go())
+    lines = capsys.readouterr().out.strip().splitlines()
+    if as_json:
+        out = json.loads(lines[-1])
+        assert out["text"] == "Sure." and out["finish_reason"] == "tool_calls"
+        [call] = out["tool_calls"]
+    else:  # the text as it streamed, then each call as one JSON object a line (after the servers' ready lines)
+        assert lines[-2] == "Sure."
+        call = json.loads(lines[-1])
+    assert call["id"].startswith("call_") and (call["name"], call["arguments"]) == ("get_weather", {"city": "Paris"})
+
+
 # ----- --chat-template ---------------------------------------------------------------------------------------
 
 def test_chat_template_files_are_read_where_the_configuration_is_and_passed_on_by_tandem_up(tmp_path):
