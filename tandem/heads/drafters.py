@@ -180,7 +180,8 @@ class EagleDrafter(TimedDrafter):
         (nothing else changes the head's cache between the two), the sequence drafts no more: ``_step`` finds
         its length short of the rows fed."""
         self.release(seq_id)
-        held = self.cache.reuse_prefix(seq_id, NextTokenPairs(tokens), length) if length else 0
+        # (looked up even for 0 rows: the hit rate counts every prompt, as the target's does)
+        held = self.cache.reuse_prefix(seq_id, NextTokenPairs(tokens), length) if self.cache.prefix_caching else 0
         if held != length:
             log.warning("EAGLE head: %d of %d cached rows of %r were found; it drafts no more", held, length, seq_id)
             self.release(seq_id)

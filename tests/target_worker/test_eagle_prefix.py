@@ -101,7 +101,9 @@ def test_the_next_turn_reuses_the_answer_with_eagle_and_nothing_else_changes(tin
     second_len = len(FIRST) + len(first.token_ids) + len(FOLLOW_UP)
     answered = (len(FIRST) + len(first.token_ids) - 1) // BLOCK * BLOCK  # the answer's last token has no KV
     assert second.stats.prompt_tokens_reused == min(answered, (second_len - 1) // BLOCK * BLOCK) > len(FIRST)
-    assert drafter.cache.prefix_stats().reused_tokens == second.stats.prompt_tokens_reused
+    stats = drafter.cache.prefix_stats()  # every prompt counted, the first turn's miss too (a row per pair)
+    assert (stats.prompt_tokens, stats.reused_tokens) == (len(FIRST) - 1 + second_len - 1,
+                                                          second.stats.prompt_tokens_reused)
     for cache in (engine.kv_cache, drafter.cache):  # all released; cached blocks are evictable
         assert cache.num_free_blocks == cache.num_blocks
 
