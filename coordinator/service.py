@@ -62,6 +62,7 @@ class _Request:
     loop: SpeculationLoop
     emitted_tokens: int = 0
     tool_calls: ToolCallParser | None = None  # with tools shown: the text split into content and calls
+    prompt_scores_sent: bool = False  # asked (sampling.prompt_logprobs): the first message carried them
 
 
 class _MetricsObserver:
@@ -121,7 +122,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.GenerateResponse(
             request_id=run.request_id, text=text, token_ids=run.state.generated,
             finish_reason=_finish_reason(run), stats=self._stats(run),
-            logprobs=logprobs_to_proto(run.state.logprobs), tool_calls=_calls_to_proto(calls))
+            logprobs=logprobs_to_proto(run.state.logprobs), tool_calls=_calls_to_proto(calls),
+            **_prompt_scores(run.state))
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         async for msg in self.stream(self.start(request, context.time_remaining())):
@@ -191,6 +193,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                   for d in deltas])
             if state.logprobs is not None:
                 msg.logprobs.extend(logprobs_to_proto(state.logprobs[start:run.emitted_tokens]))
+            if not run.prompt_scores_sent:
+                run.prompt_scores_sent = True
+                for name, value in _prompt_scores(state).items():
+                    getattr(msg, name).extend(value)
             if done:
                 msg.finish_reason = _finish_reason(run)
                 msg.stats.CopyFrom(self._stats(run))
@@ -400,3 +406,10 @@ def _is_template_refusal(exc: Exception) -> bool:
     except ImportError:
         return False
     return isinstance(exc, TemplateError) and not isinstance(exc, TemplateSyntaxError)
+
+
+def _prompt_scores(state: RequestState) -> dict[str, Any]:
+    """A reply's prompt log-probabilities and the prompt they score, when the request asked for them."""
+    if state.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": logprobs_to_proto(state.prompt_logprobs), "prompt_token_ids": state.prompt_ids}

@@ -228,7 +228,8 @@ class RequestChannel:
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
-                         reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens))
+                         reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens),
+                         logprobs_from_proto(reply.prompt_logprobs) if sampling.prompt_logprobs is not None else None)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution],

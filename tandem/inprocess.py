@@ -61,6 +61,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # asked (``sampling.logprobs``): the target's, one per token
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked (``sampling.prompt_logprobs``): prompt tokens 1..
 
 
 def _fitted(engine: ModelEngine) -> FittedCost | None:
@@ -88,11 +89,11 @@ class LocalTarget:
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
                       propose: int = 0) -> Prefilled:
         result = await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len, propose=propose))
+        proposal = None
         if isinstance(result, Proposed):
-            return Prefilled(result.result.next_token, TreeProposal(result.proposal.tokens, result.proposal.parents),
-                             result.result.reused_tokens, result.result.logprobs, result.result.forced)
-        return Prefilled(result.next_token, reused_tokens=result.reused_tokens, logprobs=result.logprobs,
-                         forced=result.forced)
+            result, proposal = result.result, TreeProposal(result.proposal.tokens, result.proposal.parents)
+        return Prefilled(result.next_token, proposal, result.reused_tokens, result.logprobs, result.forced,
+                         result.prompt_logprobs)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
@@ -172,7 +173,8 @@ class SpeculativeGenerator:
         states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids))
                   for r in requests]
         asyncio.run(self._run(requests, states))
-        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats, s.logprobs) for s in states]
+        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats, s.logprobs, s.prompt_logprobs)
+                for s in states]
 
     async def _run(self, requests: list[GenerationRequest], states: list[RequestState]) -> None:
         target_batcher = Batcher(self.target.run_batch, self.target.call_cost, TOKEN_BUDGET,

@@ -31,6 +31,9 @@ class SamplingParams:
     # The target's log-probabilities of the emitted tokens, with this many top alternatives each; None: none.
     # Reported only: it changes no token.
     logprobs: int | None = None
+    # The target's log-probability of every prompt token after the first, with this many top alternatives each;
+    # None: none. Reported only; such a prompt is computed whole (its rows' logits are not in the prefix cache).
+    prompt_logprobs: int | None = None
     # A seeded request is verified by the target's own seeded draw per position (tandem.spec.rejection,
     # "Seeded sampling"); True: by the rejection rule, as an unseeded one (its statistical tests ask this).
     rejection_rule: bool = False
@@ -76,6 +79,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in 0..{MAX_LOGPROBS} alternatives, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be in 0..{MAX_LOGPROBS} alternatives, got {self.prompt_logprobs}")
         if not 0 < self.repetition_penalty < math.inf:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0 and finite (1: none), got {self.repetition_penalty}")

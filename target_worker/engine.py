@@ -68,6 +68,7 @@ from tandem.errors import (
 from tandem.heads.drafters import HeadDrafter, HeadStep
 from tandem.heads.proposal import HeadProposal
 from tandem.penalties import adjust_logits, row_paths_of
+from tandem.prompt_logprobs import SCORED_ROWS_PER_STEP, score_rows
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
@@ -125,6 +126,7 @@ class Prefilled:
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not from this pass
     logprobs: list[TokenLogprob] | None = None  # asked (``sampling.logprobs``): next_token's
     forced: tuple[int, ...] = ()  # a grammar's forced tokens after next_token: the next round's sure proposal
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked (``sampling.prompt_logprobs``): prompt tokens 1..
 
 
 @dataclass(slots=True)
@@ -146,6 +148,7 @@ class TargetSequence:
     prompt_len: int = 0  # its prompt's tokens: the only ones whose blocks it offers to the prefix cache
     prompt_tokens: frozenset[int] | None = None  # its prompt's distinct ids: a repetition penalty's, once made
     grammar: Matcher | None = None  # structured output: the grammar's state after its committed tokens
+    prompt_scores: list[TokenLogprob] | None = None  # a scored prompt's scores so far, until its Prefill replies
 
 
 @dataclass(slots=True)
@@ -200,7 +203,10 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def call_cost(self, call: Call) -> int:
         """Tokens a call adds to the forward pass (the scheduler's budget unit)."""
         if isinstance(call, PrefillCall):
-            return min(len(call.token_ids), self.chunks.size()) if self.chunks.enabled else len(call.token_ids)
+            tokens = len(call.token_ids)
+            if _scores_prompt(call):
+                tokens = min(tokens, SCORED_ROWS_PER_STEP)
+            return min(tokens, self.chunks.size()) if self.chunks.enabled else tokens
         if isinstance(call, VerifyCall):
             return len(call.draft_tokens) + 1
         return 0
@@ -225,10 +231,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     self._forward_failed(plan)
                     results[plan.index] = exc
             else:
-                chunks = [p for p in admitted if p.partial]
+                logits = self._score_prompts(admitted, logits, results)
+                chunks = [p for p in admitted if p.partial and results[p.index] is None]
                 for plan in chunks:
                     results[plan.index] = self._chunk_done(plan)
-                done = [(p, rows) for p, rows in zip(admitted, logits) if not p.partial]
+                done = [(p, rows) for p, rows in zip(admitted, logits) if not p.partial and results[p.index] is None]
                 self._finish([p for p, _ in done], [rows for _, rows in done], results, chunks)
 
         self._drop_failed_chunks(calls, results)
@@ -237,19 +244,42 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     # ----- chunked prefill -------------------------------------------------
     def _chunk(self, plans: list[_Plan]) -> None:
-        """Cut each long new prompt to one chunk when other sequences are running (module doc)."""
+        """Cut each long new prompt to one chunk when other sequences are running (module doc); a scored prompt
+        (``prompt_logprobs``) to ``SCORED_ROWS_PER_STEP`` rows whatever else runs, to bound the logits it holds."""
+        prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len]  # (not rebuilds)
+        for plan in prompts:
+            if _scores_prompt(plan.call) and len(plan.item.token_ids) > SCORED_ROWS_PER_STEP:
+                _cut(plan, SCORED_ROWS_PER_STEP)
         if not self.chunks.enabled:
             return
-        prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len]  # (not rebuilds)
         prefilling = {p.call.seq_id for p in prompts}
         if not any(s not in prefilling and seq.prefilling is None for s, seq in self.sequences.items()):
             return  # nobody is waiting on these prompts
         for plan in prompts:
             now = self.chunks.take(len(plan.item.token_ids), plan.kv_len - len(plan.item.token_ids))
             if now < len(plan.item.token_ids):
-                plan.item.token_ids = plan.item.token_ids[:now]
-                plan.item.num_logits = 0
-                plan.partial = True
+                _cut(plan, now)
+
+    def _score_prompts(self, plans: list[_Plan], logits: list[torch.Tensor], results: list) -> list[torch.Tensor]:
+        """Each scored prompt's rows this step give its tokens' log-probabilities (``tandem.prompt_logprobs``);
+        what is left per plan is the logits its decision reads (a scored prompt's last chunk: its last row)."""
+        left = []
+        for plan, rows in zip(plans, logits):
+            seq = self.sequences.get(plan.call.seq_id)
+            if not _scores_prompt(plan.call) or seq is None or seq.prompt_scores is None:
+                left.append(rows)
+                continue
+            fed = len(plan.item.token_ids)
+            start = self.engine.seq_len(plan.call.seq_id) - fed  # the first fed row's position
+            scored = fed if plan.partial else fed - 1  # the prompt's last row scores the first generated token
+            try:
+                seq.prompt_scores.extend(score_rows(rows[:scored], seq.history[start + 1:start + 1 + scored],
+                                                    seq.sampling.prompt_logprobs))
+            except Exception as exc:  # noqa: BLE001 - this call fails alone
+                self._forward_failed(plan)
+                results[plan.index] = exc
+            left.append(rows[scored:])
+        return left
 
     def _chunk_done(self, plan: _Plan) -> Unfinished:
         """A chunk is in the KV: the prompt's full blocks so far go to the prefix cache; the call goes on."""
@@ -304,8 +334,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             seq = self.sequences.get(call.seq_id)
             if seq is not None and seq.prefilling is call:  # its next chunk, after those in the KV
                 done = self.engine.seq_len(call.seq_id)
-                item = ForwardItem(call.seq_id, list(call.token_ids[done:]), num_logits=1, features=seq.heads,
-                                   prompt=True)
+                left = list(call.token_ids[done:])
+                item = ForwardItem(call.seq_id, left, num_logits=len(left) if _scores_prompt(call) else 1,
+                                   features=seq.heads, prompt=True)
                 return _Plan(index, call, item, kv_len=len(call.token_ids), resumed=True)
             if seq is not None and not call.replace:
                 # Another request's id, or a stray repeat: replacing it would hand one request's state to another.
@@ -314,7 +345,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             heads = call.propose > 0
             grammar = self._grammar(call)
             if not call.prompt_len:
-                item = ForwardItem(call.seq_id, list(call.token_ids), num_logits=1, features=heads, prompt=True)
+                tokens = list(call.token_ids)
+                item = ForwardItem(call.seq_id, tokens, num_logits=len(tokens) if _scores_prompt(call) else 1,
+                                   features=heads, prompt=True)
                 return _Plan(index, call, item, kv_len=len(call.token_ids), grammar=grammar)
             # A rebuild: the whole history; the KV of all but its last token, and nothing sampled.
             if not 0 < call.prompt_len < len(call.token_ids):
@@ -384,7 +417,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             self.sequences[call.seq_id] = TargetSequence(list(call.token_ids), call.sampling, generator,
                                                          heads=call.propose > 0,
                                                          prompt_len=call.prompt_len or len(call.token_ids),
-                                                         grammar=plan.grammar)
+                                                         grammar=plan.grammar,
+                                                         prompt_scores=[] if _scores_prompt(call) else None)
             self._reuse_prefix(plan)
         else:
             seq = self.sequences[call.seq_id]
@@ -411,6 +445,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             limit = prefix_limit(call.prompt_len or len(call.token_ids))
         if plan.item.features:  # EAGLE's layer has a row per target row: the rows fed are those both caches lack
             limit = min(limit, self.drafter.cached_prefix_len(call.token_ids))
+        if _scores_prompt(call):  # every row's logits are asked for, and a cached row's are not kept
+            limit = 0
         reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=limit)
         if plan.item.features:
             self.drafter.start(call.seq_id, call.token_ids, reused)
@@ -568,7 +604,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 if seq.grammar is not None:
                     seq.grammar.commit([verdict.next_token])
             self._offer_committed(call.seq_id, seq)
-            return Prefilled(verdict.next_token, seq.reused, verdict.logprobs, tuple(self._forced(seq)))
+            scores, seq.prompt_scores = seq.prompt_scores, None
+            return Prefilled(verdict.next_token, seq.reused, verdict.logprobs, tuple(self._forced(seq)), scores)
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)
         else:
@@ -622,3 +659,15 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 # A drafter logs and swallows its errors while serving (a round goes on without drafts);
                 # at start a broken set of heads must stop the worker instead of serving without them.
                 raise RuntimeError(f"the {self.drafter.kind} heads proposed nothing at warm-up: see the log above")
+
+
+def _scores_prompt(call: Call) -> bool:
+    """Whether the call is a prompt's Prefill that asked for its tokens' log-probabilities (not a rebuild)."""
+    return isinstance(call, PrefillCall) and not call.prompt_len and call.sampling.prompt_logprobs is not None
+
+
+def _cut(plan: _Plan, tokens: int) -> None:
+    """Feed only the first ``tokens`` of the plan's prompt this step (a chunk: no decision yet)."""
+    plan.item.token_ids = plan.item.token_ids[:tokens]
+    plan.item.num_logits = tokens if _scores_prompt(plan.call) else 0
+    plan.partial = True

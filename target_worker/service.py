@@ -26,7 +26,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         prefilled = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens,
                                            logprobs=logprobs_to_proto(prefilled.logprobs),
-                                           forced_tokens=prefilled.forced)
+                                           forced_tokens=prefilled.forced,
+                                           prompt_logprobs=logprobs_to_proto(prefilled.prompt_logprobs))
         if isinstance(result, Proposed):
             reply.proposal.CopyFrom(proposal_to_proto(result.proposal.tokens, result.proposal.parents))
         return reply

@@ -9,9 +9,10 @@ same bearer tokens and per-client budget (``AccessControl``: ``identify``,
 it), then ``GenerationService.start`` (the one validation, the operator's
 limits, placement, the client's deadline) and ``GenerationService.stream`` (the
 speculation loop). ``n`` choices are n requests of the same prompt, run
-concurrently. A client that goes away cancels its requests (aiohttp cancels the
-handler, ``handler_cancellation``), which frees their KV on the workers as a
-cancelled gRPC call does.
+concurrently; a completions call with a list of prompts runs ``n`` of each.
+A client that goes away cancels its requests (aiohttp cancels the handler,
+``handler_cancellation``), which frees their KV on the workers as a cancelled
+gRPC call does.
 
 Errors are OpenAI's JSON (``coordinator.http.errors``), also for routes and
 methods that do not exist; 503 while the coordinator is starting or draining.
@@ -117,21 +118,23 @@ class HttpApi:
         client = self._client(request)
         parsed = parse(parse_json(await self._body(request)), request.headers.get("X-Request-Id", ""))
         model = self._served(parsed.model)
-        with self.access.hold(client, parsed.n):
+        with self.access.hold(client, parsed.choices):
             parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
-            try:  # all n validated and placed before anything runs or is sent
-                runs = [self.service.start(parsed.for_choice(i), parsed.timeout_s) for i in range(parsed.n)]
+            try:  # every choice validated and placed before anything runs or is sent
+                runs = [self.service.start(parsed.for_choice(i), parsed.timeout_s) for i in range(parsed.choices)]
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, parsed.params) from None
-            shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs)
-            choices = [Choice(i) for i in range(parsed.n)]
+            shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs,
+                            echo=parsed.prompts if parsed.echo else None)
+            choices = [Choice(i, parsed.prompt_of(i)) for i in range(parsed.choices)]
             if parsed.stream:
                 return await self._stream(request, runs, choices, shapes, parsed)
             try:
                 await _together([self._collect(run, choice) for run, choice in zip(runs, choices)])
             except Exception as exc:  # noqa: BLE001
                 raise from_domain(exc, parsed.params) from None
-            return web.json_response(shapes.completion(choices), headers={"X-Request-Id": parsed.request.request_id})
+            return web.json_response(shapes.completion(choices, parsed.n),
+                                     headers={"X-Request-Id": parsed.request.request_id})
 
     async def _collect(self, run: Any, choice: Choice, queue: asyncio.Queue | None = None) -> None:
         """Run one choice's request into ``choice``; streaming, each message also goes to ``queue``."""
@@ -173,7 +176,7 @@ class HttpApi:
                         await _send(response, chunk)
             else:
                 if parsed.include_usage:
-                    await _send(response, shapes.usage_chunk(choices))
+                    await _send(response, shapes.usage_chunk(choices, parsed.n))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         finally:  # a client gone (cancelled handler, failed write) or a failed choice: stop the rest

@@ -9,6 +9,12 @@ statistics (``GenerationStats``: drafted, accepted, rounds, method, ...) plus
 
 A token's text in log-probabilities is the token decoded alone (a byte-level
 token that ends inside a character shows U+FFFD there), and ``bytes`` its UTF-8.
+
+Completions' ``echo``: each choice's text starts with its prompt (the string sent,
+or the token ids decoded); with ``logprobs``, its log-probabilities start with the
+prompt's tokens, the first with ``null`` (nothing comes before it), the others the
+target's (``sampling.prompt_logprobs``). Streamed, the first chunk of a choice
+carries them.
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ from tandem.v1 import common_pb2, generation_pb2
 class Choice:
     """One choice's output as its messages arrive."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, prompt: int = 0) -> None:
         self.index = index
+        self.prompt = prompt  # which of the request's prompts (completions take a list)
+        self.prompt_ids: list[int] = []  # asked (echo with logprobs): the prompt's tokens and their scores
+        self.prompt_logprobs: list[common_pb2.TokenLogprobs] = []
+        self.echoed = False  # echo: its prompt's text went out (streamed: in its first chunk)
+        self.echoed_logprobs = False  # echo with logprobs: its prompt's scores went out
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[common_pb2.TokenLogprobs] = []
@@ -40,6 +51,8 @@ class Choice:
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
         self.tool_calls.extend(msg.tool_calls)
+        self.prompt_ids.extend(msg.prompt_token_ids)
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
             self.stats = msg.stats
@@ -52,8 +65,10 @@ class Choice:
 class Shapes:
     """The JSON objects of one request's reply (``chat``: the chat endpoint's; else the completions')."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tokenizer: Any, logprobs: int | None) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, tokenizer: Any, logprobs: int | None,
+                 echo: list[str | list[int]] | None = None) -> None:
         self.chat = chat
+        self.echo = echo  # completions' echo: the request's prompts, each choice's text starts with its own
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.model = model
@@ -62,7 +77,7 @@ class Shapes:
         self._texts: dict[int, str] = {}  # token id -> its text alone, decoded once per request
 
     # ----- whole -------------------------------------------------------------------
-    def completion(self, choices: list[Choice]) -> dict[str, Any]:
+    def completion(self, choices: list[Choice], n: int = 1) -> dict[str, Any]:
         out = []
         for c in choices:
             item: dict[str, Any] = {"index": c.index}
@@ -73,12 +88,12 @@ class Shapes:
                 if c.tool_calls:
                     item["message"]["tool_calls"] = [_call(call) for call in c.tool_calls]
             else:
-                item["text"] = c.text
+                item["text"] = self._echo(c) + c.text
             item["logprobs"] = self._logprobs(c, c.token_ids, c.logprobs)
             item["finish_reason"] = c.finish_reason or "length"
             item["tandem"] = tandem_stats(c.stats)
             out.append(item)
-        return {**self._head(chat_object="chat.completion"), "choices": out, "usage": usage(choices)}
+        return {**self._head(chat_object="chat.completion"), "choices": out, "usage": usage(choices, n)}
 
     # ----- streamed ------------------------------------------------------------------
     def opening(self, index: int) -> dict[str, Any] | None:
@@ -92,9 +107,10 @@ class Shapes:
         """The chunks of one stream message of ``choice`` (added to it already): its text, then its end."""
         out = []
         asked = self.logprobs is not None
-        if msg.text or (asked and msg.token_ids):  # tokens with no text yet still bring their logprobs
+        echo = self._echo(choice)
+        if msg.text or echo or (asked and msg.token_ids):  # tokens with no text yet still bring their logprobs
             logprobs = self._logprobs(choice, list(msg.token_ids), list(msg.logprobs)) if asked else None
-            body = {"delta": {"content": msg.text}} if self.chat else {"text": msg.text}
+            body = {"delta": {"content": msg.text}} if self.chat else {"text": echo + msg.text}
             out.append(self._chunk({"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}))
         if self.chat and (msg.tool_call_deltas or msg.tool_calls):
             calls = [*(self._delta(choice, d) for d in msg.tool_call_deltas),
@@ -123,9 +139,9 @@ class Shapes:
         choice.call_index[call.id] = len(choice.call_index)
         return {"index": choice.call_index[call.id], **_call(call)}
 
-    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+    def usage_chunk(self, choices: list[Choice], n: int = 1) -> dict[str, Any]:
         """``stream_options.include_usage``: the last chunk, with no choices."""
-        return {**self._head(), "choices": [], "usage": usage(choices)}
+        return {**self._head(), "choices": [], "usage": usage(choices, n)}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(), "choices": [choice]}
@@ -144,14 +160,28 @@ class Shapes:
             return {"content": [{**self._token(t, s.logprob),
                                  "top_logprobs": [self._token(i, lp) for i, lp in zip(s.top_ids, s.top_logprobs)]}
                                 for t, s in zip(token_ids, scores)], "refusal": None}
+        entries: list[tuple[int, common_pb2.TokenLogprobs | None]] = list(zip(token_ids, scores))
+        if self.echo is not None and choice.prompt_ids and not choice.echoed_logprobs:
+            # The prompt's tokens first: its first has no score (nothing comes before it), the rest the target's.
+            choice.echoed_logprobs = True
+            entries = [(choice.prompt_ids[0], None), *zip(choice.prompt_ids[1:], choice.prompt_logprobs), *entries]
         offsets = []
-        for t in token_ids:
+        for t, _ in entries:
             offsets.append(choice.text_offset)
             choice.text_offset += len(self._text(t))
-        return {"tokens": [self._text(t) for t in token_ids], "token_logprobs": [s.logprob for s in scores],
-                "top_logprobs": [{self._text(i): lp for i, lp in zip(s.top_ids, s.top_logprobs)} for s in scores]
-                if self.logprobs else None,
+        return {"tokens": [self._text(t) for t, _ in entries],
+                "token_logprobs": [None if s is None else s.logprob for _, s in entries],
+                "top_logprobs": [None if s is None else {self._text(i): lp for i, lp in zip(s.top_ids, s.top_logprobs)}
+                                 for _, s in entries] if self.logprobs else None,
                 "text_offset": offsets}
+
+    def _echo(self, choice: Choice) -> str:
+        """Completions' echo: the choice's prompt text, once per choice (streamed: in its first chunk)."""
+        if self.echo is None or choice.echoed:
+            return ""
+        choice.echoed = True
+        prompt = self.echo[choice.prompt]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._text(token_id)
@@ -168,16 +198,20 @@ def _call(call: generation_pb2.ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    """OpenAI's usage: the prompt once (every choice has the same), the completions of all choices, and
-    (``prompt_tokens_details.cached_tokens``) the prompt tokens the first choice's target took from its
-    prefix cache. Choices after the first usually find the first one's prompt cached; OpenAI counts a
-    request's prompt once, so they are not added."""
-    stats = next((c.stats for c in choices if c.stats is not None), None)
-    prompt = stats.prompt_tokens if stats is not None else 0
+def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage: each prompt once (its ``n`` choices have the same), the completions of all choices, and
+    (``prompt_tokens_details.cached_tokens``) the prompt tokens each prompt's first choice's target took from its
+    prefix cache. Choices after a prompt's first usually find its prompt cached; OpenAI counts a prompt once, so
+    they are not added."""
+    prompt = cached = 0
+    for first in range(0, len(choices), n):
+        stats = next((c.stats for c in choices[first:first + n] if c.stats is not None), None)
+        if stats is not None:
+            prompt += stats.prompt_tokens
+            cached += stats.prompt_tokens_reused
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens_reused if stats is not None else 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def tandem_stats(stats: generation_pb2.GenerationStats | None) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ validation, the one the gRPC API runs (coordinator/service.py); its messages
 are renamed to these fields by ``errors.from_domain``.
 
 A field Tandem cannot honour is refused with a 400 that names it, never
-ignored: ``functions``, ``echo``... A neutral value (``functions: []``, ``null``
+ignored: ``functions``, ``suffix``... A neutral value (``functions: []``, ``null``
 for any optional field) asks for nothing and is taken, since SDKs send some of
 them by default. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become
 the request's ``ToolOptions`` (``tandem.tool_calls`` says what each choice
@@ -36,6 +36,7 @@ from coordinator.http.errors import ApiError, bad_field, unsupported
 from tandem.v1 import generation_pb2
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
+MAX_BATCH = 64  # completions: prompts times n, the requests one call may start
 MAX_STOP_STRINGS = 4  # as OpenAI
 INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
@@ -61,7 +62,6 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "service_tier": _neutral("auto", "default"),
 }
 UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
-    "echo": _neutral(False),
     "suffix": _neutral(""),
 }
 
@@ -79,14 +79,30 @@ class ParsedRequest:
     logprobs: int | None = None  # alternatives per token asked (0: the tokens' own only); None: no logprobs
     timeout_s: float | None = None  # tandem.timeout_s: the deadline of every worker call made for it
     params: dict[str, str] = field(default_factory=dict)  # the service's field names -> this request's
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: its prompts, n choices each
+    echo: bool = False  # completions: each choice's text (and log-probabilities) starts with its prompt's
+
+    @property
+    def choices(self) -> int:
+        """Requests this call starts: ``n`` per prompt (OpenAI orders them prompt by prompt)."""
+        return self.n * max(1, len(self.prompts))
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
 
     def for_choice(self, index: int) -> generation_pb2.GenerateRequest:
-        """Choice ``index``'s request: seeded requests take seed + index, so their samples differ and repeat."""
-        if index == 0 or not self.request.sampling.HasField("seed"):
+        """Choice ``index``'s request: its prompt's; seeded requests take seed + the sample's index among its
+        prompt's ``n``, so their samples differ and repeat."""
+        prompt, sample = divmod(index, self.n)
+        seeded = sample > 0 and self.request.sampling.HasField("seed")
+        if prompt == 0 and not seeded:
             return self.request
         request = generation_pb2.GenerateRequest()
         request.CopyFrom(self.request)
-        request.sampling.seed = (self.request.sampling.seed + index) % 2**64
+        if prompt:
+            _set_prompt(request, self.prompts[prompt])
+        if seeded:
+            request.sampling.seed = (self.request.sampling.seed + sample) % 2**64
         return request
 
 
@@ -154,15 +170,18 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     body = _Fields(data)
     parsed = _common(body, chat=False, request_id=request_id)
     request = parsed.request
-    prompt = _prompt(body.take("prompt"))
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
+    parsed.prompts = _prompts(body.take("prompt"))
+    if len(parsed.prompts) * parsed.n > MAX_BATCH:
+        raise bad_field("prompt", f"{len(parsed.prompts)} prompts x n {parsed.n} is {len(parsed.prompts) * parsed.n} "
+                                  f"completions; one request takes at most {MAX_BATCH}")
+    _set_prompt(request, parsed.prompts[0])
     request.stopping.max_new_tokens = body.integer("max_tokens", 1, INT32_MAX) or 0
     logprobs = body.integer("logprobs", 0, INT32_MAX)
     if logprobs is not None:
         parsed.logprobs = request.sampling.logprobs = logprobs
+    parsed.echo = bool(body.boolean("echo"))
+    if parsed.echo and logprobs is not None:  # the prompt's tokens are scored too: lm-evaluation-harness's way
+        request.sampling.prompt_logprobs = logprobs
     best_of = body.integer("best_of", 1, INT32_MAX)
     if best_of is not None and best_of != parsed.n:
         raise unsupported("best_of", " unless it equals n (each choice is one sample)")
@@ -414,21 +433,33 @@ def _content(where: str, value: Any) -> str:
     return "\n".join(texts)
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """One prompt: a string, or token ids, or a list holding one of either."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def _prompts(value: Any) -> list[str | list[int]]:
+    """The prompts: a string, or token ids, or a list of either (a batch: each its own ``n`` choices)."""
+    if value is None:
+        raise bad_field("prompt", "required: a string, a list of token ids, or a list of either")
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    return [_prompt(value, "prompt")]
+
+
+def _prompt(value: Any, where: str) -> str | list[int]:
+    """One prompt: a string, or token ids."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
         if not all(0 <= t <= INT32_MAX for t in value):
-            raise bad_field("prompt", "token ids must be integers >= 0")
+            raise bad_field("prompt", f"{where}: token ids must be integers >= 0")
         return value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-        raise bad_field("prompt", f"one prompt per request, got {len(value)}; send one request per prompt")
-    if value is None:
-        raise bad_field("prompt", "required: a string, or a list of token ids")
-    raise bad_field("prompt", f"a string, or a list of token ids, got {_kind(value)}")
+    if isinstance(value, list) and not value:
+        raise bad_field("prompt", f"{where} is empty: give at least one token or a string")
+    raise bad_field("prompt", f"{where}: a string, or a list of token ids, got {_kind(value)}")
+
+
+def _set_prompt(request: generation_pb2.GenerateRequest, prompt: str | list[int]) -> None:
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids[:] = prompt
 
 
 # ----- JSON values ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         rejection_rule=msg.rejection_rule,
         repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0,
         frequency_penalty=msg.frequency_penalty,
@@ -46,6 +47,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 

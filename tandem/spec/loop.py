@@ -64,6 +64,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from tandem.errors import InternalError
 from tandem.spec.adaptive import (
     EXPLORE_EVERY,
     MAX_K,
@@ -174,6 +175,11 @@ class SpeculationLoop:
         prefilled = await self.verifier.prefill(self.seq_id, s.prompt_ids, s.sampling, propose=propose)
         first = prefilled.next_token
         s.stats.prompt_tokens_reused = prefilled.reused_tokens
+        if s.sampling.prompt_logprobs is not None:
+            if prefilled.prompt_logprobs is None or len(prefilled.prompt_logprobs) != len(s.prompt_ids) - 1:
+                raise InternalError("a target worker answered no log-probabilities for the prompt tokens the "
+                                    "request asked them of")
+            s.prompt_logprobs = prefilled.prompt_logprobs
         s.commit([first], prefilled.logprobs)
         self._learn()
         if propose:

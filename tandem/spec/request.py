@@ -149,6 +149,8 @@ class RequestState:
         self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
         # Asked (``sampling.logprobs``): the target's log-probabilities, one per generated token.
         self.logprobs: list[Any] | None = [] if sampling.logprobs is not None else None
+        # Asked (``sampling.prompt_logprobs``): the target's, one per prompt token after the first, from its Prefill.
+        self.prompt_logprobs: list[Any] | None = None
 
     @property
     def generated(self) -> list[int]:

@@ -53,6 +53,7 @@ class Prefilled:
     reused_tokens: int = 0  # prompt tokens the target took from its prefix cache
     logprobs: list[TokenLogprob] | None = None  # asked with ``sampling.logprobs``: next_token's
     forced: Sequence[int] = ()  # a constrained request: the tokens its grammar forces after next_token
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked with ``sampling.prompt_logprobs``: prompt tokens 1..
 
 
 @dataclass(slots=True)

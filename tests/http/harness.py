@@ -3,7 +3,7 @@
 Wired as coordinator/main.py wires it (one AccessControl for both APIs, the real
 GenerationService and HttpApi on a ManagedServer), over ``ScriptedTarget``: a fake
 target (tests/coordinator/inprocess.py's) that emits ``TOKENS`` in turn, answers
-log-probabilities when asked, can hold its Verify calls (``gate``) and counts
+log-probabilities when asked (the prompt's too), can hold its Verify calls (``gate``) and counts
 the sequences it holds (``live``), so a test can see a request's KV freed.
 """
 
@@ -33,6 +33,7 @@ from tests.serving import managed_server, serving
 
 TOKENS = (7, 9, 11, 13)  # what the scripted target emits, in turn, for every sequence
 LOGPROB = -0.25  # the log-probability it gives every emitted token
+PROMPT_LOGPROB = -0.5  # prompt token i's log-probability is i times this (echo with logprobs)
 MODEL = "fake-target"  # its Info's model: the served model's id
 CACHE_BLOCK = 16  # the block size of its pretend prefix cache
 
@@ -71,7 +72,13 @@ class ScriptedTarget(FakeTarget):
         if request.sampling.HasField("logprobs"):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)
-        return target_pb2.PrefillResponse(next_token=token, logprobs=scores, reused_tokens=reused)
+        reply = target_pb2.PrefillResponse(next_token=token, logprobs=scores, reused_tokens=reused)
+        if request.sampling.HasField("prompt_logprobs"):  # token i scored PROMPT_LOGPROB * i, its id top
+            top = request.sampling.prompt_logprobs
+            reply.prompt_logprobs.extend(common_pb2.TokenLogprobs(
+                logprob=PROMPT_LOGPROB * i, top_ids=[t, 3][:top], top_logprobs=[PROMPT_LOGPROB * i, -9.0][:top])
+                for i, t in enumerate(prompt[1:], start=1))
+        return reply
 
     async def Verify(self, request, context):
         self.calls["Verify"] += 1

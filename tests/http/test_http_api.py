@@ -300,7 +300,7 @@ def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(t
 
 
 @pytest.mark.parametrize("change,param", [
-    ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"echo": 1}, "echo"), ({"best_of": 3}, "best_of"), ({"prompt": ["a", 2]}, "prompt"),
     ({"prompt": None}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, 99]}, "prompt"),
     ({"suffix": "x"}, "suffix"), ({"logprobs": 30}, "logprobs"),
 ])

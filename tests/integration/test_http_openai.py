@@ -216,3 +216,30 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(api, model, shared_cl
         time.sleep(0.3)
     assert all(w.info.free_blocks == w.info.total_blocks and w.info.active_sequences == 0 for w in workers)
     assert cancelled() == before + 1  # cancelled, not finished: 400 tokens were asked for
+
+
+def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, shared_client, smollm2_reference,
+                                                                      smollm2_dir):
+    """lm-evaluation-harness's log-likelihood request (token ids, echo, logprobs 1, one new token) on the target's own
+    greedy answer: the answer's tokens are scored as it scored them when it emitted them, each its row's most
+    likely (so the harness reads the answer as greedy), and the prompt's tokens get scores of their own."""
+    from tandem.tokenizer import encode_prompt, load_tokenizer
+
+    prompt = PROMPTS[0]
+    ids = encode_prompt(load_tokenizer(smollm2_dir), prompt, chat=True)
+    answer = smollm2_reference[prompt]
+    written = api.completions.create(model=model, prompt=ids, max_tokens=len(answer), temperature=0, logprobs=1)
+    assert written.usage.completion_tokens == len(answer)
+    echoed = api.completions.create(model=model, prompt=[[*ids, *answer]], max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True).choices[0].logprobs
+    assert len(echoed.token_logprobs) == len(ids) + len(answer) + 1 and echoed.token_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in echoed.token_logprobs[1:])
+    scores = echoed.token_logprobs[len(ids):-1]
+    said = written.choices[0].logprobs.token_logprobs
+    fixed = all(w.info.prefix_cache.generated for w in shared_client.info().target_workers)
+    # Rows fixed by position (packed weights, as on a CPU with native bf16): bitwise. Else a prompt row rounds
+    # otherwise than a decoded one (the module's tolerance).
+    assert scores == (said if fixed else pytest.approx(said, abs=ONE_PASS_TOLERANCE_BF16))
+    if fixed:
+        tops = echoed.top_logprobs[len(ids):-1]
+        assert all(lp == max(top.values()) for lp, top in zip(scores, tops))  # the harness's "greedy"
