@@ -65,3 +65,26 @@ def _earlier_call(where: str, call: generation_pb2.ToolCall) -> ToolCall:
     if not isinstance(arguments, dict):
         raise InvalidRequestError(f"{where}.arguments: a JSON object, got {type(arguments).__name__}")
     return ToolCall(call.id, call.name, call.arguments or "{}")
+
+
+def chat_template_refusals(encode: Any) -> Any:
+    """Run ``encode``; the chat template refusing the client's messages is a ``ValueError`` naming why.
+
+    A template stops on messages it does not take (``raise_exception("Conversation roles must
+    alternate...")``, a field it needs): that is the request's fault and the template's message
+    says what to change. A template that does not parse is the model's, not the client's: INTERNAL.
+    """
+    try:
+        return encode()
+    except Exception as exc:
+        if _is_template_refusal(exc):
+            raise ValueError(f"the model's chat template refused this prompt: {exc}") from None
+        raise
+
+
+def _is_template_refusal(exc: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError, TemplateSyntaxError  # what transformers renders chat templates with
+    except ImportError:
+        return False
+    return isinstance(exc, TemplateError) and not isinstance(exc, TemplateSyntaxError)

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.chat import conversation, tool_use
+from coordinator.chat import chat_template_refusals, conversation, tool_use
 from coordinator.placement import Placement
 from coordinator.prefix_routing import routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
@@ -325,13 +325,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             field = "messages"
             turns = conversation(request.messages.messages)
             shown = [t.template_entry() for t in tools.tools] if tools is not None and tools.shown else None
-            ids = _field("messages", lambda: _chat_template_refusals(lambda: encode_messages(self.tokenizer, turns,
+            ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(self.tokenizer, turns,
                                                                                               shown)))
         else:
             field = "text"
             if not request.text:
                 raise InvalidRequestError("text: prompt is empty")
-            ids = _field("chat", lambda: _chat_template_refusals(lambda: encode_prompt(
+            ids = _field("chat", lambda: chat_template_refusals(lambda: encode_prompt(
                 self.tokenizer, request.text, request.chat)))
             if not ids:  # text a tokenizer drops entirely would reach the target as an empty prompt
                 raise InvalidRequestError("text: the prompt has no tokens")
@@ -383,29 +383,6 @@ def _field(name: str, make: Any) -> Any:
         return make()
     except ValueError as exc:
         raise InvalidRequestError(f"{name}: {exc}") from None
-
-
-def _chat_template_refusals(encode: Any) -> Any:
-    """Run ``encode``; the chat template refusing the client's messages is a ``ValueError`` naming why.
-
-    A template stops on messages it does not take (``raise_exception("Conversation roles must
-    alternate...")``, a field it needs): that is the request's fault and the template's message
-    says what to change. A template that does not parse is the model's, not the client's: INTERNAL.
-    """
-    try:
-        return encode()
-    except Exception as exc:
-        if _is_template_refusal(exc):
-            raise ValueError(f"the model's chat template refused this prompt: {exc}") from None
-        raise
-
-
-def _is_template_refusal(exc: Exception) -> bool:
-    try:
-        from jinja2 import TemplateError, TemplateSyntaxError  # what transformers renders chat templates with
-    except ImportError:
-        return False
-    return isinstance(exc, TemplateError) and not isinstance(exc, TemplateSyntaxError)
 
 
 def _prompt_scores(state: RequestState) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API: aiohttp on the coordinator's own event loop, beside grpc.aio.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole or streamed
-as server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``.
+as server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``,
+and vLLM's tokenizer routes ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
+(``coordinator.http.tokenize``).
 
 Only the edges are HTTP's. A request goes the gRPC API's way, in process: the
 same bearer tokens and per-client budget (``AccessControl``: ``identify``,
@@ -33,6 +35,7 @@ from typing import Any
 from aiohttp import web
 
 from coordinator.access import AccessControl
+from coordinator.http import tokenize
 from coordinator.http.errors import ApiError, from_domain
 from coordinator.http.responses import Choice, Shapes
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
@@ -67,6 +70,9 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         # handler_cancellation: a client that disconnects cancels its handler, hence its requests and their KV.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                     shutdown_timeout=self.cfg.server.drain_grace_s)
@@ -106,6 +112,32 @@ class HttpApi:
         with self.access.hold(self._client(request)):
             self._served(request.match_info["model"])
             return web.json_response(self._model_card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, lambda body: tokenize.tokenize(
+            body, self.tokenizer, self.service.max_context))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, lambda body: tokenize.detokenize(
+            body, self.tokenizer, self.service.vocab_size))
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        self._check_serving()
+        with self.access.hold(self._client(request)):
+            return web.json_response(tokenize.tokenizer_info(self.tokenizer, self.service.max_context))
+
+    async def _tokenizer_call(self, request: web.Request, answer: Callable[[dict[str, Any]], dict[str, Any]]
+                              ) -> web.Response:
+        """A tokenizer route: counted and checked as a completion is (token, budget, model), the tokenizer's own
+        refusals (a conversation no template takes) named as the request's fields."""
+        self._check_serving()
+        with self.access.hold(self._client(request)):
+            body = parse_json(await self._body(request))
+            self._served(body.get("model") if isinstance(body.get("model"), str) else None)
+            try:
+                return web.json_response(answer(body))
+            except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
+                raise from_domain(exc, {"prompt": "messages"}) from None
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while serving; 503 while starting (no target worker yet) or draining. No token needed."""

@@ -142,10 +142,10 @@ def _check_text(data: Any) -> None:
 
 
 def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
-    body = _Fields(data)
+    body = Fields(data)
     parsed = _common(body, chat=True, request_id=request_id)
     request = parsed.request
-    request.messages.messages.extend(_messages(body.take("messages")))
+    request.messages.messages.extend(parse_messages(body.take("messages")))
     _tools(body, request)
     max_tokens, max_completion = body.integer("max_tokens", 1, INT32_MAX), body.integer(
         "max_completion_tokens", 1, INT32_MAX)
@@ -167,7 +167,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
 
 
 def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
-    body = _Fields(data)
+    body = Fields(data)
     parsed = _common(body, chat=False, request_id=request_id)
     request = parsed.request
     parsed.prompts = _prompts(body.take("prompt"))
@@ -192,7 +192,7 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
 
 
 # ----- the parts --------------------------------------------------------------------------
-def _common(body: _Fields, chat: bool, request_id: str) -> ParsedRequest:
+def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
     """The fields both endpoints take."""
     request = generation_pb2.GenerateRequest(request_id=request_id)
     parsed = ParsedRequest(chat, request, body.string("model"))
@@ -202,7 +202,7 @@ def _common(body: _Fields, chat: bool, request_id: str) -> ParsedRequest:
     if options is not None:
         if not parsed.stream:
             raise bad_field("stream_options", "only with stream: true")
-        options = _Fields(_object("stream_options", options), "stream_options.")
+        options = Fields(_object("stream_options", options), "stream_options.")
         parsed.include_usage = bool(options.boolean("include_usage"))
         options.finish()
     sampling = request.sampling
@@ -231,7 +231,7 @@ def _common(body: _Fields, chat: bool, request_id: str) -> ParsedRequest:
     return parsed
 
 
-def _penalties(body: _Fields, sampling) -> None:
+def _penalties(body: Fields, sampling) -> None:
     """``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` and ``logit_bias`` (ranges: the
     service's, ``tandem.sampling_params``)."""
     for key in ("frequency_penalty", "presence_penalty"):
@@ -267,10 +267,10 @@ def _response_format(value: Any, sampling) -> None:
     enforced is the service's check (``tandem.structured_output``)."""
     if value is None:
         return
-    fmt = _Fields(_object("response_format", value), "response_format.")
+    fmt = Fields(_object("response_format", value), "response_format.")
     kind = fmt.string("type")
     if kind == "json_schema":
-        spec = _Fields(_object("response_format.json_schema", fmt.take("json_schema")), "response_format.json_schema.")
+        spec = Fields(_object("response_format.json_schema", fmt.take("json_schema")), "response_format.json_schema.")
         schema = spec.take("schema")
         sampling.json_schema = json.dumps({} if schema is None else _object("response_format.json_schema.schema",
                                                                               schema))
@@ -289,7 +289,7 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
     """``tandem``: the gRPC API's own options (speculation, top_k, stop token ids, ignore_eos, a deadline)."""
     if value is None:
         return
-    ext = _Fields(_object("tandem", value), "tandem.")
+    ext = Fields(_object("tandem", value), "tandem.")
     spec = request.speculation
     spec.method = ext.string("method") or ""
     k = ext.integer("k", 0, INT32_MAX)
@@ -317,7 +317,7 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
     ext.finish()
 
 
-def _messages(value: Any) -> list[generation_pb2.ChatMessage]:
+def parse_messages(value: Any) -> list[generation_pb2.ChatMessage]:
     """The turns; content given as text parts is joined with newlines. An assistant turn may carry its calls
     (``tool_calls``, its content then null), a tool turn the id of the call it answers (``tool_call_id``)."""
     if value is None:
@@ -327,7 +327,7 @@ def _messages(value: Any) -> list[generation_pb2.ChatMessage]:
     turns = []
     for i, item in enumerate(value):
         where = f"messages[{i}]"
-        turn = _Fields(_object(where, item), f"{where}.")
+        turn = Fields(_object(where, item), f"{where}.")
         role = turn.string("role")
         if role is None:
             raise bad_field(f"{where}.role", "required")
@@ -359,11 +359,11 @@ def _earlier_calls(where: str, value: Any) -> list[generation_pb2.ToolCall]:
     calls = []
     for j, item in enumerate(value):
         at = f"{where}.tool_calls[{j}]"
-        call = _Fields(_object(at, item), f"{at}.")
+        call = Fields(_object(at, item), f"{at}.")
         kind = call.string("type") or "function"
         if kind != "function":
             raise bad_field(f"{at}.type", f"'function', got {kind!r}")
-        function = _Fields(_object(f"{at}.function", call.take("function")), f"{at}.function.")
+        function = Fields(_object(f"{at}.function", call.take("function")), f"{at}.function.")
         name, arguments = function.string("name"), function.string("arguments")
         if not name:
             raise bad_field(f"{at}.function.name", "required")
@@ -373,7 +373,7 @@ def _earlier_calls(where: str, value: Any) -> list[generation_pb2.ToolCall]:
     return calls
 
 
-def _tools(body: _Fields, request: generation_pb2.GenerateRequest) -> None:
+def _tools(body: Fields, request: generation_pb2.GenerateRequest) -> None:
     """``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``; their rules (names, schemas, a
     choice naming a tool) are the service's checks (``tandem.tool_calls``)."""
     tools, choice, parallel = body.take("tools"), body.take("tool_choice"), body.boolean("parallel_tool_calls")
@@ -383,11 +383,11 @@ def _tools(body: _Fields, request: generation_pb2.GenerateRequest) -> None:
     if tools is not None and not isinstance(tools, list):
         raise bad_field("tools", f"a list of tools, got {_kind(tools)}")
     for i, item in enumerate(tools or ()):
-        tool = _Fields(_object(f"tools[{i}]", item), f"tools[{i}].")
+        tool = Fields(_object(f"tools[{i}]", item), f"tools[{i}].")
         kind = tool.string("type")
         if kind != "function":
             raise unsupported(f"tools[{i}].type", f" ({kind!r}: function tools only)")
-        function = _Fields(_object(f"tools[{i}].function", tool.take("function")), f"tools[{i}].function.")
+        function = Fields(_object(f"tools[{i}].function", tool.take("function")), f"tools[{i}].function.")
         name = function.string("name")
         if name is None:
             raise bad_field(f"tools[{i}].function.name", "required")
@@ -399,10 +399,10 @@ def _tools(body: _Fields, request: generation_pb2.GenerateRequest) -> None:
         function.finish()
         tool.finish()
     if isinstance(choice, dict):
-        named = _Fields(choice, "tool_choice.")
+        named = Fields(choice, "tool_choice.")
         if named.string("type") != "function":
             raise bad_field("tool_choice.type", "'function' (or tool_choice 'none', 'auto', 'required')")
-        function = _Fields(_object("tool_choice.function", named.take("function")), "tool_choice.function.")
+        function = Fields(_object("tool_choice.function", named.take("function")), "tool_choice.function.")
         options.choice, options.function = "function", function.string("name") or ""
         function.finish()
         named.finish()
@@ -421,7 +421,7 @@ def _content(where: str, value: Any) -> str:
         raise bad_field(f"{where}.content", f"a string or a list of text parts, got {_kind(value)}")
     texts = []
     for j, item in enumerate(value):
-        part = _Fields(_object(f"{where}.content[{j}]", item), f"{where}.content[{j}].")
+        part = Fields(_object(f"{where}.content[{j}]", item), f"{where}.content[{j}].")
         kind = part.string("type")
         if kind != "text":
             raise unsupported(f"{where}.content[{j}].type", f" ({kind!r}: text parts only)")
@@ -463,7 +463,7 @@ def _set_prompt(request: generation_pb2.GenerateRequest, prompt: str | list[int]
 
 
 # ----- JSON values ---------------------------------------------------------------------
-class _Fields:
+class Fields:
     """An object's fields, taken one by one with their types checked; ``finish`` refuses what is left."""
 
     def __init__(self, data: dict[str, Any], prefix: str = "") -> None:

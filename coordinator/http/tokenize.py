@@ -1,0 +1,92 @@
+"""vLLM's tokenizer routes, so that a client can use the served model's tokenizer without having it.
+
+- ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...],
+  "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false}`` (the chat
+  template renders the turns, as chat completions do), either with ``return_token_strs``; the reply is
+  ``{"count", "max_model_len", "tokens"[, "token_strs"]}``.
+- ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``.
+- ``GET /tokenizer_info``: the tokenizer's class, special tokens, chat template and the served context.
+
+lm-evaluation-harness reads them (its ``tokenizer_backend=remote``, chosen by itself when ``/tokenizer_info`` and
+``/tokenize`` answer) to split a text's context from its continuation by token. Requests are parsed as the
+completions' are (``coordinator.http.schema``): a field Tandem does not know is refused, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.chat import chat_template_refusals, conversation
+from coordinator.http.errors import ApiError, bad_field
+from coordinator.http.schema import INT32_MAX, Fields, parse_messages
+from tandem.errors import InvalidRequestError, check_token_ids
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int) -> dict[str, Any]:
+    body = Fields(data)
+    body.string("model")  # checked by the caller against the served model
+    strings = bool(body.boolean("return_token_strs"))
+    if "messages" in body.data:
+        if "prompt" in body.data:
+            raise bad_field("prompt", "give a prompt or messages, not both")
+        ids = _render(body, tokenizer)
+    else:
+        prompt = body.string("prompt")
+        if prompt is None:
+            raise bad_field("prompt", "required: the text to tokenize (or messages: a conversation)")
+        special = body.boolean("add_special_tokens")
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True if special is None else special))
+    body.finish()
+    reply: dict[str, Any] = {"count": len(ids), "max_model_len": max_context, "tokens": ids}
+    if strings:
+        reply["token_strs"] = list(tokenizer.convert_ids_to_tokens(ids))
+    return reply
+
+
+def _render(body: Fields, tokenizer: Any) -> list[int]:
+    """A conversation's tokens through the chat template (what chat completions would send the model)."""
+    turns = conversation(parse_messages(body.take("messages")))
+    generation = body.boolean("add_generation_prompt")
+    final = bool(body.boolean("continue_final_message"))
+    if final and generation:
+        raise bad_field("continue_final_message", "cannot be set with add_generation_prompt: give one")
+    special = bool(body.boolean("add_special_tokens"))
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_field("messages", "this model's tokenizer has no chat template: send a prompt instead")
+    try:
+        ids = chat_template_refusals(lambda: tokenizer.apply_chat_template(
+            turns, add_generation_prompt=not final if generation is None else generation,
+            continue_final_message=final, tokenize=True, add_special_tokens=special))
+    except ValueError as exc:  # the template refused these turns (or the final one cannot be continued)
+        raise bad_field("messages", str(exc)) from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
+
+
+def detokenize(data: dict[str, Any], tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    body = Fields(data)
+    body.string("model")
+    tokens = body.take("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_field("tokens", "required: a list of token ids")
+    if not all(0 <= t <= INT32_MAX for t in tokens):
+        raise bad_field("tokens", "token ids must be integers >= 0")
+    try:
+        check_token_ids("tokens", tokens, vocab_size)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), "tokens") from None
+    body.finish()
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+def tokenizer_info(tokenizer: Any, max_context: int) -> dict[str, Any]:
+    """As vLLM's: the tokenizer's class and special tokens (null where it has none), its chat template (the one
+    the coordinator renders chats with), and the served context as ``model_max_length``."""
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for name in SPECIAL_TOKENS:
+        token = getattr(tokenizer, name, None)
+        info[name] = token if isinstance(token, str) else None
+    info["chat_template"] = getattr(tokenizer, "chat_template", None)
+    info["model_max_length"] = max_context
+    return info
