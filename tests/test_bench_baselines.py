@@ -117,6 +117,23 @@ def test_verify_cost_refuses_contexts_that_are_not_lengths():
         verify_cost.contexts_from("0")
 
 
+def test_prompt_scoring_times_a_plain_and_a_scored_prefill_at_every_length(tiny_qwen2_dir, tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks import prompt_scoring
+
+    assert prompt_scoring.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--lengths", "8,300",
+                                "--reps", "1", "--out", str(tmp_path), "--name", "ps"]) == 0
+    rows = json.loads((tmp_path / "ps.json").read_text())["rows"]
+    assert [r["prompt tokens"] for r in rows] == [8, 300]  # 300: two steps of scored rows
+    for row in rows:
+        assert row["plain ms"] > 0 and row["scored / plain"] == row["scored ms"] / row["plain ms"]
+        assert row["scored tokens/s"] == pytest.approx((row["prompt tokens"] - 1) / (row["scored ms"] / 1000))
+    assert (tmp_path / "ps.md").is_file() and (tmp_path / "ps.png").is_file()
+
+
 def test_attention_ab_runs_the_baseline_backend_from_git_beside_this_one(tiny_qwen2_dir, tmp_path):
     import json
 

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from coordinator.access import AccessControl
 from coordinator.http import tokenize
-from coordinator.http.errors import ApiError, from_domain
+from coordinator.http.errors import ApiError, bad_field, from_domain
 from coordinator.http.responses import Choice, Shapes
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
 from coordinator.service import GenerationService
@@ -150,6 +150,11 @@ class HttpApi:
         client = self._client(request)
         parsed = parse(parse_json(await self._body(request)), request.headers.get("X-Request-Id", ""))
         model = self._served(parsed.model)
+        budget = self.access.max_concurrent
+        if 0 < budget < parsed.choices:  # never fits: a 429's "retry" would not help
+            raise bad_field("prompt" if len(parsed.prompts) > 1 else "n",
+                            f"this request starts {parsed.choices} completions at once; this server runs at most "
+                            f"{budget} per client (--max-concurrent-per-client): send fewer per request")
         with self.access.hold(client, parsed.choices):
             parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
             try:  # every choice validated and placed before anything runs or is sent

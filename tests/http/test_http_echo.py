@@ -152,3 +152,16 @@ def test_grpc_carries_the_prompt_scores_on_the_first_message_only(tokenizer):
             with pytest.raises(Exception, match="prompt_logprobs must be in 0..20"):
                 await stub.Generate(request)
     run(go())
+
+
+def test_a_batch_larger_than_the_clients_budget_is_400_not_a_429_to_retry(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, max_concurrent_per_client=4) as running:
+            code, body = await post(running.url + "/completions", {"prompt": ["a", "b", "c"], "n": 2})
+            assert code == 400 and body["error"]["param"] == "prompt", body
+            assert "starts 6 completions" in body["error"]["message"] and "at most 4" in body["error"]["message"]
+            code, body = await post(running.url + "/completions", {"prompt": "a", "n": 5})
+            assert code == 400 and body["error"]["param"] == "n", body
+            code, body = await post(running.url + "/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+            assert code == 200 and len(body["choices"]) == 4
+    run(go())

@@ -163,3 +163,29 @@ def test_only_a_prompt_is_scored_and_once(tiny_qwen2_dir):
     assert single.prompt_logprobs == []
     with pytest.raises(InvalidRequestError, match="prompt_logprobs must be in 0..20"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_heads_prompt_scored_in_steps_proposes_what_it_proposes_unscored(tiny_qwen2_dir, kind, monkeypatch):
+    """Scoring feeds the heads the same rows (EAGLE's KV grows with each step of rows): the first proposal is the
+    unscored Prefill's, and the scores the plain target's."""
+    from tandem.heads.serving import drafter_for
+    from target_worker.engine import Proposed
+    from tests.heads.tiny_heads import tiny_heads
+
+    def first_proposal(scoring: bool):
+        engine = load(tiny_qwen2_dir)
+        target = TargetEngine(engine, drafter=drafter_for(tiny_heads(engine, kind), engine))
+        call = PrefillCall("heads", PROMPT, SamplingParams(prompt_logprobs=TOP if scoring else None), propose=6)
+        result, steps = prefill_to_end(target, call)
+        assert isinstance(result, Proposed)
+        return result, steps
+
+    plain, _ = first_proposal(False)
+    monkeypatch.setattr(engine_module, "SCORED_ROWS_PER_STEP", 8)
+    scoring, steps = first_proposal(True)
+    assert steps == 3  # 21 rows, 8 a step
+    assert (scoring.proposal.tokens, scoring.proposal.parents) == (plain.proposal.tokens, plain.proposal.parents)
+    assert scoring.result.next_token == plain.result.next_token
+    unheaded, _ = prefill_to_end(TargetEngine(load(tiny_qwen2_dir)), scored(PROMPT))
+    assert as_tuples(scoring.result.prompt_logprobs) == as_tuples(unheaded.prompt_logprobs)
