@@ -20,6 +20,7 @@ grammar refuses). Torch is imported where masks are made only: the coordinator c
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,22 @@ def grammar_of(params: SamplingParams) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema)
     except ValueError as exc:
         raise InvalidRequestError(f"response_format: {exc}") from None
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """A grammar (llguidance's Lark) whose only texts are ``choices``, each exactly (vLLM's ``choice``)."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequestError("choice: a non-empty list of non-empty strings")
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def regex_grammar(pattern: str) -> str:
+    """A grammar whose texts are the matches of ``pattern`` (Rust's regex syntax, as llguidance reads it), whole."""
+    import llguidance
+
+    if not pattern:
+        raise InvalidRequestError("regex: an empty pattern")
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
 
 
 def check_response_format(params: SamplingParams) -> None:

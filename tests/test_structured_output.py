@@ -80,6 +80,30 @@ def test_schemas_the_grammar_cannot_hold_are_refused_before_any_worker(schema, n
     check_response_format(STRING)  # a good one passes
 
 
+def test_a_choice_grammar_allows_exactly_its_texts_quotes_included(structured):
+    """vLLM's ``choice``: each choice is a string literal of the grammar, escaped (a quote inside one)."""
+    from tandem.structured_output import choice_grammar
+
+    matcher = structured.matcher(SamplingParams(grammar=choice_grammar(['!"', "#", "##"])))
+    assert allowed(matcher.masks([[], [BANG], [BANG, QUOTE], [HASH], [HASH, HASH]])) == [
+        [BANG, HASH], [QUOTE], [EOS], [EOS, HASH], [EOS]]
+    with pytest.raises(InvalidRequestError, match="choice: a non-empty list"):
+        choice_grammar([])
+    with pytest.raises(InvalidRequestError, match="choice: a non-empty list"):
+        choice_grammar(["a", ""])
+
+
+def test_a_regex_grammar_matches_the_whole_text(structured):
+    from tandem.structured_output import regex_grammar
+
+    matcher = structured.matcher(SamplingParams(grammar=regex_grammar('!#*"')))  # "/" needs no escape of its own
+    assert allowed(matcher.masks([[], [BANG], [BANG, HASH, HASH], [BANG, QUOTE]])) == [
+        [BANG], [QUOTE, HASH], [QUOTE, HASH], [EOS]]
+    check_response_format(SamplingParams(grammar=regex_grammar("a/b")))
+    with pytest.raises(InvalidRequestError, match="grammar: the grammar cannot be enforced"):
+        check_response_format(SamplingParams(grammar=regex_grammar("(unclosed")))
+
+
 def test_a_rebuilt_sequence_resumes_its_grammar_where_it_was(structured):
     """A request moved to another target arrives as its whole history (a rebuild Prefill): the matcher is
     advanced through its generated tokens, so the next token follows the grammar from there."""

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.http.errors import ApiError, bad_field, unsupported
+from tandem.errors import InvalidRequestError
+from tandem.structured_output import choice_grammar, regex_grammar
 from tandem.v1 import generation_pb2
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
@@ -42,6 +44,8 @@ INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
 ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling (the gRPC API's default is greedy)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one of
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -161,6 +165,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     if wanted:
         parsed.logprobs = request.sampling.logprobs = top or 0
     _response_format(body.take("response_format"), request.sampling)
+    _structured_outputs(body, parsed)
     body.refuse(UNSUPPORTED_CHAT)
     body.finish()
     return parsed
@@ -186,6 +191,7 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     if best_of is not None and best_of != parsed.n:
         raise unsupported("best_of", " unless it equals n (each choice is one sample)")
     _response_format(body.take("response_format"), request.sampling)  # not OpenAI's here, but vLLM's: taken alike
+    _structured_outputs(body, parsed)
     body.refuse(UNSUPPORTED_COMPLETION)
     body.finish()
     return parsed
@@ -283,6 +289,58 @@ def _response_format(value: Any, sampling) -> None:
     elif kind != "text":
         raise bad_field("response_format.type", f"one of text, json_object, json_schema, got {kind!r}")
     fmt.finish()
+
+
+def _structured_outputs(body: Fields, parsed: ParsedRequest) -> None:
+    """vLLM's ``structured_outputs`` (exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``),
+    or its older top-level ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``: enforced as
+    ``response_format`` is, on every row the target verifies. ``grammar`` is llguidance's Lark dialect."""
+    given: list[tuple[str, str, Any]] = []  # (the request's field, the kind, its value)
+    value = body.take("structured_outputs")
+    if value is not None:
+        spec = Fields(_object("structured_outputs", value), "structured_outputs.")
+        for kind in STRUCTURED_KINDS:
+            item = spec.take(kind)
+            if item is not None and not (kind == "json_object" and item is False):  # false asks for nothing
+                given.append((f"structured_outputs.{kind}", kind, item))
+        spec.finish()
+    for name, kind in GUIDED_FIELDS.items():
+        item = body.take(name)
+        if item is not None:
+            given.append((name, kind, item))
+    if not given:
+        return
+    name, kind, item = given[0]
+    if len(given) > 1:
+        raise bad_field(given[1][0], f"one structured-output constraint at a time: {name} is given already")
+    sampling = parsed.request.sampling
+    if sampling.json_object or sampling.json_schema:
+        raise bad_field(name, "give response_format or this, not both")
+    parsed.params["grammar"] = name  # the service names a grammar it cannot enforce "grammar": this field
+    parsed.params["response_format"] = name
+    try:
+        if kind == "json":
+            schema = json.loads(item) if isinstance(item, str) else item
+            sampling.json_schema = json.dumps(_object(name, schema))
+        elif kind == "json_object":
+            if item is not True:
+                raise bad_field(name, f"true or false, got {_kind(item)}")
+            sampling.json_object = True
+        elif kind == "grammar":
+            if not isinstance(item, str) or not item.strip():
+                raise bad_field(name, "a grammar in llguidance's Lark dialect (text)")
+            sampling.grammar = item
+        elif kind == "regex":
+            if not isinstance(item, str):
+                raise bad_field(name, f"a regular expression (text), got {_kind(item)}")
+            sampling.grammar = regex_grammar(item)
+        else:
+            if not isinstance(item, list) or not all(isinstance(c, str) for c in item):
+                raise bad_field(name, f"a list of strings, got {_kind(item)}")
+            sampling.grammar = choice_grammar(item)
+    except ValueError as exc:  # not JSON, an empty choice or pattern (InvalidRequestError is a ValueError)
+        message = str(exc).partition(": ")[2] if isinstance(exc, InvalidRequestError) else f"not JSON ({exc})"
+        raise bad_field(name, message) from None
 
 
 def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:

@@ -119,6 +119,30 @@ def test_a_json_schema_gives_valid_json_equal_to_constrained_target_only(api, mo
     assert refused.value.body["param"] == "response_format"
 
 
+def test_vllm_choice_and_regex_constraints_give_constrained_target_only_text(api, model, smollm2_dir):
+    """vLLM's structured outputs (extra_body, as vLLM's clients send them) through the real workers: the text is
+    one of the choices, or matches the pattern whole, and is target-only decoding's under the same grammar."""
+    import re
+
+    from tandem.sampling_params import SamplingParams
+    from tandem.structured_output import choice_grammar, regex_grammar
+    from tandem.tokenizer import load_tokenizer
+    from tests.references import target_only
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    cases = [("Is the sky green? Answer yes or no.", {"structured_outputs": {"choice": ["yes", "no"]}},
+              choice_grammar(["yes", "no"]), lambda text: text in ("yes", "no")),
+             ("Write a year in the 1900s.", {"guided_regex": "19[0-9]{2}"}, regex_grammar("19[0-9]{2}"),
+              lambda text: re.fullmatch("19[0-9]{2}", text) is not None)]
+    for question, extra, grammar, valid in cases:
+        expected = target_only(smollm2_dir, [question], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+                               sampling=SamplingParams(grammar=grammar))[question]
+        reply = chat(api, model, question, max_tokens=MAX_NEW_TOKENS, temperature=0, extra_body=extra)
+        text = reply.choices[0].message.content
+        assert valid(text) and reply.choices[0].finish_reason == "stop", text
+        assert text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def check_against_a_target_forward(model_dir, tokenizer, reference, scored) -> None:
     """Each served log-probability is target-only decoding's own, and one plain forward pass's (bf16's rounding)."""
     import torch
