@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: aiohttp on the coordinator's own event loop, beside grpc.aio.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole or streamed
-as server-sent events), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``,
+as server-sent events), ``POST /v1/responses`` (OpenAI's Responses API, run as the chat
+completion it asks for), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``,
 and vLLM's tokenizer routes ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
 (``coordinator.http.tokenize``).
 
@@ -38,6 +39,8 @@ from coordinator.access import AccessControl
 from coordinator.http import tokenize
 from coordinator.http.errors import ApiError, bad_field, from_domain
 from coordinator.http.responses import Choice, Shapes
+from coordinator.http.responses_input import parse_responses
+from coordinator.http.responses_output import ResponseShapes, ResponseStream
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
 from coordinator.service import GenerationService
 from tandem.config import CoordinatorConfig
@@ -67,6 +70,7 @@ class HttpApi:
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -101,6 +105,51 @@ class HttpApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, parse_completion)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: the chat completion it asks for (``coordinator.http.responses_input``), shaped
+        as a response object or its typed events (``coordinator.http.responses_output``)."""
+        self._check_serving()
+        client = self._client(request)
+        asked = parse_responses(parse_json(await self._body(request)), request.headers.get("X-Request-Id", ""))
+        parsed = asked.parsed
+        model = self._served(parsed.model)
+        with self.access.hold(client):
+            parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
+            try:
+                run = self.service.start(parsed.for_choice(0), parsed.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
+                raise from_domain(exc, parsed.params) from None
+            shapes = ResponseShapes(parsed.request.request_id, model, asked.echo)
+            choice = Choice(0)
+            if parsed.stream:
+                return await self._stream_response(request, run, choice, shapes, parsed)
+            try:
+                await self._collect(run, choice)
+            except Exception as exc:  # noqa: BLE001
+                raise from_domain(exc, parsed.params) from None
+            return web.json_response(shapes.whole(choice), headers={"X-Request-Id": parsed.request.request_id})
+
+    async def _stream_response(self, request: web.Request, run: Any, choice: Choice, shapes: ResponseShapes,
+                               parsed: ParsedRequest) -> web.StreamResponse:
+        """A response's typed events as server-sent events (``event: <type>`` lines); a failure after the first
+        byte is an ``error`` event and ``response.failed``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": parsed.request.request_id})
+        await response.prepare(request)
+        events = ResponseStream(shapes)
+        for event in events.opening():
+            await _send_typed(response, event)
+        try:
+            async for msg in self.service.stream(run):
+                choice.add(msg)
+                for event in events.feed(choice, msg):
+                    await _send_typed(response, event)
+        except Exception as exc:  # noqa: BLE001 - reported in the stream: the status line has gone already
+            for event in events.failure(from_domain(exc, parsed.params)):
+                await _send_typed(response, event)
+        await response.write_eof()
+        return response
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_serving()
@@ -296,6 +345,12 @@ async def _send(response: web.StreamResponse, event: dict[str, Any] | None) -> N
     if event is not None:
         await response.write(b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
                              + b"\n\n")
+
+
+async def _send_typed(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    """A typed event, as OpenAI streams the Responses API: its type on an ``event:`` line, then its JSON."""
+    await response.write(b"event: " + event["type"].encode() + b"\ndata: "
+                         + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
 
 
 async def _together(coros: list[Coroutine[Any, Any, None]]) -> None:

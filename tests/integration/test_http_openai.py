@@ -267,3 +267,19 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
     if fixed:
         tops = echoed.top_logprobs[len(ids):-1]
         assert all(lp == max(top.values()) for lp, top in zip(scores, tops))  # the harness's "greedy"
+
+
+def test_the_responses_api_answers_as_chat_completions_do(api, model):
+    """A Responses request is the chat completion it asks for: the same greedy text through the real workers,
+    whole and as typed events."""
+    messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": PROMPTS[1]}]
+    chat_text = api.chat.completions.create(model=model, messages=messages, max_tokens=MAX_NEW_TOKENS,
+                                            temperature=0).choices[0].message.content
+    reply = api.responses.create(model=model, instructions=messages[0]["content"], input=PROMPTS[1],
+                                 max_output_tokens=MAX_NEW_TOKENS, temperature=0)
+    assert reply.output_text == chat_text and reply.status in ("completed", "incomplete")
+    events = list(api.responses.create(model=model, instructions=messages[0]["content"], input=PROMPTS[1],
+                                       max_output_tokens=MAX_NEW_TOKENS, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens == reply.usage.output_tokens
