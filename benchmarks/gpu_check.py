@@ -69,10 +69,12 @@ from tandem.engine import ForwardItem, ModelEngine  # noqa: E402
 from tandem.inprocess import GenerationRequest, SpeculativeGenerator  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.spec.options import SpecOptions  # noqa: E402
+from target_worker.engine import PrefillCall, TargetEngine  # noqa: E402
 
 # |ours - transformers| <= tolerance * max |transformers' logit|: float32 differs by the order of
 # operations only; bfloat16 and float16 round every op, and differences grow layer by layer.
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 4e-2, "float16": 1e-2}
+PROMPT_SCORE_TOLERANCE = 1e-3  # nats: a prompt token's log-probability (echo) against transformers' log-softmax, fp32
 SIGNIFICANCE = 1e-3  # chi-square p-value below which the lossless check fails
 # The lossless check's samples are seeded (sample i: this + i), so a run repeats, and a seeded token's noise is
 # a hash, the same on every device. A fixed seed set is one draw of a test that a correct sampler fails once in
@@ -178,6 +180,11 @@ def engine_vs_transformers(model_dir: Path, plan: Plan) -> dict[str, Any]:
         if dtype == "float32":
             ours_greedy = [SpeculativeGenerator(engine).generate([GenerationRequest(p, plan.new_tokens, k_max=0)])[0]
                            .token_ids for p in prompts]
+            # the prompt's own log-probabilities (completions' echo), scored on the device
+            [scored] = TargetEngine(engine).run_batch([PrefillCall("scored", ids, SamplingParams(prompt_logprobs=1))])
+            if isinstance(scored, BaseException):
+                raise scored
+            our_scores = torch.tensor([s.logprob for s in scored.prompt_logprobs])
         del engine
     free_memory(plan.device)
     hf = hf_model(model_dir, plan.device, "float32")  # one load; cast for the other dtypes
@@ -188,13 +195,19 @@ def engine_vs_transformers(model_dir: Path, plan: Plan) -> dict[str, Any]:
         for dtype in plan.dtypes:
             ref = hf.to(getattr(torch, dtype))(torch.tensor([ids], device=plan.device)).logits[0].float()
             worst[dtype] = float((ours[dtype] - ref).abs().max() / ref.abs().max())
+            if dtype == "float32":
+                logp = torch.log_softmax(ref, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].cpu()
+                score_error = float((our_scores - logp).abs().max())
     del hf
     free_memory(plan.device)
     assert ours_greedy == theirs, f"greedy tokens differ from transformers': {ours_greedy} vs {theirs}"
     for dtype, error in worst.items():
         assert error <= LOGIT_TOLERANCE[dtype], (
             f"{dtype}: logits differ by {error:.2e} of the largest, more than {LOGIT_TOLERANCE[dtype]:.0e}")
-    return {"max_relative_logit_error": worst, "greedy_tokens": plan.greedy_prompts * plan.new_tokens}
+    assert score_error <= PROMPT_SCORE_TOLERANCE, (
+        f"prompt log-probabilities differ from transformers' by {score_error:.2e} nats (fp32)")
+    return {"max_relative_logit_error": worst, "greedy_tokens": plan.greedy_prompts * plan.new_tokens,
+            "prompt_score_max_error_fp32": score_error}
 
 
 def speculative_greedy(target_dir: Path, draft_dir: Path, plan: Plan) -> dict[str, Any]:

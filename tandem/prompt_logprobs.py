@@ -34,7 +34,7 @@ def score_rows(logits: torch.Tensor, next_tokens: Sequence[int], top: int) -> li
     if logits.shape[0] != rows:
         raise ValueError(f"{logits.shape[0]} rows of logits for {rows} tokens to score")
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
-    tokens = torch.tensor(list(next_tokens), dtype=torch.int64).to(logp.device)  # [R]
+    tokens = torch.tensor(list(next_tokens), dtype=torch.int64, device="cpu").to(logp.device)  # [R]
     parts = [logp.gather(1, tokens[:, None]).squeeze(1)]  # [R]
     if top:
         values, ids = logp.topk(top, dim=-1)  # [R, top] each, most likely first

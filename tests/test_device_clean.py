@@ -108,6 +108,16 @@ def test_the_target_decides_without_a_tensor_off_the_engines_device(tiny_qwen2_d
     assert got == expected
 
 
+def test_a_prompt_is_scored_without_a_tensor_off_the_engines_device(tiny_qwen2_dir):
+    """prompt_logprobs: each step's rows scored where the logits are (tandem/prompt_logprobs.py)."""
+    call = PrefillCall("scored", PROMPT, SamplingParams(prompt_logprobs=2))
+    expected = ok(TargetEngine(load(tiny_qwen2_dir)).run_batch([call]))[0]
+    target = TargetEngine(load(tiny_qwen2_dir))
+    with unnamed_tensors_on_meta(target.engine):
+        got = ok(target.run_batch([call]))[0]
+    assert got == expected and len(got.prompt_logprobs) == len(PROMPT) - 1
+
+
 def test_penalties_are_adjusted_on_the_device_without_a_read_back():
     """Meta logits: a count sized from the data (bincount) or any host read would fail here."""
     from tandem.penalties import adjust_logits, row_paths_of
