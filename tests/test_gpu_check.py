@@ -21,6 +21,8 @@ def test_the_gpu_check_passes_on_cpu_with_tiny_shapes(tmp_path):
     assert {c["check"] for c in report["checks"]} == CHECKS | {f"measure {m}" for m in MEASUREMENTS}
     assert set(report["measurements"]) == MEASUREMENTS
     assert list(report["measurements"]["forward-cost"]["tiny"]) == [str(n) for n in gpu_check.FORWARD_SIZES]
+    engine = next(c for c in report["checks"] if c["check"] == "engine-vs-transformers")
+    assert engine["prompt_score_max_error_fp32"] <= gpu_check.PROMPT_SCORE_TOLERANCE  # the echo path, checked
     tp = next(c for c in report["checks"] if c["check"] == "tensor-parallel")
     assert tp["backend"] == "gloo"
     assert "| engine-vs-transformers | tiny | True |" in (tmp_path / "gpu_check.md").read_text()
