@@ -38,6 +38,10 @@ call's result is then ``Unfinished`` and the batcher queues it again, first,
 until its last chunk gives the first token. A heads prompt's chunks go to the
 heads as they are computed (EAGLE's KV grows with them), the proposal with the last.
 
+A Prefill that asks for its prompt's log-probabilities (``sampling.prompt_logprobs``, completions' echo)
+computes every row's logits, in steps of at most ``SCORED_ROWS_PER_STEP`` rows, and takes nothing from
+the prefix cache (``tandem/prompt_logprobs.py``); each step's rows are scored as they come.
+
 Speculation heads (``drafter``, tandem/heads): a sequence whose Prefill asked for
 proposals (``propose`` > 0) gets the features of every row it commits from the
 same forward pass; after the verdicts, ONE heads step for the whole batch turns
