@@ -45,6 +45,7 @@ from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion,
 from coordinator.service import GenerationService
 from tandem.config import CoordinatorConfig
 from tandem.rpc.tls import ServerTLS
+from tandem.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -216,15 +217,20 @@ class HttpApi:
             if parsed.stream:
                 return await self._stream(request, runs, choices, shapes, parsed)
             try:
-                await _together([self._collect(run, choice) for run, choice in zip(runs, choices)])
+                await _together([self._collect(run, choice, prompt_only=parsed.prompt_only)
+                                 for run, choice in zip(runs, choices)])
             except Exception as exc:  # noqa: BLE001
                 raise from_domain(exc, parsed.params) from None
             return web.json_response(shapes.completion(choices, parsed.n),
                                      headers={"X-Request-Id": parsed.request.request_id})
 
-    async def _collect(self, run: Any, choice: Choice, queue: asyncio.Queue | None = None) -> None:
-        """Run one choice's request into ``choice``; streaming, each message also goes to ``queue``."""
+    async def _collect(self, run: Any, choice: Choice, queue: asyncio.Queue | None = None,
+                       prompt_only: bool = False) -> None:
+        """Run one choice's request into ``choice``; streaming, each message also goes to ``queue``.
+        ``prompt_only`` (max_tokens 0 with echo): what the request wrote is dropped, its prompt's part kept."""
         async for msg in self.service.stream(run):
+            if prompt_only:
+                msg = _prompt_part(msg)
             choice.add(msg)
             if queue is not None:
                 queue.put_nowait((choice, msg))
@@ -240,7 +246,7 @@ class HttpApi:
 
         async def run_one(run: Any, choice: Choice) -> None:
             try:
-                await self._collect(run, choice, queue)
+                await self._collect(run, choice, queue, prompt_only=parsed.prompt_only)
                 queue.put_nowait((choice, None))
             except Exception as exc:  # noqa: BLE001 - passed to the writer, which reports it in the stream
                 queue.put_nowait((choice, exc))
@@ -345,6 +351,16 @@ async def _send(response: web.StreamResponse, event: dict[str, Any] | None) -> N
     if event is not None:
         await response.write(b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
                              + b"\n\n")
+
+
+def _prompt_part(msg: generation_pb2.GenerateStreamResponse) -> generation_pb2.GenerateStreamResponse:
+    """A stream message without what was written (max_tokens 0 with echo: the prompt is all that is asked)."""
+    kept = generation_pb2.GenerateStreamResponse(
+        request_id=msg.request_id, finish_reason=msg.finish_reason and "length", prompt_logprobs=msg.prompt_logprobs,
+        prompt_token_ids=msg.prompt_token_ids)
+    if msg.HasField("stats"):
+        kept.stats.CopyFrom(msg.stats)
+    return kept
 
 
 async def _send_typed(response: web.StreamResponse, event: dict[str, Any]) -> None:

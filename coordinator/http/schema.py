@@ -85,6 +85,7 @@ class ParsedRequest:
     params: dict[str, str] = field(default_factory=dict)  # the service's field names -> this request's
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: its prompts, n choices each
     echo: bool = False  # completions: each choice's text (and log-probabilities) starts with its prompt's
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its scores) only, no new text
 
     @property
     def choices(self) -> int:
@@ -180,11 +181,16 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
         raise bad_field("prompt", f"{len(parsed.prompts)} prompts x n {parsed.n} is {len(parsed.prompts) * parsed.n} "
                                   f"completions; one request takes at most {MAX_BATCH}")
     _set_prompt(request, parsed.prompts[0])
-    request.stopping.max_new_tokens = body.integer("max_tokens", 1, INT32_MAX) or 0
+    max_tokens = body.integer("max_tokens", 0, INT32_MAX)
     logprobs = body.integer("logprobs", 0, INT32_MAX)
     if logprobs is not None:
         parsed.logprobs = request.sampling.logprobs = logprobs
     parsed.echo = bool(body.boolean("echo"))
+    if max_tokens == 0:  # OpenAI's legacy "score the prompt, write nothing": the target's one token is dropped
+        if not parsed.echo:
+            raise bad_field("max_tokens", "must be in 1..2147483647 (0 only with echo: the prompt scored alone)")
+        parsed.prompt_only, max_tokens = True, 1
+    request.stopping.max_new_tokens = max_tokens or 0
     if parsed.echo and logprobs is not None:  # the prompt's tokens are scored too: lm-evaluation-harness's way
         request.sampling.prompt_logprobs = logprobs
     best_of = body.integer("best_of", 1, INT32_MAX)

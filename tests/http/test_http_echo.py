@@ -165,3 +165,25 @@ def test_a_batch_larger_than_the_clients_budget_is_400_not_a_429_to_retry(tokeni
             code, body = await post(running.url + "/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
             assert code == 200 and len(body["choices"]) == 4
     run(go())
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_and_writes_nothing(tokenizer):
+    """OpenAI's legacy way to score a text: the prompt and its scores, no completion (the target's one token,
+    which it must compute to score the last row anyway, is dropped)."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            ids = tokenizer.encode("abc")
+            code, body = await post(running.url + "/completions", {"prompt": [ids], "max_tokens": 0, "echo": True,
+                                                                   "logprobs": 1})
+            assert code == 200, body
+            [choice] = body["choices"]
+            assert choice["text"] == tokenizer.decode(ids) and choice["finish_reason"] == "length"
+            assert choice["logprobs"]["token_logprobs"] == [None, *(PROMPT_LOGPROB * i for i in range(1, len(ids)))]
+            assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+            stream = await client(running).completions.create(model=MODEL, prompt="abc", max_tokens=0, echo=True,
+                                                              stream=True)
+            assert "".join([c.choices[0].text async for c in stream if c.choices]) == "abc"
+            code, body = await post(running.url + "/completions", {"prompt": "abc", "max_tokens": 0})
+            assert code == 400 and body["error"]["param"] == "max_tokens" and "only with echo" in body["error"][
+                "message"]
+    run(go())
