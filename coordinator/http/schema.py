@@ -39,7 +39,9 @@ from tandem.v1 import generation_pb2
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
 MAX_BATCH = 64  # completions: prompts times n, the requests one call may start
-MAX_STOP_STRINGS = 4  # as OpenAI
+# OpenAI takes 4, vLLM any number; evaluation harnesses send a task's stops plus the model's end token, often more
+# than 4 (lm-evaluation-harness's local-completions does not cut them). Each costs a look at the text's tail a token.
+MAX_STOP_STRINGS = 16
 INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
 ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

@@ -258,7 +258,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"max_tokens": -1}, "max_tokens", 400),
     ({"max_tokens": 100}, "max_tokens", 400),  # the context (64) is the service's to check
     ({"max_completion_tokens": 100, "max_tokens": None}, "max_completion_tokens", 400),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+    ({"stop": [chr(ord("a") + i) for i in range(17)]}, "stop", 400),
     ({"stop": ""}, "stop", 400),
     ({"messages": []}, "messages", 400),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", 400),
