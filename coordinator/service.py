@@ -286,6 +286,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
         stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)
+        if not 0 <= stopping.min_new_tokens <= max_new:
+            raise InvalidRequestError(f"stopping.min_new_tokens must be in 0..{max_new} (the request's max new "
+                                      f"tokens), got {stopping.min_new_tokens}")
+        # The workers hold these stop tokens back until then (tandem.penalties); set here, whatever the client sent.
+        sampling = replace(sampling, min_tokens=stopping.min_new_tokens,
+                           min_tokens_stop_ids=tuple(sorted(stop_ids)) if stopping.min_new_tokens else ())
         stop = StopConditions(max_new, stop_ids, tuple(stopping.stop_strings))
         tree = _field("speculation.tree", lambda: check_tree_mode(spec.tree or "auto"))
         options = SpecOptions(method, k, adaptive_k=not spec.fixed_k,

@@ -16,6 +16,10 @@ The rules, in vLLM's order (its sampler; OpenAI's definitions of the last two):
 3. ``frequency_penalty`` f and ``presence_penalty`` p: ``logit -= f * count + p * (count > 0)``, counts
    over the generated tokens of the row's context (the prompt is not counted).
 
+And vLLM's ``min_tokens``: a row predicting generated position n < ``min_tokens`` (n: the committed
+output's length plus the row's path) gets -inf for each of ``min_tokens_stop_ids``, so no stop token
+ends the text early, whatever was drafted before it.
+
 Greedy takes the argmax of the adjusted row; sampling applies temperature, top-k and top-p after.
 Log-probabilities stay the raw logits' (``tandem.spec.rejection``), as vLLM reports them by default.
 """
@@ -57,6 +61,7 @@ def adjust_logits(
     assert len(row_paths) == rows, f"{len(row_paths)} row paths for {rows} rows"
     device = logits.device
     out = logits.float().clone()
+    _hold_stop_tokens(out, params, len(output), row_paths)
     if params.logit_bias:
         kept = [(t, b) for t, b in params.logit_bias if t < vocab]
         if kept:
@@ -98,3 +103,17 @@ def adjust_logits(
     sub = sub - params.frequency_penalty * counts - params.presence_penalty * present.to(out.dtype)
     out[:, cols] = sub
     return out
+
+
+def _hold_stop_tokens(out: torch.Tensor, params: SamplingParams, committed: int,
+                      row_paths: Sequence[Sequence[int]]) -> None:
+    """min_tokens: the stop tokens' logits -inf, in place, on rows predicting a generated position before it."""
+    if not params.min_tokens:
+        return
+    early = [r for r, path in enumerate(row_paths) if committed + len(path) < params.min_tokens]
+    ids = [t for t in params.min_tokens_stop_ids if t < out.shape[1]]
+    if not early or not ids:
+        return
+    flat = torch.tensor([*early, *ids], dtype=torch.int64, device="cpu").to(out.device, non_blocking=True)
+    rows, cols = flat.split([len(early), len(ids)])
+    out[rows[:, None], cols[None, :]] = float("-inf")

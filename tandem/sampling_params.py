@@ -34,6 +34,10 @@ class SamplingParams:
     # The target's log-probability of every prompt token after the first, with this many top alternatives each;
     # None: none. Reported only; such a prompt is computed whole (its rows' logits are not in the prefix cache).
     prompt_logprobs: int | None = None
+    # The first ``min_tokens`` generated tokens are never one of ``min_tokens_stop_ids`` (their logits -inf on
+    # every row predicting an earlier position: ``tandem.penalties``); the coordinator sets both (vLLM's min_tokens).
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
     # A seeded request is verified by the target's own seeded draw per position (tandem.spec.rejection,
     # "Seeded sampling"); True: by the rejection rule, as an unseeded one (its statistical tests ask this).
     rejection_rule: bool = False
@@ -63,7 +67,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty or a bias changes this request's logits (else they go to temperature untouched)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
 
     @property
     def exact_seed(self) -> bool:
@@ -82,6 +86,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"prompt_logprobs must be in 0..{MAX_LOGPROBS} alternatives, got {self.prompt_logprobs}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(t < 0 for t in self.min_tokens_stop_ids):
+            raise InvalidRequestError("min_tokens_stop_ids: token ids must be >= 0")
         if not 0 < self.repetition_penalty < math.inf:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0 and finite (1: none), got {self.repetition_penalty}")

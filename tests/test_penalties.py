@@ -108,3 +108,17 @@ def test_penalties_cross_the_wire():
     assert back.repetition_penalty == pytest.approx(1.4)  # float32 on the wire
     assert (back.frequency_penalty, back.presence_penalty) == pytest.approx((0.7, -0.3))
     assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()  # 0 on the wire: 1
+
+
+def test_min_tokens_masks_the_stop_tokens_on_rows_before_it():
+    """Row r predicts generated position len(output) + len(path r): below min_tokens its stop tokens are -inf."""
+    params = SamplingParams(min_tokens=3, min_tokens_stop_ids=(2, 5, 99))  # 99: past this vocabulary, left out
+    assert params.adjusts_logits and not SamplingParams(min_tokens=3).adjusts_logits
+    logits = torch.randn(4, VOCAB)
+    out = adjust_logits(logits, params, frozenset(), [7], [[], [1], [1, 4], [1, 4, 6]])  # positions 1, 2, 3, 4
+    assert torch.isinf(out[:2, [2, 5]]).all() and (out[:2, [2, 5]] < 0).all()
+    assert torch.equal(out[2:], logits[2:]) and torch.equal(out[:2, [0, 1, 3]], logits[:2, [0, 1, 3]])
+    msg = sampling_to_proto(params)
+    assert sampling_from_proto(msg) == params and msg.min_tokens == 3
+    with pytest.raises(InvalidRequestError, match="min_tokens must be >= 0"):
+        SamplingParams(min_tokens=-1)

@@ -22,6 +22,7 @@ INVALID = "invalid_request_error"
 # prefix of another, and what the HTTP API calls them unless the request says otherwise (``ParsedRequest.params``).
 SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("stopping.max_new_tokens", "max_tokens"),
+    ("stopping.min_new_tokens", "min_tokens"),
     ("stopping.stop_strings", "stop"),
     ("stopping.stop_token_ids", "tandem.stop_token_ids"),
     ("speculation.method", "tandem.method"),

@@ -240,6 +240,7 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
             raise bad_field("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         request.stopping.stop_strings.extend(strings)
     body.string("user")  # an end user's id for the caller's own records: taken, used for nothing
+    request.stopping.min_new_tokens = body.integer("min_tokens", 0, INT32_MAX) or 0  # vLLM's
     _penalties(body, sampling)
     _extension(body.take("tandem"), request, parsed)
     return parsed

@@ -32,6 +32,8 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         json_object=msg.json_object,
         json_schema=msg.json_schema,
         grammar=msg.grammar,
+        min_tokens=msg.min_tokens,
+        min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids),
     )
 
 
@@ -42,7 +44,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
                                      frequency_penalty=params.frequency_penalty,
                                      presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias),
                                      json_object=params.json_object, json_schema=params.json_schema,
-                                     grammar=params.grammar)
+                                     grammar=params.grammar, min_tokens=params.min_tokens,
+                                     min_tokens_stop_ids=params.min_tokens_stop_ids)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

@@ -341,6 +341,23 @@ def test_penalties_and_logit_bias_reach_the_target_worker(tokenizer):
     run(go())
 
 
+def test_min_tokens_holds_the_stop_tokens_back_on_the_target(tokenizer):
+    """vLLM's min_tokens: the target gets it with the request's stop tokens (the model's, and those asked for)."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 3,
+                                                                    "tandem": {"stop_token_ids": [7]}})
+            assert code == 200, body
+            sampling = running.target.samplings[-1]
+            assert sampling.min_tokens == 3 and list(sampling.min_tokens_stop_ids) == [1, 7]  # 1: the model's
+            code, body = await post(running.url + "/chat/completions", {**CHAT, "max_tokens": 2, "min_tokens": 5})
+            assert code == 400 and body["error"]["param"] == "min_tokens" and "0..2" in body["error"]["message"]
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2})
+            assert code == 200 and running.target.samplings[-1].min_tokens == 0
+            assert not running.target.samplings[-1].min_tokens_stop_ids
+    run(go())
+
+
 def test_response_formats_reach_the_target_worker(tokenizer):
     """json_object and json_schema go to the workers as the request's sampling options (the target masks its rows
     by them: tandem.structured_output); text asks for nothing."""

@@ -283,3 +283,26 @@ def test_the_responses_api_answers_as_chat_completions_do(api, model):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert events[-1].response.usage.output_tokens == reply.usage.output_tokens
+
+
+def test_min_tokens_writes_past_the_models_first_end_as_target_only_does(api, model, smollm2_dir):
+    """vLLM's min_tokens through the real workers: a short answer held past its end token, equal to target-only
+    decoding with the same stop tokens held back (each verified row masked for its own position)."""
+    from tandem.config import ModelConfig
+    from tandem.sampling_params import SamplingParams
+    from tandem.tokenizer import load_tokenizer, stop_token_ids
+    from tests.references import target_only
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    question = "Say hi."
+    longest = 2 * MAX_NEW_TOKENS
+    free = chat(api, model, question, max_tokens=longest, temperature=0)
+    assert free.choices[0].finish_reason == "stop"  # it ends on its own
+    least = free.usage.completion_tokens + 8
+    assert least < longest
+    stops = tuple(sorted(stop_token_ids(smollm2_dir, tokenizer, ModelConfig.from_dir(smollm2_dir))))
+    held = SamplingParams(min_tokens=least, min_tokens_stop_ids=stops)
+    expected = target_only(smollm2_dir, [question], dtype="bfloat16", max_new_tokens=longest, sampling=held)[question]
+    reply = chat(api, model, question, max_tokens=longest, temperature=0, extra_body={"min_tokens": least})
+    assert reply.usage.completion_tokens >= least
+    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)

@@ -108,3 +108,22 @@ def test_seeded_sampling_with_penalties_is_plain_seeded_decoding(target, tiny_qw
         results = run(target, load(tiny_qwen2_other_dir), method, sampling=sampling, k_max=4, ngram_max=3,
                       hybrid_min_match=2, tree=tree, tree_width=2)
         assert [r.token_ids for r in results] == alone
+
+
+def test_min_tokens_holds_stop_tokens_back_and_speculation_agrees(target, tiny_qwen2_dir, tiny_qwen2_other_dir):
+    """vLLM's min_tokens: the stop tokens are -inf on every row before it, each row for its own drafted path. A
+    stop token the model writes early ends the plain text there; held back, the text runs past it, and every
+    proposer gives the target alone's text."""
+    free = [r.token_ids for r in run(target, None, n=12)]
+    stop = free[2][1]  # the second token of a prompt's answer: with it as a stop token, that answer ends at once
+    ended = [r.token_ids for r in run(target, None, n=12, stop=frozenset({stop}))]
+    assert len(ended[2]) == 2 and ended[2][-1] == stop
+    held = SamplingParams(min_tokens=8, min_tokens_stop_ids=(stop,))
+    plain = [r.token_ids for r in run(target, None, n=12, stop=frozenset({stop}), sampling=held)]
+    assert all(stop not in tokens[:8] for tokens in plain) and len(plain[2]) > 2
+    for method, tree in (("draft-same", "off"), ("draft", "off"), ("ngram", "off"), ("hybrid", "on")):
+        draft = {"draft-same": lambda: load(tiny_qwen2_dir), "draft": lambda: load(tiny_qwen2_other_dir),
+                 "hybrid": lambda: load(tiny_qwen2_other_dir), "ngram": lambda: None}[method]()
+        results = run(target, draft, method.removesuffix("-same"), n=12, stop=frozenset({stop}), sampling=held,
+                      k_max=4, ngram_max=3, hybrid_min_match=2, tree=tree, tree_width=2)
+        assert [r.token_ids for r in results] == plain, method
