@@ -289,6 +289,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not 0 <= stopping.min_new_tokens <= max_new:
             raise InvalidRequestError(f"stopping.min_new_tokens must be in 0..{max_new} (the request's max new "
                                       f"tokens), got {stopping.min_new_tokens}")
+        if stopping.min_new_tokens and sampling.structured:  # a grammar's end may come first: no token left
+            raise InvalidRequestError("stopping.min_new_tokens cannot hold back the end of a response format, "
+                                      "grammar or required tool call: give one")
         # The workers hold these stop tokens back until then (tandem.penalties); set here, whatever the client sent.
         sampling = replace(sampling, min_tokens=stopping.min_new_tokens,
                            min_tokens_stop_ids=tuple(sorted(stop_ids)) if stopping.min_new_tokens else ())

@@ -352,6 +352,9 @@ def test_min_tokens_holds_the_stop_tokens_back_on_the_target(tokenizer):
             assert sampling.min_tokens == 3 and list(sampling.min_tokens_stop_ids) == [1, 7]  # 1: the model's
             code, body = await post(running.url + "/chat/completions", {**CHAT, "max_tokens": 2, "min_tokens": 5})
             assert code == 400 and body["error"]["param"] == "min_tokens" and "0..2" in body["error"]["message"]
+            code, body = await post(running.url + "/chat/completions", {
+                **CHAT, "max_tokens": 8, "min_tokens": 5, "response_format": {"type": "json_object"}})
+            assert code == 400 and body["error"]["param"] == "min_tokens" and "give one" in body["error"]["message"]
             code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2})
             assert code == 200 and running.target.samplings[-1].min_tokens == 0
             assert not running.target.samplings[-1].min_tokens_stop_ids
