@@ -152,3 +152,18 @@ def test_a_json_schema_format_reaches_the_target(tokenizer):
             with pytest.raises(openai.NotFoundError):
                 await client(running).responses.create(model="gpt-4o", input="hi")
     run(go())
+
+
+def test_a_failure_after_the_first_byte_is_an_error_event_then_response_failed(tokenizer):
+    """The Verify calls hang past the request's deadline: the stream has begun, so the failure comes as events."""
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            running.target.gate.clear()
+            stream = await client(running).responses.create(model=MODEL, input="hi", max_output_tokens=8, stream=True,
+                                                            extra_body={"tandem": {"timeout_s": 0.3}})
+            events = [event async for event in stream]
+            running.target.gate.set()
+            assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+            assert events[-2].code == "timeout" and events[-1].response.status == "failed"
+            assert events[-1].response.error.code == "timeout"
+    run(go())
