@@ -189,3 +189,14 @@ def test_a_heads_prompt_scored_in_steps_proposes_what_it_proposes_unscored(tiny_
     assert scoring.result.next_token == plain.result.next_token
     unheaded, _ = prefill_to_end(TargetEngine(load(tiny_qwen2_dir)), scored(PROMPT))
     assert as_tuples(scoring.result.prompt_logprobs) == as_tuples(unheaded.prompt_logprobs)
+
+
+def test_the_in_process_generator_returns_the_prompt_scores_with_speculation_on(tiny_qwen2_dir):
+    """Through the one loop (n-gram speculation): the first Prefill's scores, whatever rounds follow."""
+    engine = load(tiny_qwen2_dir)
+    sampling = SamplingParams(prompt_logprobs=TOP, logprobs=TOP)
+    [result] = SpeculativeGenerator(engine, None, SpecOptions("ngram", 4)).generate(
+        [GenerationRequest(PROMPT, max_new_tokens=8, sampling=sampling)])
+    direct, _ = prefill_to_end(TargetEngine(load(tiny_qwen2_dir)), scored(PROMPT))
+    assert as_tuples(result.prompt_logprobs) == as_tuples(direct.prompt_logprobs)
+    assert len(result.logprobs) == len(result.token_ids) == 8
