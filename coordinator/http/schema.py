@@ -12,11 +12,14 @@ ignored: ``functions``, ``suffix``... A neutral value (``functions: []``, ``null
 for any optional field) asks for nothing and is taken, since SDKs send some of
 them by default. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become
 the request's ``ToolOptions`` (``tandem.tool_calls`` says what each choice
-does). ``response_format`` (text, json_object, json_schema) is enforced on the
-target's rows (``tandem.structured_output``). An unknown field is refused too:
-the official clients send only what their user set.
-``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` are OpenAI's;
-``repetition_penalty`` is vLLM's extension of the body, taken as vLLM takes it.
+does). ``response_format`` and vLLM's structured outputs are read by
+``coordinator.http.structured`` and enforced on the target's rows
+(``tandem.structured_output``). An unknown field is refused too: the official
+clients send only what their user set. ``frequency_penalty``,
+``presence_penalty`` and ``logit_bias`` are OpenAI's; ``repetition_penalty`` and
+``min_tokens`` are vLLM's extensions of the body, taken as vLLM takes them.
+Completions take a list of prompts and ``echo`` (the prompt's own scores with
+``logprobs``: ``SamplingOptions.prompt_logprobs``).
 
 Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
 1 (sampling), ``top_p`` 1. ``max_tokens`` left out is the coordinator's
@@ -33,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.http.errors import ApiError, bad_field, unsupported
-from tandem.errors import InvalidRequestError
-from tandem.structured_output import choice_grammar, regex_grammar
+from coordinator.http.fields import Fields, is_int, kind_of, object_field
+from coordinator.http.structured import response_format, structured_outputs
 from tandem.v1 import generation_pb2
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
@@ -46,8 +49,6 @@ INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
 ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling (the gRPC API's default is greedy)
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one of
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -125,7 +126,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting a RecursionError
         raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {_kind(data)}")
+        raise ApiError(400, f"the request body must be a JSON object, got {kind_of(data)}")
     _check_text(data)
     return data
 
@@ -167,8 +168,8 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
         raise bad_field("top_logprobs", "needs logprobs: true")
     if wanted:
         parsed.logprobs = request.sampling.logprobs = top or 0
-    _response_format(body.take("response_format"), request.sampling)
-    _structured_outputs(body, parsed)
+    response_format(body.take("response_format"), request.sampling)
+    structured_outputs(body, parsed.request.sampling, parsed.params)
     body.refuse(UNSUPPORTED_CHAT)
     body.finish()
     return parsed
@@ -198,8 +199,8 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     best_of = body.integer("best_of", 1, INT32_MAX)
     if best_of is not None and best_of != parsed.n:
         raise unsupported("best_of", " unless it equals n (each choice is one sample)")
-    _response_format(body.take("response_format"), request.sampling)  # not OpenAI's here, but vLLM's: taken alike
-    _structured_outputs(body, parsed)
+    response_format(body.take("response_format"), request.sampling)  # not OpenAI's here, but vLLM's: taken alike
+    structured_outputs(body, parsed.request.sampling, parsed.params)
     body.refuse(UNSUPPORTED_COMPLETION)
     body.finish()
     return parsed
@@ -216,7 +217,7 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
     if options is not None:
         if not parsed.stream:
             raise bad_field("stream_options", "only with stream: true")
-        options = Fields(_object("stream_options", options), "stream_options.")
+        options = Fields(object_field("stream_options", options), "stream_options.")
         parsed.include_usage = bool(options.boolean("include_usage"))
         options.finish()
     sampling = request.sampling
@@ -235,7 +236,7 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
     strings = [stop] if isinstance(stop, str) else stop
     if strings is not None:
         if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
-            raise bad_field("stop", f"a string or a list of strings, got {_kind(stop)}")
+            raise bad_field("stop", f"a string or a list of strings, got {kind_of(stop)}")
         if len(strings) > MAX_STOP_STRINGS:
             raise bad_field("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         request.stopping.stop_strings.extend(strings)
@@ -263,7 +264,7 @@ def _penalties(body: Fields, sampling) -> None:
     if bias is None:
         return
     ids: dict[int, float] = {}
-    for key, value in _object("logit_bias", bias).items():
+    for key, value in object_field("logit_bias", bias).items():
         try:
             token = int(key)
         except ValueError:
@@ -271,92 +272,16 @@ def _penalties(body: Fields, sampling) -> None:
         if not 0 <= token <= INT32_MAX or token in ids:
             raise bad_field("logit_bias", f"token id {key!r} is " + ("repeated" if token in ids else "out of range"))
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise bad_field("logit_bias", f"the bias of token {key} must be a number, got {_kind(value)}")
+            raise bad_field("logit_bias", f"the bias of token {key} must be a number, got {kind_of(value)}")
         ids[token] = float(value)
     sampling.logit_bias.update(ids)
-
-
-def _response_format(value: Any, sampling) -> None:
-    """``response_format``: ``text`` (no constraint), ``json_object``, or ``json_schema`` with its ``schema``
-    (``name``, ``description`` and ``strict`` taken: the schema is always enforced). Whether the schema can be
-    enforced is the service's check (``tandem.structured_output``)."""
-    if value is None:
-        return
-    fmt = Fields(_object("response_format", value), "response_format.")
-    kind = fmt.string("type")
-    if kind == "json_schema":
-        spec = Fields(_object("response_format.json_schema", fmt.take("json_schema")), "response_format.json_schema.")
-        schema = spec.take("schema")
-        sampling.json_schema = json.dumps({} if schema is None else _object("response_format.json_schema.schema",
-                                                                              schema))
-        spec.string("name")
-        spec.string("description")
-        spec.boolean("strict")
-        spec.finish()
-    elif kind == "json_object":
-        sampling.json_object = True
-    elif kind != "text":
-        raise bad_field("response_format.type", f"one of text, json_object, json_schema, got {kind!r}")
-    fmt.finish()
-
-
-def _structured_outputs(body: Fields, parsed: ParsedRequest) -> None:
-    """vLLM's ``structured_outputs`` (exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``),
-    or its older top-level ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``: enforced as
-    ``response_format`` is, on every row the target verifies. ``grammar`` is llguidance's Lark dialect."""
-    given: list[tuple[str, str, Any]] = []  # (the request's field, the kind, its value)
-    value = body.take("structured_outputs")
-    if value is not None:
-        spec = Fields(_object("structured_outputs", value), "structured_outputs.")
-        for kind in STRUCTURED_KINDS:
-            item = spec.take(kind)
-            if item is not None and not (kind == "json_object" and item is False):  # false asks for nothing
-                given.append((f"structured_outputs.{kind}", kind, item))
-        spec.finish()
-    for name, kind in GUIDED_FIELDS.items():
-        item = body.take(name)
-        if item is not None:
-            given.append((name, kind, item))
-    if not given:
-        return
-    name, kind, item = given[0]
-    if len(given) > 1:
-        raise bad_field(given[1][0], f"one structured-output constraint at a time: {name} is given already")
-    sampling = parsed.request.sampling
-    if sampling.json_object or sampling.json_schema:
-        raise bad_field(name, "give response_format or this, not both")
-    parsed.params["grammar"] = name  # the service names a grammar it cannot enforce "grammar": this field
-    parsed.params["response_format"] = name
-    try:
-        if kind == "json":
-            schema = json.loads(item) if isinstance(item, str) else item
-            sampling.json_schema = json.dumps(_object(name, schema))
-        elif kind == "json_object":
-            if item is not True:
-                raise bad_field(name, f"true or false, got {_kind(item)}")
-            sampling.json_object = True
-        elif kind == "grammar":
-            if not isinstance(item, str) or not item.strip():
-                raise bad_field(name, "a grammar in llguidance's Lark dialect (text)")
-            sampling.grammar = item
-        elif kind == "regex":
-            if not isinstance(item, str):
-                raise bad_field(name, f"a regular expression (text), got {_kind(item)}")
-            sampling.grammar = regex_grammar(item)
-        else:
-            if not isinstance(item, list) or not all(isinstance(c, str) for c in item):
-                raise bad_field(name, f"a list of strings, got {_kind(item)}")
-            sampling.grammar = choice_grammar(item)
-    except ValueError as exc:  # not JSON, an empty choice or pattern (InvalidRequestError is a ValueError)
-        message = str(exc).partition(": ")[2] if isinstance(exc, InvalidRequestError) else f"not JSON ({exc})"
-        raise bad_field(name, message) from None
 
 
 def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:
     """``tandem``: the gRPC API's own options (speculation, top_k, stop token ids, ignore_eos, a deadline)."""
     if value is None:
         return
-    ext = Fields(_object("tandem", value), "tandem.")
+    ext = Fields(object_field("tandem", value), "tandem.")
     spec = request.speculation
     spec.method = ext.string("method") or ""
     k = ext.integer("k", 0, INT32_MAX)
@@ -368,13 +293,13 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
     if isinstance(tree, bool):  # ``true``: always a tree where there are candidates, as ``on``
         tree = "on" if tree else "off"
     if tree is not None and not isinstance(tree, str):
-        raise bad_field("tandem.tree", f"one of auto, on, off (or true, false), got {_kind(tree)}")
+        raise bad_field("tandem.tree", f"one of auto, on, off (or true, false), got {kind_of(tree)}")
     spec.tree = tree or ""
     request.sampling.top_k = ext.integer("top_k", 0, INT32_MAX) or 0
     request.stopping.ignore_eos = bool(ext.boolean("ignore_eos"))
     ids = ext.take("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids):
+        if not isinstance(ids, list) or not all(is_int(i) and 0 <= i <= INT32_MAX for i in ids):
             raise bad_field("tandem.stop_token_ids", "a list of token ids (integers >= 0)")
         request.stopping.stop_token_ids.extend(ids)
     timeout = ext.number("timeout_s")
@@ -390,11 +315,11 @@ def parse_messages(value: Any) -> list[generation_pb2.ChatMessage]:
     if value is None:
         raise bad_field("messages", "required: the conversation, a list of {role, content} objects")
     if not isinstance(value, list) or not value:
-        raise bad_field("messages", f"a non-empty list of {{role, content}} objects, got {_kind(value)}")
+        raise bad_field("messages", f"a non-empty list of {{role, content}} objects, got {kind_of(value)}")
     turns = []
     for i, item in enumerate(value):
         where = f"messages[{i}]"
-        turn = Fields(_object(where, item), f"{where}.")
+        turn = Fields(object_field(where, item), f"{where}.")
         role = turn.string("role")
         if role is None:
             raise bad_field(f"{where}.role", "required")
@@ -422,15 +347,15 @@ def _earlier_calls(where: str, value: Any) -> list[generation_pb2.ToolCall]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise bad_field(f"{where}.tool_calls", f"a list of calls, got {_kind(value)}")
+        raise bad_field(f"{where}.tool_calls", f"a list of calls, got {kind_of(value)}")
     calls = []
     for j, item in enumerate(value):
         at = f"{where}.tool_calls[{j}]"
-        call = Fields(_object(at, item), f"{at}.")
+        call = Fields(object_field(at, item), f"{at}.")
         kind = call.string("type") or "function"
         if kind != "function":
             raise bad_field(f"{at}.type", f"'function', got {kind!r}")
-        function = Fields(_object(f"{at}.function", call.take("function")), f"{at}.function.")
+        function = Fields(object_field(f"{at}.function", call.take("function")), f"{at}.function.")
         name, arguments = function.string("name"), function.string("arguments")
         if not name:
             raise bad_field(f"{at}.function.name", "required")
@@ -448,20 +373,20 @@ def _tools(body: Fields, request: generation_pb2.GenerateRequest) -> None:
         return
     options = request.tools
     if tools is not None and not isinstance(tools, list):
-        raise bad_field("tools", f"a list of tools, got {_kind(tools)}")
+        raise bad_field("tools", f"a list of tools, got {kind_of(tools)}")
     for i, item in enumerate(tools or ()):
-        tool = Fields(_object(f"tools[{i}]", item), f"tools[{i}].")
+        tool = Fields(object_field(f"tools[{i}]", item), f"tools[{i}].")
         kind = tool.string("type")
         if kind != "function":
             raise unsupported(f"tools[{i}].type", f" ({kind!r}: function tools only)")
-        function = Fields(_object(f"tools[{i}].function", tool.take("function")), f"tools[{i}].function.")
+        function = Fields(object_field(f"tools[{i}].function", tool.take("function")), f"tools[{i}].function.")
         name = function.string("name")
         if name is None:
             raise bad_field(f"tools[{i}].function.name", "required")
         parameters = function.take("parameters")
         entry = options.tools.add(name=name, description=function.string("description") or "")
         if parameters is not None:
-            entry.parameters = json.dumps(_object(f"tools[{i}].function.parameters", parameters))
+            entry.parameters = json.dumps(object_field(f"tools[{i}].function.parameters", parameters))
         function.boolean("strict")  # taken: calls that must be made always follow their schema
         function.finish()
         tool.finish()
@@ -469,7 +394,7 @@ def _tools(body: Fields, request: generation_pb2.GenerateRequest) -> None:
         named = Fields(choice, "tool_choice.")
         if named.string("type") != "function":
             raise bad_field("tool_choice.type", "'function' (or tool_choice 'none', 'auto', 'required')")
-        function = Fields(_object("tool_choice.function", named.take("function")), "tool_choice.function.")
+        function = Fields(object_field("tool_choice.function", named.take("function")), "tool_choice.function.")
         options.choice, options.function = "function", function.string("name") or ""
         function.finish()
         named.finish()
@@ -485,10 +410,10 @@ def _content(where: str, value: Any) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise bad_field(f"{where}.content", f"a string or a list of text parts, got {_kind(value)}")
+        raise bad_field(f"{where}.content", f"a string or a list of text parts, got {kind_of(value)}")
     texts = []
     for j, item in enumerate(value):
-        part = Fields(_object(f"{where}.content[{j}]", item), f"{where}.content[{j}].")
+        part = Fields(object_field(f"{where}.content[{j}]", item), f"{where}.content[{j}].")
         kind = part.string("type")
         if kind != "text":
             raise unsupported(f"{where}.content[{j}].type", f" ({kind!r}: text parts only)")
@@ -513,13 +438,13 @@ def _prompt(value: Any, where: str) -> str | list[int]:
     """One prompt: a string, or token ids."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+    if isinstance(value, list) and value and all(is_int(t) for t in value):
         if not all(0 <= t <= INT32_MAX for t in value):
             raise bad_field("prompt", f"{where}: token ids must be integers >= 0")
         return value
     if isinstance(value, list) and not value:
         raise bad_field("prompt", f"{where} is empty: give at least one token or a string")
-    raise bad_field("prompt", f"{where}: a string, or a list of token ids, got {_kind(value)}")
+    raise bad_field("prompt", f"{where}: a string, or a list of token ids, got {kind_of(value)}")
 
 
 def _set_prompt(request: generation_pb2.GenerateRequest, prompt: str | list[int]) -> None:
@@ -527,77 +452,6 @@ def _set_prompt(request: generation_pb2.GenerateRequest, prompt: str | list[int]
         request.text = prompt
     else:
         request.token_ids.ids[:] = prompt
-
-
-# ----- JSON values ---------------------------------------------------------------------
-class Fields:
-    """An object's fields, taken one by one with their types checked; ``finish`` refuses what is left."""
-
-    def __init__(self, data: dict[str, Any], prefix: str = "") -> None:
-        self.data = dict(data)
-        self.prefix = prefix
-
-    def take(self, key: str) -> Any:
-        return self.data.pop(key, None)  # null is absent: the default
-
-    def string(self, key: str) -> str | None:
-        value = self.take(key)
-        if value is not None and not isinstance(value, str):
-            raise bad_field(self.prefix + key, f"a string, got {_kind(value)}")
-        return value
-
-    def boolean(self, key: str) -> bool | None:
-        value = self.take(key)
-        if value is not None and not isinstance(value, bool):
-            raise bad_field(self.prefix + key, f"true or false, got {_kind(value)}")
-        return value
-
-    def integer(self, key: str, low: int, high: int) -> int | None:
-        """An integer in ``low..high``."""
-        value = self.take(key)
-        if value is None:
-            return None
-        if not _is_int(value):
-            raise bad_field(self.prefix + key, f"an integer, got {_kind(value)}")
-        if not low <= value <= high:
-            raise bad_field(self.prefix + key, f"must be in {low}..{high}, got {value}")
-        return value
-
-    def number(self, key: str) -> float | None:
-        value = self.take(key)
-        if value is None:
-            return None
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise bad_field(self.prefix + key, f"a number, got {_kind(value)}")
-        if not math.isfinite(value) or abs(value) > 3.4e38:  # beyond float32 (the wire's) is not a value
-            raise bad_field(self.prefix + key, f"must be a finite number, got {value}")
-        return float(value)
-
-    def refuse(self, fields: dict[str, Callable[[Any], bool]]) -> None:
-        """Fields Tandem cannot honour: refused unless they ask for nothing."""
-        for key, neutral in fields.items():
-            if key in self.data and not neutral(self.data.pop(key)):
-                raise unsupported(self.prefix + key)
-
-    def finish(self) -> None:
-        if self.data:
-            key = next(iter(self.data))
-            raise ApiError(400, f"{self.prefix}{key}: unknown field", self.prefix + key, code="unknown_parameter")
-
-
-def _object(where: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise bad_field(where, f"an object, got {_kind(value)}")
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _no_constant(name: str) -> None:

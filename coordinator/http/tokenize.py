@@ -18,7 +18,8 @@ from typing import Any
 
 from coordinator.chat import chat_template_refusals, conversation
 from coordinator.http.errors import ApiError, bad_field
-from coordinator.http.schema import INT32_MAX, Fields, parse_messages
+from coordinator.http.fields import Fields
+from coordinator.http.schema import INT32_MAX, parse_messages
 from tandem.errors import InvalidRequestError, check_token_ids
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
