@@ -272,8 +272,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stopping = request.stopping
         if stopping.max_new_tokens < 0:
             raise InvalidRequestError(f"stopping.max_new_tokens must be positive, got {stopping.max_new_tokens}")
-        max_new = stopping.max_new_tokens or self.cfg.default_max_new_tokens
         limit = self.cfg.max_new_tokens_limit
+        max_new = stopping.max_new_tokens or self.cfg.default_max_new_tokens
+        if not stopping.max_new_tokens and stopping.up_to_context:  # (the prompt is shorter than the context)
+            max_new = min(self.max_context - len(prompt_ids), limit or self.max_context)
         if limit is not None and max_new > limit:
             raise InvalidRequestError(f"stopping.max_new_tokens: {max_new} is more than this server allows ({limit})")
         if len(prompt_ids) + max_new > self.max_context:

@@ -6,6 +6,9 @@ tools, and a ``text.format`` for structured output. So it is rewritten here into
 body and parsed by ``coordinator.http.schema.parse_chat``: one validation, one request path; errors
 are renamed to this API's fields (``input``, ``max_output_tokens``, ``text.format``).
 
+Left out, ``max_output_tokens`` is what the context leaves after the conversation (OpenAI's default; agent
+SDKs set none), not the coordinator's ``--max-new-tokens``; ``--max-new-tokens-limit`` still bounds it.
+
 Tandem keeps no responses: ``previous_response_id`` and ``store: true`` are refused by name (send the
 whole conversation in ``input``), as are built-in tools (web search, files...), reasoning and
 other item types. ``n`` does not exist here: one output per request.
@@ -68,6 +71,7 @@ def parse_responses(data: dict[str, Any], request_id: str = "") -> ResponsesRequ
         raise bad_field("metadata", "an object of strings")
     messages = _instructions(body.pop("instructions", None)) + _input(body.pop("input", None))
     chat["messages"] = messages
+    up_to_context = body.get("max_output_tokens") is None  # OpenAI's default: as long as the model may write
     if "max_output_tokens" in body:
         chat["max_completion_tokens"] = body.pop("max_output_tokens")
     tools = body.pop("tools", None)
@@ -87,6 +91,7 @@ def parse_responses(data: dict[str, Any], request_id: str = "") -> ResponsesRequ
         parsed = parse_chat(chat, request_id)
     except ApiError as exc:
         raise _renamed(exc) from None
+    parsed.request.stopping.up_to_context = up_to_context
     parsed.params = {service: _rename(name) for service, name in parsed.params.items()}
     parsed.params.setdefault("prompt", "input")
     parsed.params.setdefault("messages", "input")

@@ -167,3 +167,36 @@ def test_a_failure_after_the_first_byte_is_an_error_event_then_response_failed(t
             assert events[-2].code == "timeout" and events[-1].response.status == "failed"
             assert events[-1].response.error.code == "timeout"
     run(go())
+
+
+def test_left_out_max_output_tokens_is_what_the_context_leaves_not_the_server_default(tokenizer):
+    """Agent SDKs set no limit, as OpenAI's default is the model's; chat completions keep the coordinator's."""
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            limits = []
+            start = running.service.start
+
+            def spy(request, remaining):
+                run = start(request, remaining)
+                limits.append((len(run.state.prompt_ids), run.state.stop.max_new_tokens))
+                return run
+            running.service.start = spy
+            running.target.script = [*spell(tokenizer, "ok"), EOS]
+            reply = await client(running).responses.create(model=MODEL, input="hi")
+            assert reply.status == "completed" and reply.output_text == "ok"
+            prompt, limit = limits[-1]
+            assert limit == INFO["max_context"] - prompt
+            await client(running).responses.create(model=MODEL, input="hi", max_output_tokens=5)
+            assert limits[-1][1] == 5
+            await client(running).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert limits[-1][1] == 8  # the harness coordinator's --max-new-tokens
+    run(go())
+
+
+def test_the_servers_limit_still_bounds_a_response_without_max_output_tokens(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO, max_new_tokens_limit=20) as running:
+            running.target.script = spell(tokenizer, "abcdefghijklmnopqrstuvwxyz")
+            reply = await client(running).responses.create(model=MODEL, input="hi")
+            assert reply.status == "incomplete" and reply.usage.output_tokens == 20
+    run(go())
