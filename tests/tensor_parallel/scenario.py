@@ -4,9 +4,10 @@ It records what a test compares between one rank and N: the logits of a prefill,
 batched decode step and a verify; the logits after a rollback next to those of a
 sequence that never saw the rolled-back tokens; the logits of a speculation tree, and
 after keeping one of its paths (its K/V moved on every rank) next to those of a
-sequence fed just that path; and greedy tokens through the
+sequence fed just that path; greedy tokens through the
 target worker's own engine (``TargetEngine``: Prefill, then Verify rounds whose
-drafts are partly wrong, so its KV rollback runs too).
+drafts are partly wrong, so its KV rollback runs too); and a prompt's own
+log-probabilities (``prompt_logprobs``: every row's logits, gathered over ranks).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def _record(engine, greedy_tokens: int, prompts: list[list[int]]) -> dict:
 
     target = TargetEngine(engine)
     out["greedy"] = [_greedy(target, prompt, greedy_tokens) for prompt in prompts]
+    [scored] = target.run_batch([PrefillCall("s", PROMPT_A, SamplingParams(prompt_logprobs=2))])  # echo's scores
+    out["prompt_scores"] = torch.tensor([s.logprob for s in scored.prompt_logprobs])
+    out["prompt_top_ids"] = [s.top_ids for s in scored.prompt_logprobs]
+    target.run_batch([ReleaseCall("s")])
     return out
 
 

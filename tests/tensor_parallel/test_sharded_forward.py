@@ -61,6 +61,13 @@ def test_greedy_tokens_identical(one_and_many) -> None:
     assert many["greedy"] == one["greedy"]
 
 
+def test_a_prompts_own_scores_equal_one_rank(one_and_many) -> None:
+    one, many = one_and_many
+    assert len(one["prompt_scores"]) == len(scenario.PROMPT_A) - 1
+    torch.testing.assert_close(many["prompt_scores"], one["prompt_scores"], rtol=0, atol=ATOL)
+    assert many["prompt_top_ids"] == one["prompt_top_ids"]
+
+
 def test_rollback_is_exact_on_every_rank(one_and_many) -> None:
     """After rolling back rejected tokens, the sequence continues as one that never saw them."""
     _, many = one_and_many
