@@ -262,6 +262,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         k = spec.k if spec.HasField("k") else self.cfg.default_k
         if not 0 <= k <= MAX_K:
             raise InvalidRequestError(f"speculation.k must be in 0..{MAX_K}, got {k}")
+        if not 0 <= spec.heads_nodes <= MAX_K:
+            raise InvalidRequestError(f"speculation.heads_nodes must be in 0..{MAX_K} (0: chosen by the target's "
+                                      f"forward cost), got {spec.heads_nodes}")
         tools = self._tools(request)
         if tools is not None and tools.enforced:  # calls that must be made: a grammar the target enforces
             if sampling.structured:
@@ -302,7 +305,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         options = SpecOptions(method, k, adaptive_k=not spec.fixed_k,
                               pipelined=self.cfg.pipelining and not spec.disable_pipelining,
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
-                              heads_fallback=heads_fallback(requested, method, has_draft))
+                              heads_nodes=spec.heads_nodes, heads_fallback=heads_fallback(requested, method, has_draft))
         text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
         return RequestState(prompt_ids, sampling, stop, text), options, tools
 

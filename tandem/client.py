@@ -27,6 +27,7 @@ def build_request(
     ignore_eos: bool = False,
     request_id: str = "",
     tree: str = "",
+    heads_nodes: int = 0,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest of ``prompt``: text (through the chat template with ``chat``), token ids, or a
     conversation (``{"role", "content"}`` turns, always through the chat template)."""
@@ -35,7 +36,8 @@ def build_request(
         stopping=generation_pb2.StoppingOptions(max_new_tokens=max_new_tokens, stop_strings=stop_strings,
                                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos),
         speculation=generation_pb2.SpeculationOptions(method=method, fixed_k=fixed_k,
-                                                      disable_pipelining=not pipelining, tree=tree),
+                                                      disable_pipelining=not pipelining, tree=tree,
+                                                      heads_nodes=heads_nodes),
     )
     if k is not None:
         request.speculation.k = k

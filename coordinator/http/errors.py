@@ -27,6 +27,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("stopping.stop_token_ids", "tandem.stop_token_ids"),
     ("speculation.method", "tandem.method"),
     ("speculation.tree", "tandem.tree"),
+    ("speculation.heads_nodes", "tandem.heads_nodes"),
     ("speculation.k", "tandem.k"),
     ("token_ids.ids", "prompt"),
     ("request_id", "x-request-id"),

@@ -288,6 +288,7 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
     if k is not None:
         spec.k = k
     spec.fixed_k = bool(ext.boolean("fixed_k"))
+    spec.heads_nodes = ext.integer("heads_nodes", 0, INT32_MAX) or 0
     spec.disable_pipelining = ext.boolean("pipelining") is False
     tree = ext.take("tree")
     if isinstance(tree, bool):  # ``true``: always a tree where there are candidates, as ``on``

@@ -26,6 +26,7 @@ from tandem.cli.tool_flags import add_tool_flags, tool_options_from_args
 from tandem.config import ATTENTION_BACKENDS, DTYPES, PACKED_WEIGHTS, PACKED_WEIGHTS_HELP, EngineConfig
 from tandem.errors import InvalidRequestError, ModelFileError
 from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import MAX_K
 from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, heads_fallback, resolve_method
 from tandem.structured_output import check_response_format
 
@@ -55,6 +56,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens instead of adapting k per request (heads: ask them every round)")
+    p.add_argument("--heads-nodes", type=int, default=0, metavar="N",
+                   help=f"medusa / eagle: the most nodes of the heads' tree per round, 1..{MAX_K}; 0 (default): "
+                        "as many as the target's measured forward cost prices at a quarter of a step")
     p.add_argument("--tree", default="auto", choices=TREE_MODES,
                    help="speculation trees: verify the draft's next-best tokens and other n-gram continuations "
                         "beside the chain in the same pass. auto: when the cost model says the extra rows pay "
@@ -156,7 +160,7 @@ def options_from_args(args: argparse.Namespace, heads: str = "") -> tuple[str, S
     if args.early_exit_layers is not None and args.early_exit_layers < 1:
         raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
     return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                               tree=args.tree, tree_width=args.tree_width,
+                               tree=args.tree, tree_width=args.tree_width, heads_nodes=args.heads_nodes,
                                heads_fallback=heads_fallback(args.method, method, args.draft is not None))
 
 
@@ -243,7 +247,7 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
         prompt = [{"role": "user", "content": args.prompt}]
     request = build_request(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
-                            stop_strings=tuple(args.stop), tree=args.tree)
+                            stop_strings=tuple(args.stop), tree=args.tree, heads_nodes=args.heads_nodes)
     if tools is not None:
         request.tools.CopyFrom(tools)
     tokens: list[int] = []

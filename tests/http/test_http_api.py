@@ -283,6 +283,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
     ({"stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"tandem": {"k": 99}}, "tandem.k", 400),
+    ({"tandem": {"heads_nodes": 99}}, "tandem.heads_nodes", 400),
     ({"tandem": {"method": "medusa"}}, "tandem.method", 400),
     ({"tandem": {"warp": 9}}, "tandem.warp", 400),
     ({"seed": 2**64}, "seed", 400),

@@ -7,10 +7,12 @@ runs hybrid rounds with the draft model while they measure slower), the coordina
 them, and a request for the other kind is refused by name. Sampling (no draft model): the six-token
 target of tests/integration/test_lossless_sampling.py serves Medusa or EAGLE-3 heads, and seeded requests'
 tokens 2 and 3 must follow the target's exact law (chi-square): the heads' nodes are deterministic,
-chains and trees verified by the multi-candidate rule, one RPC a round. At ``PAIR_SAMPLES`` the test
-fails (both kinds) when a deterministic node is kept whenever p(x) > 0 (p-value 0) or when siblings
-are judged against p rather than the residual their rejected elder siblings leave (p < 1e-5); a
-rejected node left in the residual fails Medusa's here and EAGLE's in the long tier. The rule's
+chains and trees verified by the multi-candidate rule, one RPC a round. The requests fix the heads'
+tree (``fixed_k``, ``heads_nodes``), so that their rounds, and with them each seed's draws, do not
+follow measured costs: the p-value is the same in every run (medusa 0.32, eagle 0.19). At
+``PAIR_SAMPLES`` the test fails (both kinds) when a deterministic node is kept whenever p(x) > 0
+(p-value 0), when siblings are judged against p rather than the residual their rejected elder
+siblings leave (p < 1e-6), or when a rejected node is left in the residual (p < 1e-7). The rule's
 statistics in process are tests/spec's; the point here is the path end to end.
 """
 
@@ -116,6 +118,21 @@ def test_greedy_heads_through_services_are_the_targets(heads_service, reference,
     assert all(stats.drafted > 0 for _, stats in results)  # the heads proposed; the rule kept only the target's
 
 
+def test_heads_nodes_bounds_the_heads_tree(heads_service, reference):
+    """``speculation.heads_nodes`` reaches the loop: one node a round (plus at most k = 1 of the text's own repeat)
+    against eight; the output is the target's either way."""
+    kind, client = heads_service
+    prompt = PROMPTS[0]
+    drafted_per_round = {}
+    for nodes in (1, 8):
+        request = build_request(prompt, max_new_tokens=NEW_TOKENS, method=kind, k=1, fixed_k=True,
+                                heads_nodes=nodes, ignore_eos=True)
+        reply = client.generate(request)
+        assert list(reply.token_ids) == reference[tuple(prompt)]
+        drafted_per_round[nodes] = reply.stats.drafted / reply.stats.rounds
+    assert drafted_per_round[1] <= 2 < drafted_per_round[8]
+
+
 def test_a_heads_request_starts_on_the_prefix_cache(heads_cluster, reference):
     """Medusa reads the last row alone; EAGLE's head keeps its own rows cached beside the target's blocks."""
     kind, cluster, client = heads_cluster
@@ -177,10 +194,12 @@ def sample_with_heads(pair_target: Path, heads: tuple[str, Path], log_dir: Path,
     kind, heads_dir = heads
 
     def one(seed: int):
-        # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws)
+        # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws).
+        # fixed_k and heads_nodes: every round asks for a 4-node tree, whatever the rounds measure, so that a seed's
+        # draws, which follow its rounds, are the same in every run: the p-value is the same in every run.
         sampling = SamplingParams(temperature, seed=seed, rejection_rule=True)
-        request = build_request(PAIR_PROMPT, max_new_tokens=6, sampling=sampling,
-                                method=kind, k=4, ignore_eos=True)
+        request = build_request(PAIR_PROMPT, max_new_tokens=6, sampling=sampling, method=kind, k=4,
+                                fixed_k=True, heads_nodes=4, ignore_eos=True)
         return client.generate(request)
 
     with serving_heads(pair_target, heads_dir, log_dir) as (_, client), ThreadPoolExecutor(16) as pool:

@@ -202,6 +202,8 @@ def test_cancelled_stream_returns_its_kv_blocks(client):
     (dict(prompt="hi", sampling=None, method="medusa"), "speculation.method"),
     (dict(prompt="hi", k=-1), "speculation.k"),
     (dict(prompt="hi", k=99), "speculation.k"),
+    (dict(prompt="hi", heads_nodes=-1), "speculation.heads_nodes"),
+    (dict(prompt="hi", heads_nodes=99), "speculation.heads_nodes"),
     (dict(prompt="hi", tree="always"), "speculation.tree"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
