@@ -22,8 +22,10 @@ Completions take a list of prompts and ``echo`` (the prompt's own scores with
 ``logprobs``: ``SamplingOptions.prompt_logprobs``).
 
 Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
-1 (sampling), ``top_p`` 1. ``max_tokens`` left out is the coordinator's
-``--max-new-tokens``.
+1 (sampling), ``top_p`` 1. ``max_tokens`` left out is what the context leaves
+for chat completions (OpenAI's and vLLM's default, bounded by
+``--max-new-tokens-limit``) and the coordinator's ``--max-new-tokens`` for
+completions.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise bad_field("max_completion_tokens", f"{max_completion} differs from max_tokens {max_tokens}: give one")
     request.stopping.max_new_tokens = max_completion or max_tokens or 0
+    # Left out: as long as the model may write, OpenAI's and vLLM's default (a client such as an agent framework
+    # sets none and takes a cut answer for a failure); --max-new-tokens-limit still bounds it.
+    request.stopping.up_to_context = max_tokens is None and max_completion is None
     parsed.params.update({"prompt": "messages", "text": "messages", "logprobs": "top_logprobs",
                           "stopping.max_new_tokens": "max_tokens" if max_completion is None else
                           "max_completion_tokens"})

@@ -161,7 +161,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     coord.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to use instead of the tokenizer's (as transformers renders it): "
                             "e.g. one that shows the model its tools, for a model whose own template does not")
-    coord.add_argument("--max-new-tokens", type=int, default=256, help="default when a request leaves it unset")
+    coord.add_argument("--max-new-tokens", type=int, default=256,
+                       help="default when a gRPC or legacy completions request leaves it unset; chat completions "
+                            "and responses that leave it unset get what the context leaves, as OpenAI's "
+                            "(default: %(default)s)")
     coord.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                        help="default most draft tokens per round (default: %(default)s)")
     coord.add_argument("--no-pipelining", action="store_true",

@@ -169,8 +169,9 @@ def test_a_failure_after_the_first_byte_is_an_error_event_then_response_failed(t
     run(go())
 
 
-def test_left_out_max_output_tokens_is_what_the_context_leaves_not_the_server_default(tokenizer):
-    """Agent SDKs set no limit, as OpenAI's default is the model's; chat completions keep the coordinator's."""
+def test_a_left_out_limit_is_what_the_context_leaves_not_the_server_default(tokenizer):
+    """Agent SDKs set no limit, as OpenAI's default is the model's: so for responses and chat completions (OpenAI's
+    and vLLM's default); legacy completions keep the coordinator's --max-new-tokens."""
     async def go():
         async with http_coordinator(tokenizer, info=INFO) as running:
             limits = []
@@ -189,6 +190,12 @@ def test_left_out_max_output_tokens_is_what_the_context_leaves_not_the_server_de
             await client(running).responses.create(model=MODEL, input="hi", max_output_tokens=5)
             assert limits[-1][1] == 5
             await client(running).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            prompt, limit = limits[-1]
+            assert limit == INFO["max_context"] - prompt
+            await client(running).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                          max_completion_tokens=6)
+            assert limits[-1][1] == 6
+            await client(running).completions.create(model=MODEL, prompt="hi")
             assert limits[-1][1] == 8  # the harness coordinator's --max-new-tokens
     run(go())
 
