@@ -8,8 +8,9 @@ penalties, bias, grammar, temperature, top-k and top-p. Since rows are fixed by 
 gives the same token when it emits it after the same text.
 
 A prompt asking for them is computed in runs of at most ``SCORED_ROWS_PER_STEP`` rows, so the
-logits held at once stay bounded (256 rows of Qwen's 151,936 ids: 156 MB in float32), and
-takes nothing from the prefix cache: a cached row's logits are not kept.
+logits held at once stay bounded (256 rows of Qwen's 151,936 ids: 156 MB in float32). It starts
+on the prefix cache only where its blocks' scores were kept too (``tandem.prompt_score_cache``):
+a cached block keeps KV, not logits.
 """
 
 from __future__ import annotations

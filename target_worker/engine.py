@@ -65,6 +65,7 @@ from tandem.block_pool import PrefixCacheStats, prefix_limit
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import (
     InvalidRequestError,
+    KVCacheExhaustedError,
     StaleSequenceError,
     UnknownSequenceError,
     check_token_ids,
@@ -73,6 +74,7 @@ from tandem.heads.drafters import HeadDrafter, HeadStep
 from tandem.heads.proposal import HeadProposal
 from tandem.penalties import adjust_logits, row_paths_of
 from tandem.prompt_logprobs import SCORED_ROWS_PER_STEP, score_rows
+from tandem.prompt_score_cache import SCORE_CACHE_TOKENS, PromptScoreCache
 from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
@@ -192,6 +194,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         self.structured = structured  # None: requests with a response format are refused (no tokenizer)
         # None: chunks sized from the measured step cost; 0: prompts always computed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
+        # Scored prompts' scores by block, so that the next one starts on the prefix cache too: only where a row's
+        # logits are the same in a run of any length, so that a kept score is bitwise the one computed again.
+        kv = engine.kv_cache
+        self.score_cache = (PromptScoreCache(kv.block_size, kv.salt, max(1, SCORE_CACHE_TOKENS // kv.block_size))
+                            if kv.prefix_caching and engine.rows_fixed_by_position else None)
 
     @property
     def heads_kind(self) -> str:
@@ -449,9 +456,13 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             limit = prefix_limit(call.prompt_len or len(call.token_ids))
         if plan.item.features:  # EAGLE's layer has a row per target row: the rows fed are those both caches lack
             limit = min(limit, self.drafter.cached_prefix_len(call.token_ids))
-        if _scores_prompt(call):  # every row's logits are asked for, and a cached row's are not kept
-            limit = 0
+        kept_scores: list[TokenLogprob] = []
+        if _scores_prompt(call):  # every row's logits are asked for: a cached block serves only with its scores
+            kept_scores = self._kept_scores(call, plan, limit)
+            limit = len(kept_scores) + 1 if kept_scores else 0
         reused = self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=limit)
+        if kept_scores and reused:
+            reused = self._score_from(plan, reused, kept_scores)
         if plan.item.features:
             self.drafter.start(call.seq_id, call.token_ids, reused)
         # the reply says so once the prompt is computed: prompt tokens only
@@ -463,6 +474,29 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             return
         *plan.before, last = history_runs(call.token_ids[:-1], reused, call.prompt_len)
         plan.item.token_ids, plan.item.prompt = last
+
+    def _kept_scores(self, call: PrefillCall, plan: _Plan, limit: int) -> list[TokenLogprob]:
+        """The kept scores of the cached blocks a scored prompt may start on (``tandem.prompt_score_cache``); none for
+        EAGLE's prompts, whose head needs every row's feature."""
+        if self.score_cache is None or plan.item.features:
+            return []
+        return self.score_cache.lookup(call.token_ids, call.sampling.prompt_logprobs, limit)
+
+    def _score_from(self, plan: _Plan, reused: int, kept_scores: list[TokenLogprob]) -> int:
+        """A scored prompt started on ``reused`` cached tokens: the last of them is fed again, since its row scores
+        the first token fed and the cache keeps no row; the tokens before it take their kept scores. The tokens
+        taken from the cache."""
+        call, seq = plan.call, self.sequences[plan.call.seq_id]
+        try:
+            self.engine.rollback(call.seq_id, reused - 1)  # into a shared block: a private copy of it
+        except KVCacheExhaustedError:  # no block for that copy: the prompt is computed whole, as uncached
+            self.engine.release(call.seq_id)
+            self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=0)
+            return 0
+        seq.prompt_scores = kept_scores[:reused - 1]
+        plan.item.token_ids = call.token_ids[reused - 1:]
+        plan.item.num_logits = len(plan.item.token_ids)
+        return reused - 1
 
     def _rebuild(self, plans: list[_Plan], results: list) -> list[_Plan]:
         """Feed each rebuild's earlier runs, one sequence at a time; the plans still to run."""
@@ -609,6 +643,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                     seq.grammar.commit([verdict.next_token])
             self._offer_committed(call.seq_id, seq)
             scores, seq.prompt_scores = seq.prompt_scores, None
+            if scores and self.score_cache is not None:
+                self.score_cache.store(call.token_ids, call.sampling.prompt_logprobs, scores)
             return Prefilled(verdict.next_token, seq.reused, verdict.logprobs, tuple(self._forced(seq)), scores)
         if plan.children is None:
             self.engine.rollback(call.seq_id, call.committed_len + verdict.num_accepted)

@@ -117,20 +117,27 @@ def test_verify_cost_refuses_contexts_that_are_not_lengths():
         verify_cost.contexts_from("0")
 
 
-def test_prompt_scoring_times_a_plain_and_a_scored_prefill_at_every_length(tiny_qwen2_dir, tmp_path):
+def test_prompt_scoring_times_a_plain_and_a_scored_prefill_at_every_length(tiny_qwen2_dir, tmp_path, monkeypatch):
     import json
 
     import pytest
 
     from benchmarks import prompt_scoring
+    from tandem.models import packed
+
+    monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)  # rows fixed by position, as a real model's: scores kept
 
     assert prompt_scoring.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--lengths", "8,300",
+                                "--contexts", "20,40", "--choices", "3", "--answer-tokens", "5",
                                 "--reps", "1", "--out", str(tmp_path), "--name", "ps"]) == 0
     rows = json.loads((tmp_path / "ps.json").read_text())["rows"]
     assert [r["prompt tokens"] for r in rows] == [8, 300]  # 300: two steps of scored rows
     for row in rows:
         assert row["plain ms"] > 0 and row["scored / plain"] == row["scored ms"] / row["plain ms"]
         assert row["scored tokens/s"] == pytest.approx((row["prompt tokens"] - 1) / (row["scored ms"] / 1000))
+    choices = json.loads((tmp_path / "ps.json").read_text())["choice_rows"]
+    assert [(r["context tokens"], r["answers"], r["answer tokens"]) for r in choices] == [(20, 3, 5), (40, 3, 5)]
+    assert all(r["speedup"] == r["cache off ms"] / r["cache on ms"] for r in choices)
     assert (tmp_path / "ps.md").is_file() and (tmp_path / "ps.png").is_file()
 
 

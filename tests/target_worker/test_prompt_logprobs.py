@@ -2,8 +2,9 @@
 
 What they must be: prompt token i scored by row i - 1, as the log-softmax of the raw logits; equal bitwise to
 what the target says of the same token when it emits it after the same text (rows are fixed by position); the
-same however the prompt is cut into steps (the bound on rows per step, chunked prefill beside a stream); never
-read from the prefix cache, which keeps no logits; untouched by penalties and grammars, as emitted tokens' are.
+same however the prompt is cut into steps (the bound on rows per step, chunked prefill beside a stream); read from
+the prefix cache only with the blocks' kept scores (``tandem.prompt_score_cache``), and then bitwise what the whole
+prompt computed gives; untouched by penalties and grammars, as emitted tokens' are.
 
 Engines here pack the tiny model's layers, as a real model's are (``every_linear_packed``): a row's logits are then
 the same in a run of any length, which the bitwise claims need; a dtype this CPU does not pack is skipped there.
@@ -123,17 +124,51 @@ def test_the_scores_are_the_same_however_the_prompt_is_cut(tiny_qwen2_dir, monke
     assert chunked.next_token == whole.next_token
 
 
-def test_a_scored_prompt_takes_nothing_from_the_prefix_cache_and_leaves_its_blocks_for_others(tiny_qwen2_dir):
+def test_a_scored_prompt_starts_on_the_prefix_cache_only_where_its_blocks_scores_are_kept(tiny_qwen2_dir):
+    """Blocks a plain prompt left hold KV only: a scored prompt computes them. Its own blocks keep their scores
+    too: the same prompt again, or another answer after the same context (lm-eval's multiple choice), starts on
+    them and feeds the prefix's last token again (its row scores the next one); every score and decision is
+    bitwise a cache-off target's. Another top count finds nothing kept."""
     target = TargetEngine(load(tiny_qwen2_dir))
+    uncached = TargetEngine(load(tiny_qwen2_dir, caching=False))
     plain = ok(target.run_batch([PrefillCall("a", PROMPT, SamplingParams())]))[0]
     ok(target.run_batch([ReleaseCall("a")]))
     first, _ = prefill_to_end(target, scored(PROMPT))
     assert first.reused_tokens == 0 and first.next_token == plain.next_token
     ok(target.run_batch([ReleaseCall(scored(PROMPT).seq_id)]))
     again, _ = prefill_to_end(target, scored(PROMPT))
-    assert again.reused_tokens == 0 and as_tuples(again.prompt_logprobs) == as_tuples(first.prompt_logprobs)
+    full_blocks = (len(PROMPT) - 1) // 4 * 4
+    assert again.reused_tokens == full_blocks - 1
+    assert as_tuples(again.prompt_logprobs) == as_tuples(first.prompt_logprobs)
+    assert again.next_token == first.next_token
+    other_answer = [*PROMPT[:14], 7, 90, 12, 61]  # the context's first three blocks, then another ending
+    answer = PrefillCall("answer", other_answer, SamplingParams(prompt_logprobs=TOP))
+    from_cache, _ = prefill_to_end(target, answer)
+    computed, _ = prefill_to_end(uncached, answer)
+    assert from_cache.reused_tokens == 11 and computed.reused_tokens == 0
+    assert as_tuples(from_cache.prompt_logprobs) == as_tuples(computed.prompt_logprobs)
+    assert from_cache.next_token == computed.next_token
+    other_top, _ = prefill_to_end(target, scored(PROMPT, top=TOP - 1))
+    assert other_top.reused_tokens == 0
     after = ok(target.run_batch([PrefillCall("b", PROMPT, SamplingParams())]))[0]
-    assert after.reused_tokens == (len(PROMPT) - 1) // 4 * 4 and after.prompt_logprobs is None
+    assert after.reused_tokens == full_blocks and after.prompt_logprobs is None
+
+
+def test_a_scored_prompt_on_a_held_block_leaves_its_holders_kv_exact(tiny_qwen2_dir):
+    """The prefix's last block is still held by the prompt that scored it: feeding its last token again writes into
+    a private copy, so the holder decodes on as a cache-off target does."""
+    target = TargetEngine(load(tiny_qwen2_dir))
+    uncached = TargetEngine(load(tiny_qwen2_dir, caching=False))
+    held = PrefillCall("held", PROMPT, SamplingParams(prompt_logprobs=TOP))
+    reference = PrefillCall("held", PROMPT, SamplingParams())
+    assert prefill_to_end(target, held)[0].next_token == prefill_to_end(uncached, reference)[0].next_token
+    second, _ = prefill_to_end(target, PrefillCall("second", PROMPT, SamplingParams(prompt_logprobs=TOP)))
+    assert second.reused_tokens > 0
+    for _ in range(6):  # the holder decodes over its blocks, one of which the second prompt rewrote its own copy of
+        steps = [ok(t.run_batch([VerifyCall("held", len(t.sequences["held"].history), [], [])]))[0]
+                 for t in (target, uncached)]
+        assert steps[0].next_token == steps[1].next_token
+    assert target.sequences["held"].history == uncached.sequences["held"].history
 
 
 def test_scores_are_the_raw_logits_whatever_penalties_and_bias_do(tiny_qwen2_dir):
