@@ -121,7 +121,8 @@ def measure_choices(cached: Any, uncached: Any, length: int, choices: int, answe
     vocab = min(cached.vocab_size, 21_000)
 
     def make(n: int) -> tuple[list[int], list[list[int]]]:
-        context = [(t + 37 * n) % vocab for t in probe_tokens(length)]
+        # a context of its own per question and per length (the longer contexts must not start with a shorter one)
+        context = [(t + 37 * n + 1009 * length) % vocab for t in probe_tokens(length)]
         answers = [[(t + 101 * (j + 1) + n) % vocab for t in probe_tokens(answer_tokens)] for j in range(choices)]
         return context, answers
 

@@ -272,6 +272,12 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
     if fixed:
         tops = echoed.top_logprobs[len(ids):-1]
         assert all(lp == max(top.values()) for lp, top in zip(scores, tops))  # the harness's "greedy"
+        # The same text scored again (a harness's next answer after the same context) starts on the blocks whose
+        # scores the first one kept: the same scores, bitwise.
+        again = api.completions.create(model=model, prompt=[[*ids, *answer]], max_tokens=1, temperature=0,
+                                       logprobs=1, echo=True)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert again.choices[0].logprobs.token_logprobs == echoed.token_logprobs
 
 
 def test_the_responses_api_answers_as_chat_completions_do(api, model):
