@@ -83,6 +83,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/engine_speed.py
 	$(PYTHON) benchmarks/verify_cost.py
 	$(PYTHON) benchmarks/prompt_scoring.py
+	$(PYTHON) benchmarks/shared_prompt_wait.py
 	$(PYTHON) benchmarks/attention_ab.py
 	$(PYTHON) benchmarks/int8_rows.py
 	$(PYTHON) benchmarks/spec_bench.py

@@ -334,6 +334,9 @@ class WorkerConfig:
     # The prefix cache keeps the full blocks of the target's generated text too (a target's own, a draft's of
     # what the target verified: target_worker/engine.py, draft_worker/engine.py); False: prompt blocks only.
     cache_generated: bool = True
+    # A target's new prompt that shares a long prefix with one being computed waits for it, then reuses it from the
+    # prefix cache (target_worker/shared_prompts.py); False: every prompt is computed as it arrives.
+    shared_prompt_wait: bool = True
     # A file that workers sharing these cores lock while they load and warm up, so that each one's timings
     # (row padding, the fitted forward cost) are taken alone (tandem.rpc.startup_lock); None: no lock.
     startup_lock: Path | None = None

@@ -92,6 +92,7 @@ from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.structured_output import Matcher, StructuredOutput, apply_masks
 from tandem.v1 import common_pb2
+from target_worker.shared_prompts import PromptRead, should_wait
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None,
                  prefill_chunk_tokens: int | None = 0, structured: StructuredOutput | None = None,
-                 cache_generated: bool = True) -> None:
+                 cache_generated: bool = True, share_prompts: bool = True) -> None:
         super().__init__(engine, leases)
         self.drafter = drafter
         # Offer generated tokens' blocks to the prefix cache too, where their KV is what a prompt computes.
@@ -194,6 +195,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         self.structured = structured  # None: requests with a response format are refused (no tokenizer)
         # None: chunks sized from the measured step cost; 0: prompts always computed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
+        # A new prompt sharing a long prefix with one being computed waits for it (target_worker/shared_prompts.py).
+        self.shares_prompts = share_prompts
+        self.prompt_waits = 0  # steps a new Prefill waited so, in all
         # Scored prompts' scores by block, so that the next one starts on the prefix cache too: only where a row's
         # logits are the same in a run of any length, so that a kept score is bitwise the one computed again.
         kv = engine.kv_cache
@@ -223,7 +227,42 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         return 0
 
     # ----- one batch -----------------------------------------------------
-    def run_batch(self, calls: list[Call]) -> list[Prefilled | Verdict | Proposed | bool | BaseException]:
+    def run_batch(self, calls: list[Call]) -> list[Prefilled | Verdict | Proposed | bool | BaseException | Unfinished]:
+        """One batch step; a new Prefill that shares a long prefix with a prompt being computed waits a step
+        (``Unfinished``, nothing started: ``target_worker/shared_prompts.py``)."""
+        waiting = self._waiting_prefills(calls)
+        if not waiting:
+            return self._run_batch(calls)
+        answers = iter(self._run_batch([call for i, call in enumerate(calls) if i not in waiting]))
+        return [Unfinished() if i in waiting else next(answers) for i in range(len(calls))]
+
+    def _waiting_prefills(self, calls: list[Call]) -> set[int]:
+        """The new Prefills of ``calls`` that should wait for a prompt being computed (one in chunks or in scored
+        steps, or an earlier new Prefill of this batch) to take what they share with it from the prefix cache."""
+        kv = self.engine.kv_cache
+        if not self.shares_prompts or not kv.prefix_caching:
+            return set()
+        reads = [PromptRead(seq.prefilling.token_ids, _score_top(seq.prefilling))
+                 for seq in self.sequences.values() if seq.prefilling is not None]
+        waiting: set[int] = set()
+        for i, call in enumerate(calls):
+            if not isinstance(call, PrefillCall) or call.prompt_len or call.seq_id in self.sequences:
+                continue  # (a rebuild, a prompt's next chunk, or a call its checks will refuse)
+            read = PromptRead(call.token_ids, _score_top(call))
+            cached = kv.cached_prefix_len(call.token_ids)
+            if read.scored is not None and self.score_cache is not None:  # a block serves it only with kept scores
+                kept = self.score_cache.lookup(call.token_ids, read.scored, len(call.token_ids))
+                cached = min(cached, len(kept) + 1 if kept else 0)
+            if (read.scored is None or self.score_cache is not None) and should_wait(
+                    read, reads, cached, kv.block_size, self.engine.prompt_cost.per_token_s,
+                    self.engine.cost_fit.base_s):
+                waiting.add(i)
+            else:
+                reads.append(read)
+        self.prompt_waits += len(waiting)
+        return waiting
+
+    def _run_batch(self, calls: list[Call]) -> list[Prefilled | Verdict | Proposed | bool | BaseException]:
         results: list[Prefilled | Verdict | Proposed | bool | BaseException | None] = [None] * len(calls)
         admitted, late = self._plan_batch(calls, results)  # phases 1-2 (tandem/rpc/sequence_engine.py)
 
@@ -487,12 +526,17 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         the first token fed and the cache keeps no row; the tokens before it take their kept scores. The tokens
         taken from the cache."""
         call, seq = plan.call, self.sequences[plan.call.seq_id]
+        pool = self.engine.kv_cache.pool
+        last = self.engine.kv_cache.sequence(call.seq_id).block_ids[-1]
+        pool.hold(last)  # held twice, the rollback writes into a private copy: the cached block stays for the others
         try:
-            self.engine.rollback(call.seq_id, reused - 1)  # into a shared block: a private copy of it
+            self.engine.rollback(call.seq_id, reused - 1)
         except KVCacheExhaustedError:  # no block for that copy: the prompt is computed whole, as uncached
             self.engine.release(call.seq_id)
             self.engine.reuse_prefix(call.seq_id, call.token_ids, limit=0)
             return 0
+        finally:
+            pool.release(last)
         seq.prompt_scores = kept_scores[:reused - 1]
         plan.item.token_ids = call.token_ids[reused - 1:]
         plan.item.num_logits = len(plan.item.token_ids)
@@ -699,6 +743,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                 # A drafter logs and swallows its errors while serving (a round goes on without drafts);
                 # at start a broken set of heads must stop the worker instead of serving without them.
                 raise RuntimeError(f"the {self.drafter.kind} heads proposed nothing at warm-up: see the log above")
+
+
+def _score_top(call: PrefillCall) -> int | None:
+    """A scored prompt's top count; None for a plain one."""
+    return call.sampling.prompt_logprobs if _scores_prompt(call) else None
 
 
 def _scores_prompt(call: Call) -> bool:

@@ -74,6 +74,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="keep only prompt blocks in the prefix cache; by default the full blocks of the target's "
                         "generated text are kept too (where a generated token's KV is what a prompt computes), so "
                         "that a conversation's next turn, which sends the answer back in its prompt, finds it cached")
+    p.add_argument("--no-shared-prompt-wait", action="store_true",
+                   help="target: compute every prompt as it arrives; by default a new prompt sharing a long prefix "
+                        "with one being computed (the n choices of one prompt, one context's answers sent "
+                        "together) waits for it, when the measured costs say so, and takes the prefix from the "
+                        "prefix cache")
     p.add_argument("--gather-fraction", type=float, default=None,
                    help="while a sequence that called recently has not called again, wait for it up to this many "
                         "forward passes, so batches fill; 0: never wait (default: 1 for target, 8 for draft)")
@@ -234,7 +239,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
                         idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),
                         prefill_chunk_tokens=args.prefill_chunk_tokens, startup_lock=args.startup_lock,
-                        cache_generated=not args.no_cache_generated)
+                        cache_generated=not args.no_cache_generated,
+                        shared_prompt_wait=not args.no_shared_prompt_wait)
 
 
 def _heads_path(args: argparse.Namespace, root: Path) -> Path | None:

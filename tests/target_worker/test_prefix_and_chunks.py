@@ -70,7 +70,9 @@ def test_greedy_output_with_the_prefix_cache_is_the_uncached_output(method, dtyp
     if draft is not None:
         assert draft.kv_cache.prefix_stats().reused_tokens > 0  # the draft's first Propose reused too
     if method == "eagle":
-        assert heads.cache.prefix_stats().reused_tokens == sum(reused)
+        # the head's cache gave what the target's did, in both runs (the first run's later prompts waited for the
+        # first one's blocks: target_worker/shared_prompts.py)
+        assert heads.cache.prefix_stats().reused_tokens == target.kv_cache.prefix_stats().reused_tokens > sum(reused)
         assert heads.cache.num_free_blocks == heads.cache.num_blocks
     for engine in filter(None, (target, draft)):
         assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # all released, cached ones evictable
