@@ -212,6 +212,11 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
     def caches_generated(self) -> bool:
         return self._caches_generated
 
+    def shared_prompt_stats(self) -> tuple[int, int]:
+        """(steps new Prefills waited for a prompt being computed, blocks with kept prompt scores): read by metrics
+        scrapes off the model thread, as ``PrefixCacheStats`` snapshots are (a count a batch late is as good)."""
+        return self.prompt_waits, 0 if self.score_cache is None else len(self.score_cache)
+
     def heads_prefix_stats(self) -> PrefixCacheStats | None:
         return None if self.drafter is None else self.drafter.prefix_stats()
 

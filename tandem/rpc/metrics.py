@@ -55,6 +55,21 @@ class PrefixCacheCollector(Collector):
         yield CounterMetricFamily(f"{p}_evictions", "cached KV blocks evicted for new ones", value=s.evictions)
 
 
+class SharedPromptCollector(Collector):
+    """A target's prompt sharing, read at scrape time: the steps new Prefills waited for a prompt being computed
+    (target_worker/shared_prompts.py), and the blocks whose prompt scores are kept (tandem.prompt_score_cache)."""
+
+    def __init__(self, snapshot: Callable[[], tuple[int, int]]) -> None:
+        self.snapshot = snapshot  # () -> (prompt waits, blocks with kept scores)
+
+    def collect(self) -> Iterator[Any]:
+        waits, scored_blocks = self.snapshot()
+        yield CounterMetricFamily("tandem_target_shared_prompt_waits", "steps a new Prefill waited for a prompt "
+                                  "being computed that it shares a long prefix with", value=waits)
+        yield GaugeMetricFamily("tandem_target_prompt_score_blocks", "full prompt blocks whose tokens' scores are "
+                                "kept, so that a scored prompt starts on them", value=scored_blocks)
+
+
 class ContinuationCacheCollector(Collector):
     """The continuation cache's own counters (Redis errors, dropped writes, breaker...), read at scrape time."""
 

@@ -17,7 +17,7 @@ from tandem.engine import ModelEngine
 from tandem.parallel.engine import TensorParallelEngine, load_engine
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.leases import Leases
-from tandem.rpc.metrics import PrefixCacheCollector, WorkerMetrics
+from tandem.rpc.metrics import PrefixCacheCollector, SharedPromptCollector, WorkerMetrics
 from tandem.rpc.server import ManagedServer, serve_until_signalled
 from tandem.rpc.startup_lock import StartupLock
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
@@ -80,6 +80,8 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
     server.registry.register(PrefixCacheCollector(role.name, engine.kv_cache.prefix_stats))
     if role_engine.heads_prefix_stats() is not None:  # an EAGLE head's own cache: tandem_target_heads_prefix_cache_*
         server.registry.register(PrefixCacheCollector(f"{role.name}_heads", role_engine.heads_prefix_stats))
+    if role.name == "target":
+        server.registry.register(SharedPromptCollector(role_engine.shared_prompt_stats))
 
     def kv_gauges() -> None:
         metrics.kv_blocks_used.set(engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks)

@@ -248,7 +248,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(api, model, shared_cl
 
 
 def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, shared_client, smollm2_reference,
-                                                                      smollm2_dir):
+                                                                      smollm2_dir, shared_cluster):
     """lm-evaluation-harness's log-likelihood request (token ids, echo, logprobs 1, one new token) on the target's own
     greedy answer: the answer's tokens are scored as it scored them when it emitted them, each its row's most
     likely (so the harness reads the answer as greedy), and the prompt's tokens get scores of their own."""
@@ -278,6 +278,10 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
                                        logprobs=1, echo=True)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
         assert again.choices[0].logprobs.token_logprobs == echoed.token_logprobs
+        from tests.integration.test_services import summed_metric
+
+        kept = summed_metric(shared_cluster.workers("target"), "tandem_target_prompt_score_blocks")
+        assert kept["tandem_target_prompt_score_blocks"] >= len(ids) // 16  # SmolLM2's cluster: 16-token blocks
 
 
 def test_the_responses_api_answers_as_chat_completions_do(api, model):
