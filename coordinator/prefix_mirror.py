@@ -22,9 +22,9 @@ It is a hint, and it can be wrong both ways:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-from tandem.block_pool import block_hash
+from tandem.block_pool import block_chain
 
 
 class PrefixMirror:
@@ -43,7 +43,8 @@ class PrefixMirror:
 
     def record(self, tokens: Sequence[int], block_size: int, capacity: int) -> None:
         """The replica read ``tokens`` (a prompt) and cached its full blocks; keep at most ``capacity`` blocks."""
-        self._use(list(_chain(tokens, block_size)))
+        # Unsalted chain hashes: these names never leave the coordinator, and a worker's own salt is its secret.
+        self._use(list(block_chain(tokens, block_size)))
         while len(self._blocks) > max(0, capacity):
             self._blocks.popitem(last=False)
 
@@ -51,7 +52,7 @@ class PrefixMirror:
         """How many leading tokens of ``tokens`` the replica should find cached (whole blocks); the ones
         found count as used, as a hit does on the replica."""
         found: list[bytes] = []
-        for content in _chain(tokens, block_size):
+        for content in block_chain(tokens, block_size):
             if content not in self._blocks:
                 break
             found.append(content)
@@ -66,11 +67,3 @@ class PrefixMirror:
             self._blocks[content] = None
             self._blocks.move_to_end(content)
 
-
-def _chain(tokens: Sequence[int], block_size: int) -> Iterator[bytes]:
-    """The chain hash of each full block of ``tokens``, in order (``tandem.block_pool.block_hash``, unsalted:
-    these names never leave the coordinator, and a worker's own salt is its secret)."""
-    parent = b""
-    for i in range(len(tokens) // block_size):
-        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
-        yield parent

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tandem.errors import KVCacheExhaustedError
@@ -32,6 +32,15 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     same dtype, same positions). 128-bit BLAKE2b: collisions are not a practical concern.
     """
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def block_chain(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> Iterator[bytes]:
+    """The content hash of each full block of ``tokens``, in order, the chain rooted at ``salt`` (lazily: a caller
+    that stops at its first miss hashes no further)."""
+    parent = salt
+    for i in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        yield parent
 
 
 def prefix_limit(prompt_len: int) -> int:

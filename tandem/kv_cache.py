@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.block_pool import BlockPool, PrefixCacheStats, block_hash
+from tandem.block_pool import BlockPool, PrefixCacheStats, block_chain, block_hash
 from tandem.errors import KVCacheExhaustedError, UnknownSequenceError
 
 SeqId = Hashable
@@ -226,14 +226,11 @@ class PagedKVCache:
         """(block, content hash) of the cached full blocks ``tokens[:limit]`` begins with, in order."""
         if not self.prefix_caching:
             return
-        bs, parent = self.block_size, self.salt
-        for i in range(min(limit, len(tokens)) // bs):
-            content = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+        for content in block_chain(tokens[:limit], self.block_size, self.salt):
             block = self.pool.lookup(content)
             if block is None:
                 return
             yield block, content
-            parent = content
 
     def commit(self, seq_id: SeqId, tokens: Sequence[int], upto: int) -> None:
         """``tokens[:upto]`` are committed (verified) and their KV is in place: register the full blocks

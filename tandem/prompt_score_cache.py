@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tandem.block_pool import block_hash
+from tandem.block_pool import block_chain
 from tandem.spec.transport import TokenLogprob
 
 SCORE_CACHE_TOKENS = 65_536  # prompt tokens whose scores are kept (top 20: about 1 KB a token in Python objects)
@@ -44,23 +44,20 @@ class PromptScoreCache:
     def lookup(self, tokens: Sequence[int], top: int, limit: int) -> list[TokenLogprob]:
         """The scores of the longest run of kept full blocks that ``tokens[:limit]`` starts with: those of tokens
         ``1 .. R - 1`` for a run of ``R`` tokens (empty on a miss)."""
-        bs, parent = self.block_size, self.salt
         scores: list[TokenLogprob] = []
-        for j in range(min(limit, len(tokens)) // bs):
-            parent = block_hash(parent, tokens[j * bs:(j + 1) * bs])
-            kept = self._blocks.get((parent, top))
+        for content in block_chain(tokens[:limit], self.block_size, self.salt):
+            kept = self._blocks.get((content, top))
             if kept is None:
                 break
-            self._blocks.move_to_end((parent, top))
+            self._blocks.move_to_end((content, top))
             scores += kept
         return scores
 
     def store(self, tokens: Sequence[int], top: int, scores: Sequence[TokenLogprob]) -> None:
         """Keep the scores of each full block of ``tokens`` they cover: ``scores[i]`` is token ``i + 1``'s."""
-        bs, parent = self.block_size, self.salt
-        for j in range(min(len(tokens), len(scores) + 1) // bs):
-            parent = block_hash(parent, tokens[j * bs:(j + 1) * bs])
-            key = (parent, top)
+        bs = self.block_size
+        for j, content in enumerate(block_chain(tokens[:len(scores) + 1], bs, self.salt)):
+            key = (content, top)
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue

@@ -92,7 +92,7 @@ from tandem.spec.transport import TokenLogprob
 from tandem.spec.tree import check_parents, children_of, is_chain
 from tandem.structured_output import Matcher, StructuredOutput, apply_masks
 from tandem.v1 import common_pb2
-from target_worker.shared_prompts import PromptRead, should_wait
+from target_worker.shared_prompts import PromptRead, shared_blocks, should_wait
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +254,9 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             if not isinstance(call, PrefillCall) or call.prompt_len or call.seq_id in self.sequences:
                 continue  # (a rebuild, a prompt's next chunk, or a call its checks will refuse)
             read = PromptRead(call.token_ids, _score_top(call))
+            if not any(shared_blocks(r.tokens, call.token_ids, kv.block_size) for r in reads):
+                reads.append(read)  # nothing being computed starts like it: no cache lookup to make
+                continue
             cached = kv.cached_prefix_len(call.token_ids)
             if read.scored is not None and self.score_cache is not None:  # a block serves it only with kept scores
                 kept = self.score_cache.lookup(call.token_ids, read.scored, len(call.token_ids))
