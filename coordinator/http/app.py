@@ -38,7 +38,7 @@ from aiohttp import web
 from coordinator.access import AccessControl
 from coordinator.http import tokenize
 from coordinator.http.errors import ApiError, bad_field, from_domain
-from coordinator.http.responses import Choice, Shapes
+from coordinator.http.responses import Choice, Shapes, TokenTexts
 from coordinator.http.responses_input import parse_responses
 from coordinator.http.responses_output import ResponseShapes, ResponseStream
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
@@ -121,24 +121,26 @@ class HttpApi:
                 run = self.service.start(parsed.for_choice(0), parsed.timeout_s)
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, parsed.params) from None
-            shapes = ResponseShapes(parsed.request.request_id, model, asked.echo)
+            texts = TokenTexts(self.tokenizer) if parsed.logprobs is not None else None
+            events = ResponseStream(ResponseShapes(parsed.request.request_id, model, asked.echo, texts))
             choice = Choice(0)
             if parsed.stream:
-                return await self._stream_response(request, run, choice, shapes, parsed)
-            try:
-                await self._collect(run, choice)
+                return await self._stream_response(request, run, choice, events, parsed)
+            try:  # built as its stream would be: the last event holds the whole response
+                async for msg in self.service.stream(run):
+                    choice.add(msg)
+                    events.feed(choice, msg)
             except Exception as exc:  # noqa: BLE001
                 raise from_domain(exc, parsed.params) from None
-            return web.json_response(shapes.whole(choice), headers={"X-Request-Id": parsed.request.request_id})
+            return web.json_response(events.final(choice), headers={"X-Request-Id": parsed.request.request_id})
 
-    async def _stream_response(self, request: web.Request, run: Any, choice: Choice, shapes: ResponseShapes,
+    async def _stream_response(self, request: web.Request, run: Any, choice: Choice, events: ResponseStream,
                                parsed: ParsedRequest) -> web.StreamResponse:
         """A response's typed events as server-sent events (``event: <type>`` lines); a failure after the first
         byte is an ``error`` event and ``response.failed``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": parsed.request.request_id})
         await response.prepare(request)
-        events = ResponseStream(shapes)
         for event in events.opening():
             await _send_typed(response, event)
         try:

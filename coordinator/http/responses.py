@@ -74,7 +74,7 @@ class Shapes:
         self.model = model
         self.tokenizer = tokenizer
         self.logprobs = logprobs  # None: not asked
-        self._texts: dict[int, str] = {}  # token id -> its text alone, decoded once per request
+        self.texts = TokenTexts(tokenizer)
 
     # ----- whole -------------------------------------------------------------------
     def completion(self, choices: list[Choice], n: int = 1) -> dict[str, Any]:
@@ -157,9 +157,7 @@ class Shapes:
         if self.logprobs is None:
             return None
         if self.chat:
-            return {"content": [{**self._token(t, s.logprob),
-                                 "top_logprobs": [self._token(i, lp) for i, lp in zip(s.top_ids, s.top_logprobs)]}
-                                for t, s in zip(token_ids, scores)], "refusal": None}
+            return {"content": self.texts.entries(token_ids, scores), "refusal": None}
         entries: list[tuple[int, common_pb2.TokenLogprobs | None]] = list(zip(token_ids, scores))
         if self.echo is not None and choice.prompt_ids and not choice.echoed_logprobs:
             # The prompt's tokens first: its first has no score (nothing comes before it), the rest the target's.
@@ -183,15 +181,32 @@ class Shapes:
         prompt = self.echo[choice.prompt]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
     def _text(self, token_id: int) -> str:
+        return self.texts.text(token_id)
+
+
+class TokenTexts:
+    """Tokens as log-probabilities show them: each decoded alone, once per request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # token id -> its text alone
+
+    def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def entries(self, token_ids: list[int], scores: list[common_pb2.TokenLogprobs]) -> list[dict[str, Any]]:
+        """Chat completions' (and the Responses API's) list: each token with its score and its alternatives."""
+        return [{**self.token(t, s.logprob),
+                 "top_logprobs": [self.token(i, lp) for i, lp in zip(s.top_ids, s.top_logprobs)]}
+                for t, s in zip(token_ids, scores)]
 
 
 def _call(call: generation_pb2.ToolCall) -> dict[str, Any]:

@@ -9,6 +9,9 @@ are renamed to this API's fields (``input``, ``max_output_tokens``, ``text.forma
 Left out, ``max_output_tokens`` is what the context leaves after the conversation (OpenAI's default; agent
 SDKs set none), not the coordinator's ``--max-new-tokens``; ``--max-new-tokens-limit`` still bounds it.
 
+``include: ["message.output_text.logprobs"]`` asks the output text's log-probabilities, with
+``top_logprobs`` (0-20) alternatives per token; other includables name outputs Tandem does not make.
+
 Tandem keeps no responses: ``previous_response_id`` and ``store: true`` are refused by name (send the
 whole conversation in ``input``), as are built-in tools (web search, files...), reasoning and
 other item types. ``n`` does not exist here: one output per request.
@@ -23,11 +26,13 @@ from typing import Any
 from coordinator.http.errors import ApiError, bad_field, unsupported
 from coordinator.http.schema import ParsedRequest, parse_chat
 
+LOGPROBS = "message.output_text.logprobs"  # the one includable Tandem makes
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
 # Fields of this API with the chat completion field they become (None: this module reads them itself).
 PASSED = ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", "tandem", "seed",
           "frequency_penalty", "presence_penalty", "logit_bias", "structured_outputs")
 NEUTRAL = {  # fields that ask for nothing at these values
-    "store": (None, False), "truncation": (None, "disabled"), "reasoning": (None,), "include": (None, []),
+    "store": (None, False), "truncation": (None, "disabled"), "reasoning": (None,),
     "service_tier": (None, "auto", "default"), "background": (None, False), "stream_options": (None, {}),
     "prompt_cache_key": None, "safety_identifier": None,
 }
@@ -66,6 +71,8 @@ def parse_responses(data: dict[str, Any], request_id: str = "") -> ResponsesRequ
         value = body.pop(name, None)
         if neutral is not None and value not in neutral:
             raise unsupported(name)
+    _logprobs(chat, body.pop("include", None), body.pop("top_logprobs", None))
+    echo["top_logprobs"] = chat.get("top_logprobs", data.get("top_logprobs"))
     metadata = body.pop("metadata", None)
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_field("metadata", "an object of strings")
@@ -98,6 +105,22 @@ def parse_responses(data: dict[str, Any], request_id: str = "") -> ResponsesRequ
     parsed.params["stopping.max_new_tokens"] = "max_output_tokens"
     parsed.params.setdefault("response_format", "text.format")
     return ResponsesRequest(parsed, echo)
+
+
+def _logprobs(chat: dict[str, Any], include: Any, top: Any) -> None:
+    """``include: ["message.output_text.logprobs"]`` asks each output token's log-probability, with ``top_logprobs``
+    alternatives (0-20); as OpenAI's, ``top_logprobs`` alone returns none. Other includables name outputs Tandem
+    does not make (searches, images, reasoning), so they are refused."""
+    if include is not None and not isinstance(include, list):
+        raise bad_field("include", "a list of what to add to the output")
+    for i, name in enumerate(include or []):
+        if name != LOGPROBS:
+            raise unsupported(f"include[{i}]", f" ({name!r}: only {LOGPROBS!r})")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise bad_field("top_logprobs", f"an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
+    if LOGPROBS in (include or []):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = top or 0
 
 
 def _instructions(value: Any) -> list[dict[str, Any]]:

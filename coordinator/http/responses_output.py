@@ -13,6 +13,13 @@ Streamed (server-sent events, each ``event: <type>`` and its JSON, numbered by
 ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``) with the
 whole response. A call starts a new item, so a message item is closed before it; text after a
 call opens another. A failure after the first byte is an ``error`` event, then ``response.failed``.
+A response that is not streamed is the last event's: the same items, ids and order.
+
+Asked (``include: ["message.output_text.logprobs"]``), an ``output_text`` part carries the
+log-probability of each of its tokens with ``top_logprobs`` alternatives (chat completions'
+entries), and each ``response.output_text.delta`` those of the tokens it brings. A token whose
+text is still held back (a character not finished, text that may start a call) comes with the
+next delta; a function call's tokens are not scored anywhere (OpenAI scores output text alone).
 """
 
 from __future__ import annotations
@@ -21,26 +28,21 @@ import time
 from typing import Any
 
 from coordinator.http.errors import ApiError
-from coordinator.http.responses import Choice, tandem_stats, usage
+from coordinator.http.responses import Choice, TokenTexts, tandem_stats, usage
 from tandem.v1 import generation_pb2
 
 
 class ResponseShapes:
     """The replies of one Responses request (``echo``: the request fields the response object repeats)."""
 
-    def __init__(self, request_id: str, model: str, echo: dict[str, Any]) -> None:
+    def __init__(self, request_id: str, model: str, echo: dict[str, Any], logprobs: TokenTexts | None = None
+                 ) -> None:
         self.request_id = request_id
+        self.logprobs = logprobs  # asked (include message.output_text.logprobs): how tokens show; None: not asked
         self.id = "resp_" + request_id
         self.created = int(time.time())
         self.model = model
         self.echo = echo
-
-    def whole(self, choice: Choice) -> dict[str, Any]:
-        output = []
-        if choice.text:
-            output.append(message_item(f"msg_{self.request_id}", choice.text, "completed"))
-        output += [call_item(call.id, call.name, call.arguments, "completed") for call in choice.tool_calls]
-        return self.response(choice, output)
 
     def response(self, choice: Choice | None, output: list[dict[str, Any]], status: str | None = None
                  ) -> dict[str, Any]:
@@ -63,7 +65,8 @@ class ResponseShapes:
 
 
 class ResponseStream:
-    """The events of one streamed response, as its stream messages arrive (``Choice.add`` first)."""
+    """The events of one response, as its stream messages arrive (``Choice.add`` first); the last event's
+    ``response`` is the whole response, so a response that is not streamed is built the same way."""
 
     def __init__(self, shapes: ResponseShapes) -> None:
         self.shapes = shapes
@@ -71,6 +74,7 @@ class ResponseStream:
         self.items: list[dict[str, Any]] = []  # every output item so far, in order
         self.text_item: dict[str, Any] | None = None  # the message item being written
         self.calls: dict[str, dict[str, Any]] = {}  # a call's id -> its item
+        self.scores: list[dict[str, Any]] = []  # asked: log-probabilities of tokens whose text has not come yet
 
     def opening(self) -> list[dict[str, Any]]:
         started = self.shapes.response(None, [])
@@ -79,6 +83,10 @@ class ResponseStream:
 
     def feed(self, choice: Choice, msg: generation_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
         events = []
+        if self.shapes.logprobs is not None:
+            self.scores += self.shapes.logprobs.entries(list(msg.token_ids), list(msg.logprobs))
+            if msg.tool_call_deltas or msg.tool_calls:  # a call's tokens: OpenAI scores output_text alone
+                self.scores = []
         if msg.text:
             events += self._text(msg.text)
         for delta in msg.tool_call_deltas:
@@ -93,6 +101,11 @@ class ResponseStream:
             kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             events.append(self._event(kind, response=final))
         return events
+
+    def final(self, choice: Choice) -> dict[str, Any]:
+        """The whole response once every message has been fed."""
+        self._close_text()
+        return self.shapes.response(choice, self.items)
 
     def failure(self, error: ApiError) -> list[dict[str, Any]]:
         failed = self.shapes.response(None, self.items, status="failed")
@@ -110,9 +123,12 @@ class ResponseStream:
             events += [self._event("response.output_item.added", output_index=self._index(item), item=_empty(item)),
                        self._event("response.content_part.added", item_id=item["id"], output_index=self._index(item),
                                    content_index=0, part=_part(""))]
-        item["content"][0]["text"] += text
+        part = item["content"][0]
+        part["text"] += text
+        scores, self.scores = self.scores, []
+        part["logprobs"] += scores
         events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index(item),
-                                  content_index=0, delta=text, logprobs=[]))
+                                  content_index=0, delta=text, logprobs=scores))
         return events
 
     def _close_text(self) -> list[dict[str, Any]]:
@@ -120,11 +136,14 @@ class ResponseStream:
         if item is None:
             return []
         item["status"] = "completed"
-        index, text = self._index(item), item["content"][0]["text"]
+        part = item["content"][0]
+        part["logprobs"] += self.scores  # tokens held back for text that never came (an unfinished character)
+        self.scores = []
+        index = self._index(item)
         return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[]),
+                            text=part["text"], logprobs=part["logprobs"]),
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                            part=_part(text)),
+                            part=dict(part)),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def _call_piece(self, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'admin':<12} {admin.address}  (tandem scale --port {cluster.coordinator.port} --target-replicas N)")
     if cluster.coordinator.http_port:
         print(f"  {'http':<12} {_http_base(cluster.coordinator, spec)}  (OpenAI-compatible: /chat/completions, "
-              "/completions, /models)")
+              "/completions, /responses, /models)")
     print(f"ready: tandem generate \"...\" --addr {address}{_client_flags(args)}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.http.harness import MODEL, http_coordinator
+from tests.http.harness import LOGPROB, MODEL, http_coordinator
 from tests.http.test_http_api import client, post
 from tests.http.test_http_tools import CALL, EOS, INFO, run, spell
 from tests.http.test_http_tools import tokenizer as tokenizer  # noqa: F401, PLC0414 - the module's fixture
@@ -128,6 +128,9 @@ def test_a_streamed_call_announces_its_item_then_its_arguments(tokenizer):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "colour"}}}}, "text.format"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"n": 2}, "n"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"include": "message.output_text.logprobs"}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
 ])
 def test_what_tandem_cannot_honour_is_refused_naming_the_field(tokenizer, fields, param):
     async def go():
@@ -206,4 +209,52 @@ def test_the_servers_limit_still_bounds_a_response_without_max_output_tokens(tok
             running.target.script = spell(tokenizer, "abcdefghijklmnopqrstuvwxyz")
             reply = await client(running).responses.create(model=MODEL, input="hi")
             assert reply.status == "incomplete" and reply.usage.output_tokens == 20
+    run(go())
+
+
+def test_logprobs_come_with_the_output_text_whole_and_streamed(tokenizer):
+    """``include: ["message.output_text.logprobs"]``: each token of the text with its score and ``top_logprobs``
+    alternatives (the stop token's too, as chat completions count it), the deltas' scores adding up to the done
+    event's; ``top_logprobs`` alone asks none (as OpenAI's)."""
+    include = ["message.output_text.logprobs"]
+
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            api = client(running)
+            running.target.script = [*spell(tokenizer, "Hello"), EOS]
+            reply = await api.responses.create(model=MODEL, input="hi", max_output_tokens=50, include=include,
+                                               top_logprobs=2)
+            assert running.target.samplings[-1].logprobs == 2
+            part = reply.output[0].content[0]
+            assert part.text == "Hello" and len(part.logprobs) == len("Hello") + 1
+            assert "".join(lp.token for lp in part.logprobs) == tokenizer.decode([*spell(tokenizer, "Hello"), EOS])
+            assert all(lp.logprob == LOGPROB and len(lp.top_logprobs) == 2 for lp in part.logprobs)
+            assert [lp.top_logprobs[0].token for lp in part.logprobs] == [lp.token for lp in part.logprobs]
+            assert part.logprobs[0].bytes == list(b"H") and reply.top_logprobs == 2
+
+            stream = await api.responses.create(model=MODEL, input="hi", max_output_tokens=50, include=include,
+                                                stream=True)
+            events = [event async for event in stream]
+            deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+            [done] = [e for e in events if e.type == "response.output_text.done"]
+            final = events[-1].response.output[0].content[0].logprobs
+            assert [d.token for d in deltas] == [d.token for d in done.logprobs][:len(deltas)]
+            assert len(done.logprobs) == len(final) == len(part.logprobs) and len(deltas) >= len("Hello")
+            assert all(lp.top_logprobs == [] for lp in final)  # top_logprobs left out: 0 alternatives
+
+            plain = await api.responses.create(model=MODEL, input="hi", max_output_tokens=50, top_logprobs=2)
+            assert plain.output[0].content[0].logprobs == [] and not running.target.samplings[-1].HasField("logprobs")
+    run(go())
+
+
+def test_a_calls_tokens_are_not_scored_as_text(tokenizer):
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            running.target.script = [*spell(tokenizer, "Ok." + CALL), EOS]
+            reply = await client(running).responses.create(
+                model=MODEL, input="weather?", tools=[WEATHER], max_output_tokens=200,
+                include=["message.output_text.logprobs"])
+            message, call = reply.output
+            assert call.type == "function_call" and message.content[0].text == "Ok."
+            assert [lp.token for lp in message.content[0].logprobs] == ["O", "k", "."]
     run(go())

@@ -286,13 +286,20 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
 
 def test_the_responses_api_answers_as_chat_completions_do(api, model):
     """A Responses request is the chat completion it asks for: the same greedy text through the real workers,
-    whole and as typed events."""
+    whole and as typed events, and the same log-probabilities when asked."""
     messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": PROMPTS[1]}]
-    chat_text = api.chat.completions.create(model=model, messages=messages, max_tokens=MAX_NEW_TOKENS,
-                                            temperature=0).choices[0].message.content
+    chat_reply = api.chat.completions.create(model=model, messages=messages, max_tokens=MAX_NEW_TOKENS,
+                                             temperature=0, logprobs=True, top_logprobs=3).choices[0]
+    chat_text = chat_reply.message.content
     reply = api.responses.create(model=model, instructions=messages[0]["content"], input=PROMPTS[1],
-                                 max_output_tokens=MAX_NEW_TOKENS, temperature=0)
+                                 max_output_tokens=MAX_NEW_TOKENS, temperature=0, top_logprobs=3,
+                                 include=["message.output_text.logprobs"])
     assert reply.output_text == chat_text and reply.status in ("completed", "incomplete")
+    scored, chat_scored = reply.output[0].content[0].logprobs, chat_reply.logprobs.content
+    assert [(lp.token, [top.token for top in lp.top_logprobs]) for lp in scored] == [
+        (lp.token, [top.token for top in lp.top_logprobs]) for lp in chat_scored]
+    # within rounding: the two requests' rounds may verify their tokens in batches of other shapes
+    assert [lp.logprob for lp in scored] == pytest.approx([lp.logprob for lp in chat_scored], abs=1e-4)
     events = list(api.responses.create(model=model, instructions=messages[0]["content"], input=PROMPTS[1],
                                        max_output_tokens=MAX_NEW_TOKENS, temperature=0, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
