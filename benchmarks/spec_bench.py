@@ -13,6 +13,8 @@ alike. Methods:
                     draft's next-best tokens and other n-gram continuations verified beside the chain
   spec-*-eager      spec-draft, spec-hybrid with the draft reading a long prompt at once, as before the
                     loop let it wait until the answer repays the read (tandem.spec.loop, _draft_waits)
+  spec-*-full       spec-draft, spec-hybrid with the draft drafting all of the k chosen, as before it stopped
+                    where it is unsure (tandem.spec.adaptive.stop_below; not run by default)
   spec-*-always     spec-medusa, spec-eagle asking the heads for a tree every round, whether or not that
                     measures faster (the plain methods ask only while it does: tandem.spec.heads_payoff)
   spec-*-hybrid     spec-medusa, spec-eagle with the draft model beside the heads: hybrid rounds while the
@@ -100,9 +102,9 @@ NAME = "spec_bench"
 BASELINE = "target-only"
 HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given over it too
 BASELINES = (BASELINE, HF_BASELINE)
-METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early-exit", "spec-draft-tree",
-           "spec-hybrid-tree", "spec-ngram-tree", "spec-draft-eager", "spec-hybrid-eager",
-           "spec-medusa", "spec-eagle", "spec-medusa-always",
+METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-draft-full", "spec-hybrid-full", "spec-ngram",
+           "spec-early-exit", "spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree", "spec-draft-eager",
+           "spec-hybrid-eager", "spec-medusa", "spec-eagle", "spec-medusa-always",
            "spec-eagle-always", "spec-medusa-hybrid", "spec-eagle-hybrid", "hf-plain", "hf-assisted",
            "hf-prompt-lookup")
 # the target's own heads (--medusa/--eagle-heads); "-always": asked every round (no payoff check); "-hybrid":
@@ -110,11 +112,13 @@ METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-ngram", "spec-early
 HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle", "spec-medusa-always": "medusa",
                  "spec-eagle-always": "eagle", "spec-medusa-hybrid": "medusa", "spec-eagle-hybrid": "eagle"}
 HEADS_WITH_DRAFT = ("spec-medusa-hybrid", "spec-eagle-hybrid")
+FULL_METHODS = ("spec-draft-full", "spec-hybrid-full")  # the draft drafts all of k (no stop where it is unsure)
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree")
-                        and m not in HEADS_METHODS)
+                        and m not in HEADS_METHODS and m not in FULL_METHODS)
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
              "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram",
-             "spec-draft-eager": "draft", "spec-hybrid-eager": "hybrid", **HEADS_METHODS}
+             "spec-draft-eager": "draft", "spec-hybrid-eager": "hybrid", "spec-draft-full": "draft",
+             "spec-hybrid-full": "hybrid", **HEADS_METHODS}
 EAGER_METHODS = ("spec-draft-eager", "spec-hybrid-eager")  # the draft reads a long prompt at once (no waiting)
 TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "speedup_vs_hf_plain",
@@ -237,7 +241,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     from tandem.tokenizer import load_tokenizer, stop_token_ids
 
     needs_draft = bool({"spec-draft", "spec-hybrid", "spec-draft-tree", "spec-hybrid-tree", "hf-assisted",
-                        *EAGER_METHODS, *HEADS_WITH_DRAFT} & set(args.methods))
+                        *EAGER_METHODS, *FULL_METHODS, *HEADS_WITH_DRAFT} & set(args.methods))
     target_dir = resolve_model_dir(args.target, args.cache_dir)
     draft_dir = resolve_model_dir(args.draft, args.cache_dir) if needs_draft else None
     tokenizer = load_tokenizer(target_dir)
@@ -266,7 +270,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
         tree = args.tree if method in TREE_METHODS else "off"
         options = SpecOptions(OURS_SPEC[method], args.k, not args.fixed_k, ngram_min=args.ngram_min,
                               ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max), tree=tree,
-                              tree_width=args.tree_width, draft_waits=method not in EAGER_METHODS)
+                              tree_width=args.tree_width, draft_waits=method not in EAGER_METHODS,
+                              draft_stops=method not in FULL_METHODS)
         bench.runners[method] = ours_runner(target, drafter, options, bench.stop_ids)
         bench.cost_ratio[method] = cost_ratio(target, drafter, args.cost_reps)
     add_hf_runners(bench, args, target_dir, draft_dir)

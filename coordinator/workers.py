@@ -246,11 +246,11 @@ class RequestChannel:
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
-                      verified_len: int = 0) -> Drafted:
+                      verified_len: int = 0, stop_below: float = 0.0) -> Drafted:
         reply = await self._call("Propose", draft_pb2.ProposeRequest(
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
             sampling=sampling_to_proto(sampling), alternatives=alternatives, prompt_len=prompt_len,
-            owner=self.owner, verified_len=verified_len))
+            owner=self.owner, verified_len=verified_len, stop_below=stop_below))
         if committed_len == 0 and k > 0 and 0 < prompt_len <= len(new_tokens):
             self.client.read_prompt(new_tokens[:prompt_len])  # (a draft offers a prompt it drafted after)
         del self._draft_tokens[committed_len:]  # (in place: no copy of the whole history per round)

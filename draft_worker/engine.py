@@ -96,6 +96,7 @@ class ProposeCall:
     prompt_len: int = 0  # the sequence's first prompt_len tokens are its prompt (0: not said, all fed as one run)
     owner: str = ""  # the calling coordinator's instance id (tandem.rpc.leases); it must be the sequence's owner
     verified_len: int = 0  # its first verified_len tokens are the target's committed text (0: not said)
+    stop_below: float = 0.0  # draft no further once the drafted tokens' joint draft probability is below this
 
 
 @dataclass(slots=True)
@@ -123,6 +124,7 @@ class _Plan:
     drafted: list[int] = field(default_factory=list)
     probs: list[common_pb2.SparseDistribution] = field(default_factory=list)
     alternatives: list[list[int]] = field(default_factory=list)
+    sure: float = 1.0  # the product of the draft's top probabilities at the positions drafted so far
 
 
 def early_exit_engine(target: ModelEngine, num_layers: int, *, num_blocks: int | None = None) -> ModelEngine:
@@ -211,6 +213,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             raise InvalidRequestError(f"committed_len must be >= 0, got {call.committed_len}")
         if call.prompt_len < 0:
             raise InvalidRequestError(f"prompt_len must be >= 0, got {call.prompt_len}")
+        if not 0.0 <= call.stop_below <= 1.0:  # (NaN fails this too)
+            raise InvalidRequestError(f"stop_below must be in [0, 1], got {call.stop_below}")
         check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
         seq = self.sequences.get(call.seq_id)
         if seq is None and call.committed_len:
@@ -286,7 +290,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         return long
 
     def _draft(self, plans: list[_Plan]) -> None:
-        """k decode steps, every sequence still drafting in each step's one forward pass.
+        """k decode steps (fewer where ``stop_below`` stops a sequence), every sequence still drafting in each
+        step's one forward pass.
 
         What a sequence has not read goes first, as the target read it (``history_runs``): the
         runs before its last are fed without logits, one forward pass per run for the sequences
@@ -320,7 +325,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                     plan.drafted.append(token)
             self._sample_step([p for p in active if not p.call.sampling.is_greedy], rows)
             self._alternatives([p for p in active if p.call.alternatives], rows)
-            active = [p for p in active if len(p.drafted) < p.call.k]
+            self._note_sureness([p for p in active if p.call.stop_below > 0], rows)
+            active = [p for p in active if len(p.drafted) < p.call.k and p.sure >= p.call.stop_below]
             feed = {p.index: Run([p.drafted[-1]], False) for p in active}
 
     def _adjust(self, plans: list[_Plan], rows: dict[int, torch.Tensor],
@@ -332,6 +338,17 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         for plan in plans:
             start, prompt = prompts[plan.index]
             rows[plan.index] = adjust_logits(rows[plan.index], plan.call.sampling, prompt, plan.tokens[start:], [[]])
+
+    def _note_sureness(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
+        """Each plan's ``sure`` times the draft's top probability at the position just drafted (its logits'
+        softmax, whatever the request samples with: a measure of how sure the draft is, which ``stop_below``
+        compares). Which tokens are drafted does not depend on it, only how many: the target's acceptance
+        rule judges each drafted token alone, so stopping early is lossless."""
+        if not plans:
+            return
+        top = torch.softmax(torch.cat([rows[p.index] for p in plans]).float(), dim=-1).amax(dim=-1)  # [P]
+        for plan, probability in zip(plans, top.tolist()):  # one device-to-host copy for the batch
+            plan.sure *= probability
 
     def _alternatives(self, plans: list[_Plan], rows: dict[int, torch.Tensor]) -> None:
         """Each plan's next-best tokens at the position just drafted, other than the drafted one.

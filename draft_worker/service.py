@@ -22,7 +22,7 @@ class DraftService(WorkerServiceBase, draft_pb2_grpc.DraftWorkerServicer):
         self.server.check_accepting()
         call = ProposeCall(request.seq_id, request.committed_len, list(request.new_tokens), request.k,
                            sampling_from_proto(request.sampling), request.alternatives, request.prompt_len,
-                           request.owner, request.verified_len)
+                           request.owner, request.verified_len, request.stop_below)
         reply: DraftReply = await self.batcher.submit(call)
         return draft_pb2.ProposeResponse(
             tokens=reply.tokens, probs=reply.probs,

@@ -124,9 +124,10 @@ class LocalDraft:
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
-                      verified_len: int = 0) -> Drafted:
+                      verified_len: int = 0, stop_below: float = 0.0) -> Drafted:
         reply = await self.batcher.submit(ProposeCall(seq_id, committed_len, new_tokens, k, sampling, alternatives,
-                                                      prompt_len, verified_len=verified_len))
+                                                      prompt_len, verified_len=verified_len,
+                                                      stop_below=stop_below))
         return Drafted(reply.tokens, reply.probs, reply.alternatives)
 
     async def release(self, seq_id: str) -> None:

@@ -55,7 +55,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--fixed-k", action="store_true",
-                   help="always draft k tokens instead of adapting k per request (heads: ask them every round)")
+                   help="always draft k tokens instead of adapting k per request and stopping a round's draft "
+                        "where it is unsure (heads: ask them every round)")
     p.add_argument("--heads-nodes", type=int, default=0, metavar="N",
                    help=f"medusa / eagle: the most nodes of the heads' tree per round, 1..{MAX_K}; 0 (default): "
                         "as many as the target's measured forward cost prices at a quarter of a step")

@@ -146,14 +146,14 @@ class FailoverDraft:
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
-                      verified_len: int = 0) -> Drafted:
+                      verified_len: int = 0, stop_below: float = 0.0) -> Drafted:
         channel = self.channel
         if channel is None:  # (being replaced after a concurrent call's failure, or none left)
             return Drafted([], lost=True, gone=self.gone)
         self._opened = True
         try:
             return await channel.propose(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len,
-                                         verified_len)
+                                         verified_len, stop_below)
         except KVCacheExhaustedError:
             return Drafted([], lost=True)  # the draft is full: this round goes without it
         except REPLICA_FAULTS:

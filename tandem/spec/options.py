@@ -97,6 +97,9 @@ class SpecOptions:
     # A constrained request proposes what its grammar forces next (``SpeculationLoop._forced``); False: only to
     # measure what that adds (tool_calls.py's ``*-unforced`` methods)
     forced_proposals: bool = True
+    # An adaptive request's draft model stops drafting where it is unsure (``tandem.spec.adaptive.stop_below``);
+    # False: it drafts all of the k chosen (spec_bench's ``*-full`` methods)
+    draft_stops: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":

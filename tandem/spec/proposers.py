@@ -91,9 +91,11 @@ class DraftProposer:
             return behind  # the draft holds the sequence: it goes on from there, not from its cache
         return behind - self.channel.cached_prefix(history[:prefix_limit(self.prompt_len)])
 
-    async def propose(self, tokens: list[int], k: int, alternatives: int = 0, verified_len: int = 0) -> Drafted:
-        """Draft ``k`` tokens after ``tokens``, sending only what the draft does not hold yet; the first
-        ``verified_len`` of ``tokens`` are the target's committed text (the rest may be guesses)."""
+    async def propose(self, tokens: list[int], k: int, alternatives: int = 0, verified_len: int = 0,
+                      stop_below: float = 0.0) -> Drafted:
+        """Draft ``k`` tokens after ``tokens`` (fewer where the draft is unsure: ``stop_below``), sending only what
+        the draft does not hold yet; the first ``verified_len`` of ``tokens`` are the target's committed text (the
+        rest may be guesses)."""
         keep = common_prefix_len(self.sent, tokens)
         new_tokens = list(tokens[keep:])
         # Record what the draft will hold before awaiting: a later call is computed against it.
@@ -101,7 +103,7 @@ class DraftProposer:
         self.opened = True
         try:
             drafted = await self.channel.propose(self.seq_id, keep, new_tokens, k, self.sampling, alternatives,
-                                                 self.prompt_len, verified_len)
+                                                 self.prompt_len, verified_len, stop_below)
         except BaseException:
             self.sent = []  # unknown state on the draft side: the next call resends everything
             raise

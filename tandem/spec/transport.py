@@ -112,10 +112,11 @@ class DraftChannel(Protocol):
 
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
-                      verified_len: int = 0) -> Drafted:
+                      verified_len: int = 0, stop_below: float = 0.0) -> Drafted:
         """Keep ``committed_len`` tokens, append ``new_tokens``, draft k (and ``alternatives``
         next-best tokens per position); the sequence's first ``prompt_len`` tokens are its prompt, its first
-        ``verified_len`` the target's committed text (prompt included), which the draft may cache."""
+        ``verified_len`` the target's committed text (prompt included), which the draft may cache; ``stop_below``:
+        draft no further once the draft's top probabilities so far multiply to less (ProposeRequest.stop_below)."""
 
     async def release(self, seq_id: str) -> None: ...
 

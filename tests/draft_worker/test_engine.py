@@ -301,3 +301,31 @@ def test_alternatives_are_the_next_best_tokens_other_than_the_drafted_one(draft)
     assert plain.tokens == reply.tokens and plain.alternatives == []
     (bad,) = draft.run_batch([ProposeCall("c", 0, PROMPT, 3, GREEDY, alternatives=99)])
     assert isinstance(bad, InvalidRequestError) and "alternatives" in str(bad)
+
+
+def top_probabilities(engine: ModelEngine, history: list[int], tokens: list[int]) -> list[float]:
+    """The model's top probability before each of ``tokens`` (after ``history``), as one forward computes it."""
+    logits = engine.forward([ForwardItem("scratch", [*history, *tokens[:-1]], num_logits=len(tokens))])[0]
+    engine.release("scratch")
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+
+
+def test_stop_below_stops_drafting_where_the_drafts_top_probabilities_multiply_below_it(draft):
+    """After each drafted token the product of the top probabilities so far is compared with stop_below: the
+    draft stops at the first below it, and what it drafted is the start of the whole k's draft."""
+    (whole,) = ok(draft.run_batch([ProposeCall("whole", 0, PROMPT, 5, GREEDY)]))
+    tops = top_probabilities(draft.engine, PROMPT, whole.tokens)
+    products = [float(torch.tensor(tops[:j + 1]).prod()) for j in range(5)]
+    assert products[2] > products[3]
+    between = (products[2] + products[3]) / 2  # above after three tokens, below after four
+    (cut,) = ok(draft.run_batch([ProposeCall("cut", 0, PROMPT, 5, GREEDY, stop_below=between)]))
+    assert cut.tokens == whole.tokens[:4]
+    (one,) = ok(draft.run_batch([ProposeCall("one", 0, PROMPT, 5, GREEDY, stop_below=1.0)]))
+    assert one.tokens == whole.tokens[:1]  # at least one token is drafted
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    (seeded,) = ok(draft.run_batch([ProposeCall("s", 0, PROMPT, 5, sampled, stop_below=1.0)]))
+    assert len(seeded.tokens) == len(seeded.probs) == 1  # a sampled draft stops alike, with its q
+    for bad in (1.5, -0.1, float("nan")):
+        (refused,) = draft.run_batch([ProposeCall("bad", 0, PROMPT, 3, GREEDY, stop_below=bad)])
+        assert isinstance(refused, InvalidRequestError) and "stop_below" in str(refused)
+    assert "bad" not in draft.sequences

@@ -33,6 +33,9 @@ from tests.spec.losslessness import (
 )
 
 PROMPT, VOCAB = PAIR_PROMPT, PAIR_VOCAB
+# The pair's draft's top probability after the first token is 0.40-0.67 by that token, 0.61 after the target's most
+# likely one: this cuts about nine in ten proposals to one token, and leaves the rest two (the test checks a mix)
+STOP_BELOW = 0.62
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +58,16 @@ def ok(results: list) -> list:
     return results
 
 
-def tokens_two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range, temperature: float) -> list[int]:
-    """Tokens 2 and 3 (as ``t2 * VOCAB + t3``) of one run per seed: prefill, a k=2 round, a k=1 round if needed."""
+def tokens_two_and_three(target: TargetEngine, draft: DraftEngine, seeds: range, temperature: float,
+                         stop_below: float = 0.0) -> list[int]:
+    """Tokens 2 and 3 (as ``t2 * VOCAB + t3``) of one run per seed: prefill, a k=2 round (one token where
+    ``stop_below`` stops the draft), a k=1 round if needed."""
     ids = [f"s{seed}" for seed in seeds]
     sampling = {i: SamplingParams(temperature, seed=seed, rejection_rule=True) for i, seed in zip(ids, seeds)}
     first = [p.next_token for p in ok(target.run_batch([PrefillCall(i, PROMPT, sampling[i]) for i in ids]))]
-    proposals = ok(draft.run_batch([ProposeCall(i, 0, [*PROMPT, t1], 2, sampling[i]) for i, t1 in zip(ids, first)]))
-    assert all(len(p.tokens) == len(p.probs) == 2 for p in proposals)
+    proposals = ok(draft.run_batch([ProposeCall(i, 0, [*PROMPT, t1], 2, sampling[i], stop_below=stop_below)
+                                    for i, t1 in zip(ids, first)]))
+    assert all(len(p.tokens) == len(p.probs) == (2 if not stop_below else len(p.tokens)) for p in proposals)
     verdicts = ok(target.run_batch([VerifyCall(i, len(PROMPT) + 1, p.tokens, p.probs) for i, p in zip(ids, proposals)]))
     out = {}
     again = []
@@ -100,3 +106,25 @@ def test_speculative_sampling_through_the_engines_follows_the_target(six_token_p
     assert target.num_sequences == draft.num_sequences == 0
     pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target.engine, PROMPT, PAIR_TEMPERATURE))
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"
+
+
+def test_a_draft_that_stops_where_it_is_unsure_is_still_lossless(six_token_pair):
+    """stop_below cuts some proposals to one token, by the draft's own probabilities: how many tokens are
+    drafted is the draft's choice, and the target judges each alone, so the output keeps the target's law."""
+    target_dir, draft_dir = six_token_pair
+    target, draft = TargetEngine(load(target_dir)), DraftEngine(load(draft_dir))
+    cut = []
+    real = draft.run_batch
+
+    def counting(calls):
+        replies = real(calls)
+        cut.extend(len(r.tokens) == 1 for c, r in zip(calls, replies) if isinstance(c, ProposeCall) and c.k == 2)
+        return replies
+    draft.run_batch = counting
+    with one_torch_thread():
+        samples = [s for start in range(0, PAIR_SAMPLES, 500)
+                   for s in tokens_two_and_three(target, draft, range(start, min(start + 500, PAIR_SAMPLES)),
+                                                 PAIR_TEMPERATURE, stop_below=STOP_BELOW)]
+    assert 0.05 < sum(cut) / len(cut) < 0.95, sum(cut) / len(cut)  # both one- and two-token proposals
+    pvalue = chi_square_pvalue(samples, exact_two_token_distribution(target.engine, PROMPT, PAIR_TEMPERATURE))
+    assert pvalue > SIGNIFICANCE, f"p-value {pvalue:.2e}"

@@ -57,7 +57,7 @@ class Replica:
         return Verified([0], 8)
 
     async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0,
-                      verified_len=0):
+                      verified_len=0, stop_below=0.0):
         await asyncio.sleep(0)  # (calls overlap)
         self._answer(("propose", committed_len, list(new_tokens), k))
         return Drafted([7] * k)

@@ -102,12 +102,13 @@ class FakeDraft:
         self.released: list[str] = []
         self.prompt_lens: set[int] = set()
         self.cached_prompts: list[list[int]] = []  # the prompts it read, as its prefix cache would hold them
+        self.stops: list[float] = []  # each Propose's stop_below
 
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.01, 0.001)
 
     async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0,
-                      verified_len=0):
+                      verified_len=0, stop_below=0.0):
         await asyncio.sleep(0)
         self.calls += 1
         self.prompt_lens.add(prompt_len)
@@ -115,9 +116,12 @@ class FakeDraft:
         assert committed_len <= len(held), "committed_len beyond what the draft holds"
         history = held[:committed_len] + list(new_tokens)
         self.histories[seq_id] = history
+        self.stops.append(stop_below)
         drafted: list[int] = []
         for _ in range(k):
             drafted.append(draft_next(history + drafted))
+            if stop_below > 0 and len(history + drafted) % 4 == 0:
+                break  # unsure before a position where its guess is wrong, as a real draft mostly is
         # Next-best: the token one below the drafted one, which is the target's where the draft errs.
         others = [[(t - 1 - i) % VOCAB for i in range(alternatives)] for t in drafted] if alternatives else []
         if committed_len == 0 and k and prompt_len:
@@ -229,7 +233,7 @@ class PricedPromptDraft(FakeDraft):
         return FittedCost(0.01, 0.001, prompt_token_s=0.002)
 
     async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0,
-                      verified_len=0):
+                      verified_len=0, stop_below=0.0):
         self.reads.append((committed_len, len(new_tokens)))
         return await super().propose(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len)
 
@@ -364,8 +368,10 @@ def test_the_caches_other_runs_become_whole_branches_where_they_part_from_the_ch
 
 
 def test_auto_tree_follows_the_cost_model():
-    """Verifying more rows is nearly free here (FittedCost per token 1% of the base): auto builds trees."""
-    state, target, _ = run(SpecOptions("draft", 4, tree="auto", tree_width=1), n=80)
+    """Verifying more rows is nearly free here (FittedCost per token 1% of the base): auto builds trees. (The draft
+    drafts whole chains: stopping where it is unsure, the fake draft would stop before every wrong guess, and leave
+    the branches nothing to mend.)"""
+    state, target, _ = run(SpecOptions("draft", 4, tree="auto", tree_width=1, draft_stops=False), n=80)
     assert state.generated == target_only([3, 1, 4, 1, 5], 80)
     assert target.trees > 0
 
@@ -420,3 +426,15 @@ def test_match_rates_learn_from_the_rounds_and_stay_apart_from_the_request_rate(
     assert rates.trackers and all(source == NGRAM and not sampled for source, _, sampled in rates.trackers)
     assert observed > len(rates.trackers) * (AcceptanceTracker().accepted + AcceptanceTracker().rejected)
     assert target.verified_tokens == state.stats.drafted  # every drafted token was verified, none other
+
+
+def test_an_adaptive_requests_draft_stops_where_it_is_unsure_and_the_output_is_the_targets():
+    state, _, draft = run(SpecOptions("draft", 6), n=80)
+    assert state.generated == target_only([3, 1, 4, 1, 5], 80)
+    assert max(draft.stops) > 0
+    full, _, full_draft = run(SpecOptions("draft", 6, draft_stops=False), n=80)
+    assert full.generated == state.generated and set(full_draft.stops) == {0.0}
+    # the tokens it did not draft were the ones the target would have turned down
+    assert state.stats.accepted / state.stats.drafted > full.stats.accepted / full.stats.drafted
+    fixed, _, fixed_draft = run(SpecOptions("draft", 4, adaptive_k=False))
+    assert set(fixed_draft.stops) == {0.0}  # a fixed k is drafted whole

@@ -125,7 +125,7 @@ class DyingDraft(FakeDraft):
         self.calls_left = calls
 
     async def propose(self, seq_id, committed_len, new_tokens, k, sampling, alternatives=0, prompt_len=0,
-                      verified_len=0):
+                      verified_len=0, stop_below=0.0):
         self.calls_left -= 1
         if self.calls_left < 0:
             raise WorkerUnavailableError("draft gone")

@@ -8,12 +8,14 @@ import pytest
 from tandem.errors import InvalidRequestError
 from tandem.spec.adaptive import (
     MATCH_MEMORY,
+    MAX_STOP_BELOW,
     AcceptanceTracker,
     CostModel,
     MatchRates,
     choose_k,
     expected_tokens,
     match_band,
+    stop_below,
 )
 from tandem.spec.ngram import lookup_continuation, lookup_match
 from tandem.spec.options import SpecOptions
@@ -215,3 +217,21 @@ def test_the_in_process_generator_seeds_an_unfitted_cost_fit(tiny_qwen2_dir):
     SpeculativeGenerator(engine)
     assert engine.cost_fit.ready
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # the scratch sequence is gone
+
+
+def test_stop_below_weighs_one_more_drafted_token_against_its_price():
+    """One more token costs a draft step and a row; it is worth it while P * acceptance, the chance it is kept,
+    beats what that time brings at the round's pace."""
+    costs = CostModel(draft_step_s=0.2, verify_base_s=1.0, verify_slope=0.0, draft_measured=True,
+                      verify_measured=True)
+    pace = expected_tokens(0.8, 3) / costs.round_seconds(3)
+    assert stop_below(0.8, costs, 3) == pytest.approx(0.2 * pace / 0.8)
+    assert 0.3 < stop_below(0.8, costs, 3) < 0.6
+    assert stop_below(0.8, costs, 1) == 0.0  # a draft of one token has nothing to stop
+    assert stop_below(0.0, costs, 3) == 0.0
+    dear = CostModel(draft_step_s=5.0, verify_base_s=1.0, verify_slope=0.0, draft_measured=True,
+                     verify_measured=True)
+    assert stop_below(0.5, dear, 4) == MAX_STOP_BELOW  # never so high that every draft stops after one token
+    cheap = CostModel(draft_step_s=0.01, verify_base_s=1.0, verify_slope=0.0, draft_measured=True,
+                      verify_measured=True)
+    assert stop_below(0.8, cheap, 3) < stop_below(0.8, costs, 3)  # a cheaper step drafts on further
