@@ -25,7 +25,8 @@ SCORED_ROWS_PER_STEP = 256
 
 
 def score_rows(logits: torch.Tensor, next_tokens: Sequence[int], top: int) -> list[TokenLogprob]:
-    """Row ``r`` of ``logits`` ``[R, vocab]`` scores ``next_tokens[r]``, with its ``top`` most likely tokens.
+    """Row ``r`` of ``logits`` ``[R, vocab]`` scores ``next_tokens[r]``, with its rank (1 + how many tokens the row
+    finds more likely) and its ``top`` most likely tokens.
 
     Computed where the logits are and read with one copy (a host sync per call: a scored prompt's step
     has to hand its scores back anyway)."""
@@ -36,11 +37,14 @@ def score_rows(logits: torch.Tensor, next_tokens: Sequence[int], top: int) -> li
         raise ValueError(f"{logits.shape[0]} rows of logits for {rows} tokens to score")
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
     tokens = torch.tensor(list(next_tokens), dtype=torch.int64, device="cpu").to(logp.device)  # [R]
-    parts = [logp.gather(1, tokens[:, None]).squeeze(1)]  # [R]
+    chosen = logp.gather(1, tokens[:, None])  # [R, 1]
+    ranks = (logp > chosen).sum(dim=-1).float() + 1  # [R]; float32: exact below 2**24
+    parts = [chosen.squeeze(1), ranks]  # [R] each
     if top:
         values, ids = logp.topk(top, dim=-1)  # [R, top] each, most likely first
         parts += [values.flatten(), ids.flatten().float()]  # ids as float32: exact below 2**24
     flat = torch.cat(parts).tolist()
-    values_at, ids_at = rows, rows + rows * top
+    values_at, ids_at = 2 * rows, 2 * rows + rows * top
     return [TokenLogprob(flat[r], [int(i) for i in flat[ids_at + r * top: ids_at + (r + 1) * top]],
-                         flat[values_at + r * top: values_at + (r + 1) * top]) for r in range(rows)]
+                         flat[values_at + r * top: values_at + (r + 1) * top], int(flat[rows + r]))
+            for r in range(rows)]

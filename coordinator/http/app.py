@@ -214,7 +214,7 @@ class HttpApi:
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, parsed.params) from None
             shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs,
-                            echo=parsed.prompts if parsed.echo else None)
+                            echo=parsed.prompts if parsed.echo else None, prompt_logprobs=parsed.prompt_logprobs)
             choices = [Choice(i, parsed.prompt_of(i)) for i in range(parsed.choices)]
             if parsed.stream:
                 return await self._stream(request, runs, choices, shapes, parsed)

@@ -15,6 +15,11 @@ or the token ids decoded); with ``logprobs``, its log-probabilities start with t
 prompt's tokens, the first with ``null`` (nothing comes before it), the others the
 target's (``sampling.prompt_logprobs``). Streamed, the first chunk of a choice
 carries them.
+
+vLLM's ``prompt_logprobs`` (not streamed): per prompt token, ``null`` for the first, else
+``{token id: {logprob, rank, decoded_token}}`` for the token and its most likely alternatives
+(rank: 1 + how many tokens are more likely); on each completions choice, and once at the top of
+a chat completion, as vLLM places them.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class Shapes:
     """The JSON objects of one request's reply (``chat``: the chat endpoint's; else the completions')."""
 
     def __init__(self, chat: bool, request_id: str, model: str, tokenizer: Any, logprobs: int | None,
-                 echo: list[str | list[int]] | None = None) -> None:
+                 echo: list[str | list[int]] | None = None, prompt_logprobs: int | None = None) -> None:
         self.chat = chat
         self.echo = echo  # completions' echo: the request's prompts, each choice's text starts with its own
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -74,6 +79,7 @@ class Shapes:
         self.model = model
         self.tokenizer = tokenizer
         self.logprobs = logprobs  # None: not asked
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: alternatives per prompt token; None: not asked
         self.texts = TokenTexts(tokenizer)
 
     # ----- whole -------------------------------------------------------------------
@@ -91,9 +97,25 @@ class Shapes:
                 item["text"] = self._echo(c) + c.text
             item["logprobs"] = self._logprobs(c, c.token_ids, c.logprobs)
             item["finish_reason"] = c.finish_reason or "length"
+            if self.prompt_logprobs is not None and not self.chat:
+                item["prompt_logprobs"] = self._prompt_scores(c)
             item["tandem"] = tandem_stats(c.stats)
             out.append(item)
-        return {**self._head(chat_object="chat.completion"), "choices": out, "usage": usage(choices, n)}
+        body = {**self._head(chat_object="chat.completion"), "choices": out, "usage": usage(choices, n)}
+        if self.prompt_logprobs is not None and self.chat:  # vLLM's place: one conversation, scored once
+            body["prompt_logprobs"] = self._prompt_scores(choices[0]) if choices else None
+        return body
+
+    def _prompt_scores(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first (nothing comes before it), else the
+        token's and its ``prompt_logprobs`` most likely tokens' ``{logprob, rank, decoded_token}`` by token id."""
+        out: list[dict[str, dict[str, Any]] | None] = [None] if choice.prompt_ids else []
+        for token, score in zip(choice.prompt_ids[1:], choice.prompt_logprobs):
+            entry = {str(token): {"logprob": score.logprob, "rank": score.rank, "decoded_token": self._text(token)}}
+            for place, (other, logprob) in enumerate(zip(score.top_ids, score.top_logprobs), start=1):
+                entry.setdefault(str(other), {"logprob": logprob, "rank": place, "decoded_token": self._text(other)})
+            out.append(entry)
+        return out
 
     # ----- streamed ------------------------------------------------------------------
     def opening(self, index: int) -> dict[str, Any] | None:

@@ -19,7 +19,8 @@ clients send only what their user set. ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's; ``repetition_penalty`` and
 ``min_tokens`` are vLLM's extensions of the body, taken as vLLM takes them.
 Completions take a list of prompts and ``echo`` (the prompt's own scores with
-``logprobs``: ``SamplingOptions.prompt_logprobs``).
+``logprobs``: ``SamplingOptions.prompt_logprobs``); both endpoints take vLLM's
+``prompt_logprobs`` (each prompt token's score, rank and alternatives, in vLLM's shape).
 
 Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
 1 (sampling), ``top_p`` 1. ``max_tokens`` left out is what the context leaves
@@ -40,6 +41,7 @@ from typing import Any
 from coordinator.http.errors import ApiError, bad_field, unsupported
 from coordinator.http.fields import Fields, is_int, kind_of, object_field
 from coordinator.http.structured import response_format, structured_outputs
+from tandem.sampling_params import MAX_LOGPROBS
 from tandem.v1 import generation_pb2
 
 MAX_CHOICES = 16  # n: each choice is a request of its own on the workers
@@ -91,6 +93,7 @@ class ParsedRequest:
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: its prompts, n choices each
     echo: bool = False  # completions: each choice's text (and log-probabilities) starts with its prompt's
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its scores) only, no new text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's score, rank and top alternatives
 
     @property
     def choices(self) -> int:
@@ -173,6 +176,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
         raise bad_field("top_logprobs", "needs logprobs: true")
     if wanted:
         parsed.logprobs = request.sampling.logprobs = top or 0
+    _prompt_logprobs(body, parsed)
     response_format(body.take("response_format"), request.sampling)
     structured_outputs(body, parsed.request.sampling, parsed.params)
     body.refuse(UNSUPPORTED_CHAT)
@@ -201,6 +205,7 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     request.stopping.max_new_tokens = max_tokens or 0
     if parsed.echo and logprobs is not None:  # the prompt's tokens are scored too: lm-evaluation-harness's way
         request.sampling.prompt_logprobs = logprobs
+    _prompt_logprobs(body, parsed)
     best_of = body.integer("best_of", 1, INT32_MAX)
     if best_of is not None and best_of != parsed.n:
         raise unsupported("best_of", " unless it equals n (each choice is one sample)")
@@ -250,6 +255,22 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
     _penalties(body, sampling)
     _extension(body.take("tandem"), request, parsed)
     return parsed
+
+
+def _prompt_logprobs(body: Fields, parsed: ParsedRequest) -> None:
+    """vLLM's ``prompt_logprobs`` (0-20): each prompt token's log-probability and rank, with that many most likely
+    tokens. Not streamed, as in vLLM. Completions' ``echo`` with ``logprobs`` scores the prompt too, with that many:
+    the two must agree."""
+    top = body.integer("prompt_logprobs", 0, MAX_LOGPROBS)
+    if top is None:
+        return
+    if parsed.stream:
+        raise bad_field("prompt_logprobs", "not with stream: true (as in vLLM); ask for the whole reply")
+    sampling = parsed.request.sampling
+    if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs != top:
+        raise bad_field("prompt_logprobs", f"{top} differs from logprobs {sampling.prompt_logprobs}, with which echo "
+                                           "scores the prompt too: give the same number")
+    parsed.prompt_logprobs = sampling.prompt_logprobs = top
 
 
 def _penalties(body: Fields, sampling) -> None:

@@ -56,12 +56,12 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
 
 
 def logprobs_to_proto(scores: Sequence[TokenLogprob] | None) -> list[common_pb2.TokenLogprobs]:
-    return [common_pb2.TokenLogprobs(logprob=s.logprob, top_ids=s.top_ids, top_logprobs=s.top_logprobs)
+    return [common_pb2.TokenLogprobs(logprob=s.logprob, top_ids=s.top_ids, top_logprobs=s.top_logprobs, rank=s.rank)
             for s in scores or ()]
 
 
 def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[TokenLogprob]:
-    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in msgs]
+    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs), m.rank) for m in msgs]
 
 
 def proposal_to_proto(tokens: Sequence[int], parents: Sequence[int]) -> target_pb2.TokenTree:

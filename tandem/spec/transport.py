@@ -44,6 +44,7 @@ class TokenLogprob:
     logprob: float
     top_ids: list[int] = field(default_factory=list)  # most likely first
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # a prompt token's score: 1 + how many tokens are more likely there; 0: not ranked (emitted)
 
 
 @dataclass(slots=True)

@@ -73,11 +73,11 @@ class ScriptedTarget(FakeTarget):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)
         reply = target_pb2.PrefillResponse(next_token=token, logprobs=scores, reused_tokens=reused)
-        if request.sampling.HasField("prompt_logprobs"):  # token i scored PROMPT_LOGPROB * i, its id top
+        if request.sampling.HasField("prompt_logprobs"):  # token i scored PROMPT_LOGPROB * i, its id top, rank 1
             top = request.sampling.prompt_logprobs
             reply.prompt_logprobs.extend(common_pb2.TokenLogprobs(
-                logprob=PROMPT_LOGPROB * i, top_ids=[t, 3][:top], top_logprobs=[PROMPT_LOGPROB * i, -9.0][:top])
-                for i, t in enumerate(prompt[1:], start=1))
+                logprob=PROMPT_LOGPROB * i, top_ids=[t, 3][:top], top_logprobs=[PROMPT_LOGPROB * i, -9.0][:top],
+                rank=1) for i, t in enumerate(prompt[1:], start=1))
         return reply
 
     async def Verify(self, request, context):

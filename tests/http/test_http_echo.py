@@ -187,3 +187,41 @@ def test_max_tokens_0_with_echo_scores_the_prompt_and_writes_nothing(tokenizer):
             assert code == 400 and body["error"]["param"] == "max_tokens" and "only with echo" in body["error"][
                 "message"]
     run(go())
+
+
+def test_vllms_prompt_logprobs_score_each_prompt_token_with_its_rank(tokenizer):
+    """vLLM's extension: per prompt token (None for the first) its id's logprob, rank and decoded text, with its
+    alternatives'; on each completions choice, once at the top of a chat completion; refused streamed (as vLLM)
+    and where echo asks other alternatives."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            ids = tokenizer.encode("hello there")
+            code, body = await post(running.url + "/completions", {
+                "model": MODEL, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": 2, "n": 2, "temperature": 0})
+            assert code == 200, body
+            assert running.target.samplings[-1].prompt_logprobs == 2
+            for choice in body["choices"]:
+                scores = choice["prompt_logprobs"]
+                assert scores[0] is None and len(scores) == len(ids)
+                for i, (token, entry) in enumerate(zip(ids[1:], scores[1:]), start=1):
+                    assert entry[str(token)] == {"logprob": PROMPT_LOGPROB * i, "rank": 1,
+                                                 "decoded_token": tokenizer.decode([token])}
+                    assert entry["3"] == {"logprob": -9.0, "rank": 2, "decoded_token": tokenizer.decode([3])}
+                assert choice["logprobs"] is None  # the output's own were not asked
+            code, chat = await post(running.url + "/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "prompt_logprobs": 0})
+            assert code == 200, chat
+            prompt = running.target.prompts[-1]
+            assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(prompt)
+            assert list(chat["prompt_logprobs"][-1]) == [str(prompt[-1])]  # no alternatives asked: the token alone
+            for fields, why in [({"stream": True}, "stream"), ({"echo": True, "logprobs": 1}, "differs")]:
+                code, refused = await post(running.url + "/completions", {
+                    "model": MODEL, "prompt": "hi", "max_tokens": 1, "prompt_logprobs": 2, **fields})
+                assert code == 400 and refused["error"]["param"] == "prompt_logprobs", refused
+                assert why in refused["error"]["message"]
+            code, same = await post(running.url + "/completions", {
+                "model": MODEL, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": 1, "echo": True, "logprobs": 1})
+            assert code == 200 and same["choices"][0]["logprobs"]["token_logprobs"][1] == PROMPT_LOGPROB
+            assert same["choices"][0]["prompt_logprobs"][1][str(ids[1])]["logprob"] == PROMPT_LOGPROB
+    run(go())

@@ -72,7 +72,10 @@ def test_score_rows_reads_each_rows_token_and_its_most_likely():
         assert score.logprob == pytest.approx(logp[row, token].item(), abs=1e-6)
         assert score.top_ids == logp[row].topk(TOP).indices.tolist()
         assert score.top_logprobs == sorted(score.top_logprobs, reverse=True)
+        assert score.rank == 1 + sorted(logp[row].tolist(), reverse=True).index(logp[row, token].item())
+    assert [s.rank for s in scores] != [1] * 5  # (the test's rows rank their tokens variously)
     assert [s.top_ids for s in score_rows(logits, tokens, 0)] == [[]] * 5
+    assert [s.rank for s in score_rows(logits, tokens, 0)] == [s.rank for s in scores]  # ranked whatever the top
     assert score_rows(logits[:0], [], TOP) == []
     with pytest.raises(ValueError, match="4 rows of logits for 5 tokens"):
         score_rows(logits[:4], tokens, TOP)
@@ -97,6 +100,8 @@ def test_a_prompt_tokens_scores_are_what_the_target_says_when_it_emits_them(tiny
     logp = torch.log_softmax(logits.float(), -1)
     want = [logp[i - 1, text[i]].item() for i in range(1, len(text))]
     assert [s.logprob for s in prefilled.prompt_logprobs] == pytest.approx(want, abs=1e-5)
+    ranks = [int((logp[i - 1] > logp[i - 1, text[i]]).sum()) + 1 for i in range(1, len(text))]
+    assert [s.rank for s in prefilled.prompt_logprobs] == ranks and max(ranks) > 1
     # the Prefill's own first token is the one plain decoding gives after the whole text
     assert prefilled.next_token == int(logits[-1].argmax())
 
