@@ -265,6 +265,13 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
     assert all(lp is not None and lp <= 0 for lp in echoed.token_logprobs[1:])
     scores = echoed.token_logprobs[len(ids):-1]
     said = written.choices[0].logprobs.token_logprobs
+    # vLLM's prompt_logprobs: the same scores by token id, ranked (the greedy answer's tokens rank first)
+    ranked = api.completions.create(model=model, prompt=[[*ids, *answer]], max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    assert ranked[0] is None and len(ranked) == len(ids) + len(answer)
+    mine = [entry[str(token)] for entry, token in zip(ranked[1:], [*ids, *answer][1:])]
+    assert [m["logprob"] for m in mine] == echoed.token_logprobs[1:-1]
+    assert all(m["rank"] == 1 for m in mine[len(ids) - 1:]) and max(m["rank"] for m in mine) > 1
     fixed = all(w.info.prefix_cache.generated for w in shared_client.info().target_workers)
     # Rows fixed by position (packed weights, as on a CPU with native bf16): bitwise. Else a prompt row rounds
     # otherwise than a decoded one (the module's tolerance).
