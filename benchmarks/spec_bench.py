@@ -15,6 +15,7 @@ alike. Methods:
                     loop let it wait until the answer repays the read (tandem.spec.loop, _draft_waits)
   spec-*-full       spec-draft, spec-hybrid with the draft drafting all of the k chosen, as before it stopped
                     where it is unsure (tandem.spec.adaptive.stop_below; not run by default)
+  spec-*-wide       spec-draft, spec-hybrid with k up to --wide-k (not run by default)
   spec-*-always     spec-medusa, spec-eagle asking the heads for a tree every round, whether or not that
                     measures faster (the plain methods ask only while it does: tandem.spec.heads_payoff)
   spec-*-hybrid     spec-medusa, spec-eagle with the draft model beside the heads: hybrid rounds while the
@@ -102,7 +103,8 @@ NAME = "spec_bench"
 BASELINE = "target-only"
 HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given over it too
 BASELINES = (BASELINE, HF_BASELINE)
-METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-draft-full", "spec-hybrid-full", "spec-ngram",
+METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-draft-full", "spec-hybrid-full", "spec-draft-wide",
+           "spec-hybrid-wide", "spec-ngram",
            "spec-early-exit", "spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree", "spec-draft-eager",
            "spec-hybrid-eager", "spec-medusa", "spec-eagle", "spec-medusa-always",
            "spec-eagle-always", "spec-medusa-hybrid", "spec-eagle-hybrid", "hf-plain", "hf-assisted",
@@ -113,12 +115,13 @@ HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle", "spec-medusa-al
                  "spec-eagle-always": "eagle", "spec-medusa-hybrid": "medusa", "spec-eagle-hybrid": "eagle"}
 HEADS_WITH_DRAFT = ("spec-medusa-hybrid", "spec-eagle-hybrid")
 FULL_METHODS = ("spec-draft-full", "spec-hybrid-full")  # the draft drafts all of k (no stop where it is unsure)
+WIDE_METHODS = ("spec-draft-wide", "spec-hybrid-wide")  # k up to --wide-k instead of --k
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree")
-                        and m not in HEADS_METHODS and m not in FULL_METHODS)
+                        and m not in HEADS_METHODS and m not in FULL_METHODS + WIDE_METHODS)
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
              "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram",
              "spec-draft-eager": "draft", "spec-hybrid-eager": "hybrid", "spec-draft-full": "draft",
-             "spec-hybrid-full": "hybrid", **HEADS_METHODS}
+             "spec-hybrid-full": "hybrid", "spec-draft-wide": "draft", "spec-hybrid-wide": "hybrid", **HEADS_METHODS}
 EAGER_METHODS = ("spec-draft-eager", "spec-hybrid-eager")  # the draft reads a long prompt at once (no waiting)
 TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "speedup_vs_hf_plain",
@@ -157,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per category, 32 tokens, 3 cost reps")
     p.add_argument("--k", type=int, default=4, help="most draft tokens per round of our methods (default: %(default)s)")
     p.add_argument("--fixed-k", action="store_true", help="our methods always draft --k tokens instead of adapting k")
+    p.add_argument("--wide-k", type=int, default=6,
+                   help="the spec-*-wide methods' most draft tokens per round (default: %(default)s)")
     p.add_argument("--tree", choices=("auto", "on"), default="auto",
                    help="the spec-*-tree methods: a tree when the cost model says it pays (auto), or whenever "
                         "there are candidates (on) (default: %(default)s)")
@@ -212,8 +217,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     args.methods = [*BASELINES, *[m for m in dict.fromkeys(methods) if m not in BASELINES]]
     args.categories = [c.strip() for c in args.categories.split(",") if c.strip()]
-    if min(args.per_category, args.max_new_tokens, args.cost_reps, args.k, args.hf_assistant_tokens) <= 0:
-        raise SystemExit("--per-category, --max-new-tokens, --cost-reps, --k and --hf-assistant-tokens "
+    if min(args.per_category, args.max_new_tokens, args.cost_reps, args.k, args.wide_k, args.hf_assistant_tokens) <= 0:
+        raise SystemExit("--per-category, --max-new-tokens, --cost-reps, --k, --wide-k and --hf-assistant-tokens "
                          "must be positive")
     if args.limit is not None and args.limit <= 0:
         raise SystemExit("--limit must be positive")
@@ -241,7 +246,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
     from tandem.tokenizer import load_tokenizer, stop_token_ids
 
     needs_draft = bool({"spec-draft", "spec-hybrid", "spec-draft-tree", "spec-hybrid-tree", "hf-assisted",
-                        *EAGER_METHODS, *FULL_METHODS, *HEADS_WITH_DRAFT} & set(args.methods))
+                        *EAGER_METHODS, *FULL_METHODS, *WIDE_METHODS, *HEADS_WITH_DRAFT} & set(args.methods))
     target_dir = resolve_model_dir(args.target, args.cache_dir)
     draft_dir = resolve_model_dir(args.draft, args.cache_dir) if needs_draft else None
     tokenizer = load_tokenizer(target_dir)
@@ -268,7 +273,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
             drafter = early_exit_engine(target, args.early_exit_layers or max(1, target.config.num_layers // 4))
             drafter.warmup()
         tree = args.tree if method in TREE_METHODS else "off"
-        options = SpecOptions(OURS_SPEC[method], args.k, not args.fixed_k, ngram_min=args.ngram_min,
+        k = args.wide_k if method in WIDE_METHODS else args.k
+        options = SpecOptions(OURS_SPEC[method], k, not args.fixed_k, ngram_min=args.ngram_min,
                               ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max), tree=tree,
                               tree_width=args.tree_width, draft_waits=method not in EAGER_METHODS,
                               draft_stops=method not in FULL_METHODS)
@@ -555,8 +561,8 @@ def write_results(args: argparse.Namespace, prompts: list[Prompt], bench: Bench,
     """spec_bench.json (settings, machine, cost ratios, rows, per-prompt runs), .md and .png."""
     settings = {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": args.methods,
-        "k": args.k, "adaptive_k": not args.fixed_k, "tree": args.tree, "tree_width": args.tree_width,
-        "max_new_tokens": args.max_new_tokens,
+        "k": args.k, "wide_k": args.wide_k, "adaptive_k": not args.fixed_k, "tree": args.tree,
+        "tree_width": args.tree_width, "max_new_tokens": args.max_new_tokens,
         "per_category": args.per_category, "select": args.select, "seed": args.seed,
         "hf_assistant_tokens": args.hf_assistant_tokens, "hf_pld_tokens": args.hf_pld_tokens,
         "hf_pld_ngram": args.hf_pld_ngram, "quick": args.quick, "baselines": list(BASELINES),

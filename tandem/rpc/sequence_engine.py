@@ -99,6 +99,11 @@ class SequenceEngine(Generic[Sequence, Plan]):
         """The prefix cache of its heads' own KV (an EAGLE head's, on a target); None where they keep none."""
         return None
 
+    def shared_prompt_stats(self) -> tuple[int, int]:
+        """(steps new Prefills waited for a prompt being computed, blocks with kept prompt scores): a target's
+        (``target_worker.shared_prompts``, ``tandem.prompt_score_cache``); none elsewhere."""
+        return 0, 0
+
     @property
     def num_sequences(self) -> int:
         return len(self.sequences)

@@ -52,6 +52,7 @@ class WorkerServiceBase:
         self.engine.leases.renew(request.owner)
         model = self.engine.engine
         cache = model.kv_cache
+        waits, scored = self.engine.shared_prompt_stats()
         return common_pb2.WorkerInfo(
             role=self.role, model=self.model_name, vocab_size=model.config.vocab_size,
             max_context=model.config.max_position_embeddings, total_blocks=cache.num_blocks,
@@ -65,6 +66,7 @@ class WorkerServiceBase:
             prefix_cache=_prefix_cache_info(cache.prefix_stats(), self.engine.caches_generated),
             heads_prefix_cache=(None if (heads := self.engine.heads_prefix_stats()) is None
                                 else _prefix_cache_info(heads, self.engine.caches_generated)),
+            shared_prompt_waits=waits, prompt_score_blocks=scored,
         )
 
 

@@ -190,8 +190,7 @@ class SpeculationLoop:
             drafted = await self._timed_draft(early)
             tokens = drafted.tokens
             if len(tokens) > 1 and tokens[0] == first and not s.finish_reason:
-                proposal = Proposal(len(s.history), tokens[1:-1], list(drafted.probs)[1:-1], tokens[-1], DRAFT,
-                                    list(drafted.alternatives)[1:-1])
+                proposal = _pipelined(len(s.history), drafted, k + 2, skip=1)
         return self._forced(prefilled.forced) or proposal
 
     async def _round(self, ready: Proposal | None) -> Proposal | None:
@@ -242,8 +241,7 @@ class SpeculationLoop:
             drafted = await self._timed_draft(ahead)
             tokens = drafted.tokens
             if accepted == chain and next_token == proposal.guess and tokens and not s.finish_reason:
-                next_proposal = Proposal(len(s.history), tokens[:-1], list(drafted.probs)[:-1], tokens[-1], DRAFT,
-                                         list(drafted.alternatives)[:-1])
+                next_proposal = _pipelined(len(s.history), drafted, k + 1)
         next_proposal = self._forced(verified.forced) or next_proposal
         wall = time.perf_counter() - started
         stats.round_wall_s += wall
@@ -366,11 +364,11 @@ class SpeculationLoop:
         t0 = time.perf_counter()
         drafted = await self._timed_draft(self._propose(s.history, k + extra, verified=len(s.history)))
         self.costs.observe_draft((time.perf_counter() - t0) / max(1, len(drafted.tokens)))
-        tokens, probs, alternatives = drafted.tokens, list(drafted.probs), list(drafted.alternatives)
-        if extra and len(tokens) == k + 1:
-            proposal = Proposal(committed, tokens[:-1], probs[:-1], tokens[-1], DRAFT, alternatives[:-1])
+        if extra:
+            proposal = _pipelined(committed, drafted, k + 1)
         else:
-            proposal = Proposal(committed, tokens, probs, source=DRAFT, alternatives=alternatives)
+            proposal = Proposal(committed, drafted.tokens, list(drafted.probs), source=DRAFT,
+                                alternatives=list(drafted.alternatives))
         return self._with_tree(proposal, k, shape, branches, runs)
 
     def _with_tree(self, proposal: Proposal, k: int, shape: TreeShape | None,
@@ -441,11 +439,16 @@ class SpeculationLoop:
         return drafted
 
     # ----- adaptive k ------------------------------------------------------
+    @property
+    def _draft_stops(self) -> bool:
+        """Whether this round's draft model stops where it is unsure: an adaptive request's (a fixed k is drafted
+        whole), when the round drafts with the model."""
+        return self.options.adaptive_k and self.options.draft_stops and self._drafter is not None
+
     def _stop_below(self, k: int) -> float:
-        """Where this request's draft model stops drafting (``adaptive.stop_below``; 0: it drafts all ``k``): an
-        adaptive request's, at its acceptance and the round costs; a fixed k is drafted whole."""
-        opts = self.options
-        if not (opts.adaptive_k and opts.draft_stops) or self._drafter is None:
+        """Where this request's draft model stops drafting (``adaptive.stop_below``; 0: it drafts all ``k``), at its
+        acceptance and the round costs."""
+        if not self._draft_stops:
             return 0.0
         return stop_below(self.state.tracker.rate, self._round_costs(drafting=True), k)
 
@@ -468,7 +471,7 @@ class SpeculationLoop:
             return min(opts.k_max, room)
         costs = self._round_costs()
         k = choose_k(s.tracker.rate, costs, opts.k_max)
-        if k > 0 and self._stop_below(k) > 0:
+        if k > 0 and self._draft_stops:
             # The draft model stops where it is unsure (``_stop_below``), so how far to draft is its call, round
             # by round, and k, chosen for the request's mean rate, is only a cap: it drafts up to the request's
             # own. (Replayed on the target's answers, stopping within the best fixed k gained 3%, within 4
@@ -656,3 +659,13 @@ class SpeculationLoop:
         if self.draft is not None:
             releases.append(self.draft.release())
         await asyncio.shield(asyncio.gather(*releases, return_exceptions=True))
+
+
+def _pipelined(base_len: int, drafted: Drafted, asked: int, skip: int = 0) -> Proposal:
+    """A pipelined draft's proposal after ``base_len`` tokens: what it drafted after ``skip`` tokens (the Prefill's
+    guess of the first token), its last token the guess of the target's extra one when it drafted all ``asked``;
+    a draft that stopped where it was unsure guessed none, and all it drafted is chain."""
+    tokens, probs, alternatives = drafted.tokens, list(drafted.probs), list(drafted.alternatives)
+    end = len(tokens) - 1 if len(tokens) == asked else len(tokens)
+    guess = tokens[-1] if end < len(tokens) else None
+    return Proposal(base_len, tokens[skip:end], probs[skip:end], guess, DRAFT, alternatives[skip:end])

@@ -289,6 +289,7 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
 
         kept = summed_metric(shared_cluster.workers("target"), "tandem_target_prompt_score_blocks")
         assert kept["tandem_target_prompt_score_blocks"] >= len(ids) // 16  # SmolLM2's cluster: 16-token blocks
+        assert sum(w.info.prompt_score_blocks for w in shared_client.info().target_workers) >= len(ids) // 16
 
 
 def test_the_responses_api_answers_as_chat_completions_do(api, model):

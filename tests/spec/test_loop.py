@@ -428,11 +428,13 @@ def test_match_rates_learn_from_the_rounds_and_stay_apart_from_the_request_rate(
     assert target.verified_tokens == state.stats.drafted  # every drafted token was verified, none other
 
 
-def test_an_adaptive_requests_draft_stops_where_it_is_unsure_and_the_output_is_the_targets():
-    state, _, draft = run(SpecOptions("draft", 6), n=80)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_an_adaptive_requests_draft_stops_where_it_is_unsure_and_the_output_is_the_targets(pipelined):
+    """(Pipelined, a draft that stopped guessed no extra token: all it drafted is verified, as its chain.)"""
+    state, _, draft = run(SpecOptions("draft", 6, pipelined=pipelined), n=80)
     assert state.generated == target_only([3, 1, 4, 1, 5], 80)
     assert max(draft.stops) > 0
-    full, _, full_draft = run(SpecOptions("draft", 6, draft_stops=False), n=80)
+    full, _, full_draft = run(SpecOptions("draft", 6, pipelined=pipelined, draft_stops=False), n=80)
     assert full.generated == state.generated and set(full_draft.stops) == {0.0}
     # the tokens it did not draft were the ones the target would have turned down
     assert state.stats.accepted / state.stats.drafted > full.stats.accepted / full.stats.drafted
