@@ -304,6 +304,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tree = _field("speculation.tree", lambda: check_tree_mode(spec.tree or "auto"))
         options = SpecOptions(method, k, adaptive_k=not spec.fixed_k,
                               pipelined=self.cfg.pipelining and not spec.disable_pipelining,
+                              draft_stops=self.cfg.draft_stops,
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
                               heads_nodes=spec.heads_nodes, heads_fallback=heads_fallback(requested, method, has_draft))
         text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)

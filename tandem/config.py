@@ -398,6 +398,10 @@ class CoordinatorConfig:
     default_max_new_tokens: int = 256
     default_k: int = 4
     pipelining: bool = True
+    # An adaptive request's draft model stops where its own probabilities say the target will likely turn it down
+    # (tandem.spec.adaptive.stop_below); False: it drafts every token of the round's k (a draft whose top
+    # probabilities do not track acceptance, such as one trained apart from the target, may do better so).
+    draft_stops: bool = True
     call_timeout_s: float = 60.0  # deadline of every internal call
     info_poll_s: float = 1.0  # how often worker capacity is refreshed for routing
     ngram_min: int = 1

@@ -54,6 +54,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "`tandem heads prepare`; they must have been trained for this target")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
+    p.add_argument("--no-draft-stops", action="store_true",
+                   help="the draft model drafts every token of a round's k instead of stopping where it is unsure "
+                        "(in process; with --addr, the coordinator's --no-draft-stops decides)")
     p.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens instead of adapting k per request and stopping a round's draft "
                         "where it is unsure (heads: ask them every round)")
@@ -162,7 +165,8 @@ def options_from_args(args: argparse.Namespace, heads: str = "") -> tuple[str, S
         raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
     return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                                tree=args.tree, tree_width=args.tree_width, heads_nodes=args.heads_nodes,
-                               heads_fallback=heads_fallback(args.method, method, args.draft is not None))
+                               heads_fallback=heads_fallback(args.method, method, args.draft is not None),
+                               draft_stops=not args.no_draft_stops)
 
 
 def configs_from_args(

@@ -174,6 +174,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="default most draft tokens per round (default: %(default)s)")
     coord.add_argument("--no-pipelining", action="store_true",
                        help="draft round r+1 only after round r is verified")
+    coord.add_argument("--no-draft-stops", action="store_true",
+                       help="the draft model drafts every token of a round's k, instead of stopping where its own "
+                            "probabilities say the target will likely turn the rest down (for a draft whose "
+                            "confidence does not track the target's agreement)")
     coord.add_argument("--call-timeout", type=float, default=60.0,
                        help="deadline of each internal call, seconds: a worker that takes longer is taken for hung, "
                             "marked unhealthy until its Info answers again, and its requests move "
@@ -262,6 +266,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         draft_service=args.draft_service, target_port=args.target_port, draft_port=args.draft_port,
         namespace=args.namespace, kubeconfig=args.kubeconfig,
         default_max_new_tokens=args.max_new_tokens, default_k=args.k, pipelining=not args.no_pipelining,
+        draft_stops=not args.no_draft_stops,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
         max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement, http_port=args.http_port,

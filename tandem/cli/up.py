@@ -93,6 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipelining", action="store_true",
                    help="draft round r+1 while round r is verified (pays when draft and target have their own "
                         "hardware; off by default here, where they share this machine's cores)")
+    p.add_argument("--no-draft-stops", action="store_true",
+                   help="the draft drafts every token of a round's k (`tandem serve coordinator --no-draft-stops`)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="the coordinator shares its continuation cache through this Redis (see `tandem serve "
                         "coordinator --help`); default: in-process")
@@ -150,6 +152,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]
     if args.auth_token_file:
         coordinator_args += ["--auth-token-file", str(args.auth_token_file)]
+    if args.no_draft_stops:
+        coordinator_args.append("--no-draft-stops")
     for name in LIMIT_FLAGS:
         if getattr(args, name) is not None:
             coordinator_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -128,3 +128,30 @@ def test_serve_coordinator_leaves_http_off_unless_asked():
     base = ["serve", "coordinator", "--tokenizer", "t", "--target-addr", "h:1"]
     assert parser.parse_args(base).http_port is None
     assert parser.parse_args([*base, "--http-port", "0"]).http_port == 0
+
+
+@pytest.mark.parametrize("draft_stops", [True, False])
+def test_the_coordinators_draft_stops_switch_reaches_every_requests_options(tokenizer, draft_stops):
+    """``--no-draft-stops`` (CoordinatorConfig.draft_stops): the draft drafts every token of a round's k."""
+    from tests.http.harness import MODEL
+    from tests.http.test_http_api import client
+
+    async def go():
+        async with http_coordinator(tokenizer, draft_stops=draft_stops) as running:
+            seen = []
+            start = running.service.start
+
+            def spy(request, remaining):
+                run = start(request, remaining)
+                seen.append(run.options.draft_stops)
+                return run
+            running.service.start = spy
+            await client(running).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert seen == [draft_stops]
+    asyncio.run(go())
+    from tandem.cli import build_parser
+    from tandem.cli.up import cluster_spec
+
+    flags = [] if draft_stops else ["--no-draft-stops"]
+    assert ("--no-draft-stops" in cluster_spec(build_parser().parse_args(["up", "--target", "t", *flags]))
+            .coordinator_args) is not draft_stops  # tandem up passes it on
