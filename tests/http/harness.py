@@ -156,3 +156,16 @@ async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serv
         await server.server.stop(0)
         await targets.close()
         await drafts.close()
+
+
+def record_starts(running: Running, read: Any) -> list[Any]:
+    """What ``read`` takes from each request the coordinator starts (its ``_Request``: state, options), in order."""
+    seen: list[Any] = []
+    start = running.service.start
+
+    def spy(request, remaining):
+        run = start(request, remaining)
+        seen.append(read(run))
+        return run
+    running.service.start = spy
+    return seen

@@ -133,19 +133,12 @@ def test_serve_coordinator_leaves_http_off_unless_asked():
 @pytest.mark.parametrize("draft_stops", [True, False])
 def test_the_coordinators_draft_stops_switch_reaches_every_requests_options(tokenizer, draft_stops):
     """``--no-draft-stops`` (CoordinatorConfig.draft_stops): the draft drafts every token of a round's k."""
-    from tests.http.harness import MODEL
+    from tests.http.harness import MODEL, record_starts
     from tests.http.test_http_api import client
 
     async def go():
         async with http_coordinator(tokenizer, draft_stops=draft_stops) as running:
-            seen = []
-            start = running.service.start
-
-            def spy(request, remaining):
-                run = start(request, remaining)
-                seen.append(run.options.draft_stops)
-                return run
-            running.service.start = spy
+            seen = record_starts(running, lambda run: run.options.draft_stops)
             await client(running).completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert seen == [draft_stops]
     asyncio.run(go())

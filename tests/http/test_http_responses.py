@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.http.harness import LOGPROB, MODEL, http_coordinator
+from tests.http.harness import LOGPROB, MODEL, http_coordinator, record_starts
 from tests.http.test_http_api import client, post
 from tests.http.test_http_tools import CALL, EOS, INFO, run, spell
 from tests.http.test_http_tools import tokenizer as tokenizer  # noqa: F401, PLC0414 - the module's fixture
@@ -177,14 +177,7 @@ def test_a_left_out_limit_is_what_the_context_leaves_not_the_server_default(toke
     and vLLM's default); legacy completions keep the coordinator's --max-new-tokens."""
     async def go():
         async with http_coordinator(tokenizer, info=INFO) as running:
-            limits = []
-            start = running.service.start
-
-            def spy(request, remaining):
-                run = start(request, remaining)
-                limits.append((len(run.state.prompt_ids), run.state.stop.max_new_tokens))
-                return run
-            running.service.start = spy
+            limits = record_starts(running, lambda run: (len(run.state.prompt_ids), run.state.stop.max_new_tokens))
             running.target.script = [*spell(tokenizer, "ok"), EOS]
             reply = await client(running).responses.create(model=MODEL, input="hi")
             assert reply.status == "completed" and reply.output_text == "ok"
