@@ -20,6 +20,8 @@ log-probability of each of its tokens with ``top_logprobs`` alternatives (chat c
 entries), and each ``response.output_text.delta`` those of the tokens it brings. A token whose
 text is still held back (a character not finished, text that may start a call) comes with the
 next delta; a function call's tokens are not scored anywhere (OpenAI scores output text alone).
+The coordinator's messages do not say which of their tokens are a call's, so a round that ends
+the text and starts a call in one message leaves that round's text tokens unscored too.
 """
 
 from __future__ import annotations
