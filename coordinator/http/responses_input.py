@@ -25,9 +25,9 @@ from typing import Any
 
 from coordinator.http.errors import ApiError, bad_field, unsupported
 from coordinator.http.schema import ParsedRequest, parse_chat
+from tandem.sampling_params import MAX_LOGPROBS
 
 LOGPROBS = "message.output_text.logprobs"  # the one includable Tandem makes
-MAX_TOP_LOGPROBS = 20  # as OpenAI's
 # Fields of this API with the chat completion field they become (None: this module reads them itself).
 PASSED = ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", "tandem", "seed",
           "frequency_penalty", "presence_penalty", "logit_bias", "structured_outputs")
@@ -116,8 +116,8 @@ def _logprobs(chat: dict[str, Any], include: Any, top: Any) -> None:
     for i, name in enumerate(include or []):
         if name != LOGPROBS:
             raise unsupported(f"include[{i}]", f" ({name!r}: only {LOGPROBS!r})")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise bad_field("top_logprobs", f"an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise bad_field("top_logprobs", f"an integer from 0 to {MAX_LOGPROBS}, got {top!r}")
     if LOGPROBS in (include or []):
         chat["logprobs"] = True
         chat["top_logprobs"] = top or 0
