@@ -325,7 +325,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
                     plan.drafted.append(token)
             self._sample_step([p for p in active if not p.call.sampling.is_greedy], rows)
             self._alternatives([p for p in active if p.call.alternatives], rows)
-            self._note_sureness([p for p in active if p.call.stop_below > 0], rows)
+            self._note_sureness([p for p in active if p.call.stop_below > 0 and len(p.drafted) < p.call.k], rows)
             active = [p for p in active if len(p.drafted) < p.call.k and p.sure >= p.call.stop_below]
             feed = {p.index: Run([p.drafted[-1]], False) for p in active}
 
