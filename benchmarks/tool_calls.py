@@ -14,7 +14,9 @@ order; each method runs twice, as served and ``-unforced`` (without proposing th
 forces, which the target lists after each verification). Reported per setting and method: tokens/s
 and its ratio to target-only under the same setting, acceptance, tokens per round, how many prompts
 gave exactly target-only's output, how many answers held calls (parsed as the coordinator parses
-them), how many held a call that is not valid, and how many forced tokens were proposed and kept.
+them: in ``auto``, calls written as plain JSON too), how many held a call that is not valid, and how
+many forced tokens were proposed and kept. ``--settings`` runs some of the three (``auto`` alone: does the model
+call on its own?).
 
 Writes tool_calls.json / .md / .png into --out (default benchmarks/results).
 """
@@ -46,6 +48,7 @@ from benchmarks.sampling_settings import (  # noqa: E402
 NAME = "tool_calls"
 TITLE = "Speculation for tool calls: greedy, calls left to the model (auto) or enforced (required)"
 TASKS = _REPO_ROOT / "benchmarks" / "data" / "tool_tasks" / "tasks.json"
+SETTINGS = ("auto", "required", "required_one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, NAME, prompts=False, methods=GRAMMAR_METHODS)
     parser.add_argument("--tasks", type=Path, default=TASKS, help="tools and requests (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="the first N requests only")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help="comma-separated subset of %(default)s (auto: does the model call on its own?)")
     return parser
 
 
@@ -74,6 +79,7 @@ def valid_calls(calls: list[Any], tools: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     methods = names_from(args.methods, GRAMMAR_METHODS)
+    chosen = names_from(args.settings, SETTINGS, "--settings")
     from tandem.sampling import SamplingParams
     from tandem.structured_output import StructuredOutput
     from tandem.tokenizer import encode_messages
@@ -92,20 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     samplings = {"auto": SamplingParams(),
                  "required": SamplingParams(grammar=fmt.grammar(ToolUse(tools, "required"))),
                  "required_one": SamplingParams(grammar=fmt.grammar(ToolUse(tools, "required", single_call=True)))}
+    samplings = {setting: samplings[setting] for setting in chosen}
     print(f"[{NAME}] {len(prompts)} prompts x {len(samplings)} settings x (1 + {len(methods)}) runs", file=sys.stderr,
           flush=True)
+    schemas = {t.name: t.schema for t in tools}
     rows = measure(target, draft, prompts, methods, args.max_new_tokens, samplings, args.k, stop_ids,
                    adaptive_k=not args.fixed_k, structured=StructuredOutput(target_dir, target.config), name=NAME)
-    schemas = {t.name: t.schema for t in tools}
-    for row in rows:
-        _, calls = parse_tool_calls(tokenizer.decode(row["token_ids"], skip_special_tokens=True))
+    for row in rows:  # as the coordinator parses: auto's calls may be plain JSON too (tandem.json_tool_calls)
+        names = frozenset(schemas) if row["setting"] == "auto" else frozenset()
+        _, calls = parse_tool_calls(tokenizer.decode(row["token_ids"], skip_special_tokens=True), names)
         row["calls"] = len(calls)
         row["with_calls"] = bool(calls)
         row["invalid_calls"] = not valid_calls(calls, schemas)
     summary = summarize(rows)
     add_counts(summary, rows, {"answers_with_calls": "with_calls", "calls": "calls", "invalid": "invalid_calls",
                                "forced_kept": "forced"})
-    settings = {**run_settings(args, methods), "tasks": len(tasks)}
+    settings = {**run_settings(args, methods), "tasks": len(tasks), "settings": chosen}
     print(report(rows, summary, settings, args.out, args.name, TITLE))
     return 0
 

@@ -168,7 +168,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
                                self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
-        parser = ToolCallParser() if tools is not None and tools.shown else None
+        parser = None
+        if tools is not None and tools.shown:  # auto's calls may be plain JSON too; enforced ones are blocks
+            parser = ToolCallParser(frozenset() if tools.enforced else frozenset(t.name for t in tools.callable()))
         return _Request(request_id, state, options, placement, loop, tool_calls=parser)
 
     async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:

@@ -9,7 +9,9 @@ renders tools this way (``HermesFormat.of``); a model whose template does not is
 
 - ``auto``: the model decides. Its text is parsed as it streams (``ToolCallParser``): what lies outside
   the blocks is the content, each complete block a call. Nothing constrains it, so a block that is not a
-  call (not JSON, no name) stays in the content, as it was written.
+  call (not JSON, no name) stays in the content, as it was written. A model that writes its calls as plain
+  JSON instead (Qwen2.5-Coder) has them found too, where they name the request's tools
+  (``tandem.json_tool_calls``).
 - ``required`` and a named function: the calls are enforced with a grammar (``HermesFormat.grammar``, in
   llguidance's Lark dialect, each block's JSON under its function's parameter schema), which the target
   applies to every row it verifies as it applies a JSON schema (``tandem.structured_output``). So the
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import InvalidRequestError
+from tandem.json_tool_calls import JsonCallFinder, call_of
 from tandem.tool_call_deltas import StreamedArguments, ToolCallDelta
 
 TOOL_CHOICES = ("auto", "none", "required", "function")
@@ -184,20 +187,9 @@ def new_call_id() -> str:
 def parse_call(body: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of one block's text; None for text that is not a call."""
     try:
-        value = json.loads(body)
+        return call_of(json.loads(body))
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))  # some Hermes models write "parameters"
-    if isinstance(arguments, str):  # arguments already as text: kept if it is an object's
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 class ToolCallParser:
@@ -209,9 +201,13 @@ class ToolCallParser:
     (the blank lines around calls are not content). Without any call, the content is exactly the text.
     A call's arguments are streamed too while its block is open (``take_deltas``,
     ``tandem.tool_call_deltas``); the call then completes with the id its deltas had.
+
+    Given the request's tool ``names`` (``auto``), the content is searched again for calls written as plain
+    JSON, bare or in a ```json fence (``tandem.json_tool_calls``: Qwen2.5-Coder's way); those arrive whole.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        self._json = JsonCallFinder(names) if names else None
         self.open, self.close = HermesFormat.OPEN, HermesFormat.CLOSE  # the tags' text, whether tokens or not
         self._buffer = ""  # text not yet decided
         self._in_call = False
@@ -231,6 +227,11 @@ class ToolCallParser:
         if final:
             rest, more = self._finish()
             content, calls = content + rest, calls + more
+        if self._json is not None:
+            content, found = self._json.feed(content, final)
+            for name, arguments in found:
+                calls.append(ToolCall(new_call_id(), name, arguments))
+                self.calls.append(calls[-1])
         return content, calls
 
     def _feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -320,9 +321,9 @@ class ToolCallParser:
         return body
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole text."""
-    return ToolCallParser().feed(text, final=True)
+def parse_tool_calls(text: str, names: frozenset[str] = frozenset()) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole text (with ``names``, calls written as plain JSON too)."""
+    return ToolCallParser(names).feed(text, final=True)
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -120,3 +120,44 @@ def test_a_tool_result_goes_back_to_the_model_for_its_answer(api, smollm2_dir):
         api.chat.completions.create(model=model, messages=messages[:2] + [{"role": "tool", "content": "x"}],
                                     tools=[WEATHER], max_tokens=4)
     assert refused.value.body["param"] == "messages[2].tool_call_id"
+
+
+def test_an_auto_call_written_as_fenced_json_is_a_call_whole_and_streamed(api, smollm2_dir):
+    """Left free, Qwen2.5-Coder writes its calls as JSON in a ```json fence, not in <tool_call> blocks
+    (tandem/json_tool_calls.py). SmolLM2 does too after an earlier answer written so; the call is found, whole or
+    streamed, as the parser finds it in target-only's text."""
+    from tandem.sampling_params import SamplingParams
+    from tandem.tokenizer import encode_messages, load_tokenizer
+    from tandem.tool_calls import parse_tool_calls
+    from tests.references import target_only
+
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n```'
+    messages = [{"role": "user", "content": "What is the weather like in Rome today?"},
+                {"role": "assistant", "content": fenced}, *MESSAGES]
+    tokenizer = load_tokenizer(smollm2_dir)
+    tokenizer.chat_template = TEMPLATE.read_text()
+    [ids] = target_only(smollm2_dir, [encode_messages(tokenizer, messages, [WEATHER, CLOCK])], dtype="bfloat16",
+                        max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingParams()).values()
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    _, [expected] = parse_tool_calls(text, frozenset({"get_weather", "get_time"}))
+    assert text.startswith("```json") and expected.name == "get_weather"  # the fence, found
+
+    model = api.models.list().data[0].id
+    reply = api.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK], tool_choice="auto",
+                                        max_tokens=MAX_NEW_TOKENS, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (expected.name,
+                                                                          json.loads(expected.arguments))
+    content, calls, finish = "", [], None
+    for chunk in api.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK], stream=True,
+                                             tool_choice="auto", max_tokens=MAX_NEW_TOKENS, temperature=0):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    [whole] = calls  # found once its fence closed: one piece, named, with all its arguments
+    assert (whole.index, whole.function.name, whole.id[:5]) == (0, "get_weather", "call_")
+    assert json.loads(whole.function.arguments) == json.loads(call.function.arguments)
+    assert content == "" and finish == "tool_calls"
