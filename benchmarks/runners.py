@@ -84,10 +84,12 @@ def run_ours(
     stop_ids: frozenset[int] = frozenset(),
     k_max: int | None = None,
     adaptive_k: bool | None = None,
+    sampling: SamplingParams | None = None,
 ) -> RunOutput:
-    """One greedy request through our speculation loop (k and adaptivity: the generator's unless given)."""
+    """One request through our speculation loop, greedy unless ``sampling`` says otherwise (k and adaptivity: the
+    generator's unless given)."""
     request = GenerationRequest(
-        list(prompt_ids), max_new_tokens, SamplingParams(), stop_ids, k_max=k_max, adaptive_k=adaptive_k
+        list(prompt_ids), max_new_tokens, sampling or SamplingParams(), stop_ids, k_max=k_max, adaptive_k=adaptive_k
     )
     results, seconds = timed(lambda: generator.generate([request]))
     return RunOutput(results[0].token_ids, seconds, results[0].stats)
@@ -115,14 +117,16 @@ class FirstTokenClock:
 
 def run_hf(model: Any, prompt_ids: list[int], max_new_tokens: int, time_first_token: bool = False,
            **generate_kwargs: Any) -> RunOutput:
-    """One greedy ``model.generate`` call; extra kwargs (assistant, prompt lookup, eos...) pass through.
+    """One ``model.generate`` call, greedy unless kwargs sample; extra kwargs (assistant, prompt lookup, eos...)
+    pass through.
 
     ``time_first_token`` also records when the first token came (a streamer: one host copy per token), so
     the decoding phase can be timed apart from the prefill, as our ``GenerationStats`` do.
     """
     input_ids = torch.tensor([prompt_ids], dtype=torch.int64)  # [1, P]
     pad = model.generation_config.pad_token_id
-    kwargs = {"pad_token_id": pad if pad is not None else model.generation_config.eos_token_id, **generate_kwargs}
+    kwargs = {"pad_token_id": pad if pad is not None else model.generation_config.eos_token_id, "do_sample": False,
+              **generate_kwargs}
     clock = FirstTokenClock() if time_first_token else None
     if clock is not None:
         kwargs["streamer"] = clock
@@ -132,7 +136,6 @@ def run_hf(model: Any, prompt_ids: list[int], max_new_tokens: int, time_first_to
             lambda: model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
                 max_new_tokens=max_new_tokens,
                 **kwargs,
             )

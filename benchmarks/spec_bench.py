@@ -1,6 +1,6 @@
 """Speculative decoding, side by side: our methods and transformers' on the same prompts.
 
-Greedy, batch 1, one process, every model loaded once. Each prompt runs every
+Greedy (or sampled: --temperature), batch 1, one process, every model loaded once. Each prompt runs every
 method back to back (in a rotating order), so machine noise hits all methods
 alike. Methods:
 
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens generated per prompt at most (default: 128; --quick: 32)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per category, 32 tokens, 3 cost reps")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every method at this temperature (top-p 1, top-k off, unseeded: each draft token is "
+                        "judged by the rejection rule); 0: greedy. Sampled outputs differ run to run, so methods "
+                        "compare over the same prompts, not the same tokens (default: %(default)s)")
     p.add_argument("--k", type=int, default=4, help="most draft tokens per round of our methods (default: %(default)s)")
     p.add_argument("--fixed-k", action="store_true", help="our methods always draft --k tokens instead of adapting k")
     p.add_argument("--wide-k", type=int, default=6,
@@ -222,6 +226,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                          "must be positive")
     if args.limit is not None and args.limit <= 0:
         raise SystemExit("--limit must be positive")
+    if not 0 <= args.temperature < float("inf"):
+        raise SystemExit(f"--temperature must be >= 0 and finite, got {args.temperature}")
     return args
 
 
@@ -254,7 +260,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
         check_same_tokenizer(tokenizer, target_dir, draft_dir)
     target = ModelEngine.load(engine_config(target_dir, args.dtype, args.packed_weights))
     bench = Bench(tokenizer, stop_token_ids(target_dir, tokenizer, target.config))
-    bench.runners[BASELINE] = ours_runner(target, None, SpecOptions("none", 0), bench.stop_ids)
+    sampling = request_sampling(args)
+    bench.runners[BASELINE] = ours_runner(target, None, SpecOptions("none", 0), bench.stop_ids, sampling)
     draft_engine = None
     for method in [m for m in args.methods if m in OURS_SPEC]:
         drafter = None  # the model that drafts (None: n-gram lookup)
@@ -278,7 +285,7 @@ def load_bench(args: argparse.Namespace) -> Bench:
                               ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max), tree=tree,
                               tree_width=args.tree_width, draft_waits=method not in EAGER_METHODS,
                               draft_stops=method not in FULL_METHODS)
-        bench.runners[method] = ours_runner(target, drafter, options, bench.stop_ids)
+        bench.runners[method] = ours_runner(target, drafter, options, bench.stop_ids, sampling)
         bench.cost_ratio[method] = cost_ratio(target, drafter, args.cost_reps)
     add_hf_runners(bench, args, target_dir, draft_dir)
     return bench
@@ -297,13 +304,20 @@ def cost_ratio(target: Any, drafter: Any, reps: int) -> float:
     return drafter_s / target_s
 
 
-def ours_runner(target: Any, drafter: Any, options: Any, stop_ids: frozenset[int]) -> Runner:
+def ours_runner(target: Any, drafter: Any, options: Any, stop_ids: frozenset[int], sampling: Any = None) -> Runner:
     """A runner over one generator kept for the whole run, so its cost model stays warm as in a server."""
     from benchmarks.runners import run_ours
     from tandem.inprocess import SpeculativeGenerator
 
     generator = SpeculativeGenerator(target, drafter, options)
-    return lambda ids, n: run_ours(generator, ids, n, stop_ids)
+    return lambda ids, n: run_ours(generator, ids, n, stop_ids, sampling=sampling)
+
+
+def request_sampling(args: argparse.Namespace) -> Any:
+    """What every request of ours samples with (``--temperature``; 0: greedy)."""
+    from tandem.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature)
 
 
 def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: frozenset[int],
@@ -328,9 +342,11 @@ def heads_runner(target: Any, method: str, args: argparse.Namespace, stop_ids: f
                           heads_fallback="hybrid" if method in HEADS_WITH_DRAFT else "plain")
     generator = SpeculativeGenerator(target, draft, options, heads=heads)
 
+    sampling = request_sampling(args)
+
     def run(ids: list[int], n: int) -> RunOutput:
         before = heads.seconds
-        out = run_ours(generator, ids, n, stop_ids)
+        out = run_ours(generator, ids, n, stop_ids, sampling=sampling)
         out.draft_seconds = heads.seconds - before
         return out
 
@@ -347,6 +363,7 @@ def add_hf_runners(bench: Bench, args: argparse.Namespace, target_dir: Path, dra
     model = load_hf_model(target_dir, args.dtype)
     eos = sorted(bench.stop_ids)
     extra: dict[str, dict[str, Any]] = {"hf-plain": {}}
+    sampled = {"do_sample": True, "temperature": args.temperature, "top_p": 1.0, "top_k": 0} if args.temperature else {}
     if "hf-assisted" in wanted:
         assert draft_dir is not None
         assistant = load_hf_model(draft_dir, args.dtype)
@@ -358,14 +375,15 @@ def add_hf_runners(bench: Bench, args: argparse.Namespace, target_dir: Path, dra
     extra["hf-prompt-lookup"] = pld
     for method in wanted:
         # hf-plain, a baseline of decode_speedup, times its prefill apart as our methods do
-        kwargs = {"eos_token_id": eos, "time_first_token": method == HF_BASELINE, **extra[method]}
+        kwargs = {"eos_token_id": eos, "time_first_token": method == HF_BASELINE, **sampled, **extra[method]}
         bench.runners[method] = lambda ids, n, kw=kwargs: run_hf(model, ids, n, **kw)
 
 
 # ----- running -----------------------------------------------------------
 def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: list[int], max_new: int,
-               rotation: int) -> list[dict[str, Any]]:
-    """Every method on one prompt, back to back, starting at a rotating method; one row per method."""
+               rotation: int, greedy: bool = True) -> list[dict[str, Any]]:
+    """Every method on one prompt, back to back, starting at a rotating method; one row per method (sampled:
+    nothing to compare with target-only's tokens, ``matches_target_only`` None)."""
     order = methods[rotation % len(methods):] + methods[: rotation % len(methods)]
     outputs = {m: bench.runners[m](prompt_ids, max_new) for m in order}
     reference = outputs[BASELINE].token_ids
@@ -374,7 +392,8 @@ def run_prompt(bench: Bench, methods: list[str], prompt: Prompt, prompt_ids: lis
         out = outputs[method]
         row: dict[str, Any] = {"prompt_id": prompt.prompt_id, "category": prompt.category, "method": method,
                                "prompt_tokens": len(prompt_ids), "tokens": len(out.token_ids),
-                               "seconds": out.seconds, "matches_target_only": out.token_ids == reference}
+                               "seconds": out.seconds,
+                               "matches_target_only": out.token_ids == reference if greedy else None}
         if out.stats is not None:
             s = out.stats
             # The decoding phase: after the target's prefill (which every method pays alike), to the last token.
@@ -404,7 +423,7 @@ def run_all(bench: Bench, prompts: list[Prompt], args: argparse.Namespace) -> li
     bar = tqdm(list(zip(prompts, encoded)), desc=NAME, unit="prompt", file=sys.stderr)
     for i, (prompt, ids) in enumerate(bar):
         bar.set_postfix(category=prompt.category, prompt_tokens=len(ids))
-        runs.extend(run_prompt(bench, args.methods, prompt, ids, args.max_new_tokens, i))
+        runs.extend(run_prompt(bench, args.methods, prompt, ids, args.max_new_tokens, i, not args.temperature))
     return runs
 
 
@@ -448,9 +467,11 @@ def aggregate(runs: list[dict[str, Any]], method: str, category: str, baselines:
         "mean_accepted_len": None, "acceptance_rate": None, "mean_k": None, "cost_ratio": cost_ratio,
         "tree_rounds": None, "branch_tokens": None, "tokens_per_round": None, "draft_ms_per_round": None,
         "depth_acceptance": None, "predicted_speedup": None, "efficiency": None,
-        "mismatches": sum(not r["matches_target_only"] for r in runs),
+        # sampled runs (None) have no target-only tokens to equal
+        "mismatches": None if any(r["matches_target_only"] is None for r in runs) else sum(
+            not r["matches_target_only"] for r in runs),
     }
-    row["mismatch_rate"] = row["mismatches"] / len(runs) if runs else None
+    row["mismatch_rate"] = row["mismatches"] / len(runs) if runs and row["mismatches"] is not None else None
     if method in OURS_SPEC:
         drafted = sum(r["drafted"] for r in runs)
         accepted = sum(r["accepted"] for r in runs)
@@ -540,7 +561,7 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
 
 
 # ----- output ------------------------------------------------------------
-def chart(rows: list[dict[str, Any]], methods: list[str], out: Path) -> Path:
+def chart(rows: list[dict[str, Any]], methods: list[str], out: Path, decoding: str = "greedy") -> Path:
     """Grouped bars per category, one bar per method: speedup over target-only (left), over hf-plain (right).
 
     Both panels show every method, the baselines too (a panel's own at 1.0), so a method keeps its colour.
@@ -552,7 +573,7 @@ def chart(rows: list[dict[str, Any]], methods: list[str], out: Path) -> Path:
         grouped_bars(ax, categories, {m: [by.get((m, c)) for c in categories] for m in methods},
                      f"speedup over {baseline} (tokens/s ratio)")
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"greedy, batch 1: speedup over {baseline} per category")
+        ax.set_title(f"{decoding}, batch 1: speedup over {baseline} per category")
     return save_figure(fig, out, NAME)
 
 
@@ -562,7 +583,7 @@ def write_results(args: argparse.Namespace, prompts: list[Prompt], bench: Bench,
     settings = {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "methods": args.methods,
         "k": args.k, "wide_k": args.wide_k, "adaptive_k": not args.fixed_k, "tree": args.tree,
-        "tree_width": args.tree_width, "max_new_tokens": args.max_new_tokens,
+        "tree_width": args.tree_width, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "per_category": args.per_category, "select": args.select, "seed": args.seed,
         "hf_assistant_tokens": args.hf_assistant_tokens, "hf_pld_tokens": args.hf_pld_tokens,
         "hf_pld_ngram": args.hf_pld_ngram, "quick": args.quick, "baselines": list(BASELINES),
@@ -580,7 +601,8 @@ def write_results(args: argparse.Namespace, prompts: list[Prompt], bench: Bench,
         write_json(args.out, NAME, {"settings": settings, "machine": machine, "cost_ratio": bench.cost_ratio,
                                     "records": rows, "thresholds": verdicts, "runs": runs}),
         write_markdown(args.out, NAME, "Spec-Bench: speculative decoding side by side", body),
-        chart(rows, args.methods, args.out),
+        chart(rows, args.methods, args.out,
+              f"sampled at temperature {args.temperature:g}" if args.temperature else "greedy"),
     ]
 
 

@@ -43,6 +43,27 @@ def test_hf_plain_runs_in_every_spec_bench_run():
     assert "hf-plain" in spec_bench.DEFAULT_METHODS
 
 
+def test_sampled_runs_compare_speed_but_count_no_mismatches():
+    """Sampled outputs differ run to run: nothing to count against target-only's tokens, and a bad temperature is
+    refused before anything loads."""
+    runs = [{**run("target-only", "qa", 20, 2.0, 1.9), "matches_target_only": None},
+            {**run("hf-plain", "qa", 30, 2.0, 1.9), "matches_target_only": None}]
+    by = {(r["method"], r["category"]): r for r in spec_bench.summarize(runs, ["target-only", "hf-plain"], {})}
+    assert by[("hf-plain", "qa")]["speedup"] == 1.5
+    assert by[("hf-plain", "qa")]["mismatches"] is None and by[("hf-plain", "qa")]["mismatch_rate"] is None
+    assert by[("target-only", "qa")]["mismatches"] is None
+    greedy = [run("target-only", "qa", 20, 2.0, 1.9), {**run("hf-plain", "qa", 20, 2.0), "matches_target_only": False}]
+    assert {r["method"]: r["mismatches"] for r in spec_bench.summarize(greedy, ["target-only", "hf-plain"], {})
+            if r["category"] == "qa"} == {"target-only": 0, "hf-plain": 1}
+    for bad in ("-0.5", "nan", "inf"):
+        try:
+            spec_bench.resolve_args(spec_bench.build_parser().parse_args(["--temperature", bad]))
+        except SystemExit as exc:
+            assert "--temperature" in str(exc)
+        else:
+            raise AssertionError(f"--temperature {bad} was taken")
+
+
 def test_the_markdown_names_both_baselines():
     header = markdown_table([], spec_bench.COLUMNS, spec_bench.HEADERS).splitlines()[0]
     assert "| x target-only |" in header and "| x hf-plain |" in header
