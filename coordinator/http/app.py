@@ -38,7 +38,7 @@ from aiohttp import web
 from coordinator.access import AccessControl
 from coordinator.http import tokenize
 from coordinator.http.errors import ApiError, bad_field, from_domain
-from coordinator.http.responses import Choice, Shapes, TokenTexts
+from coordinator.http.responses import Choice, Shapes, TokenTexts, share_prompt_scores
 from coordinator.http.responses_input import parse_responses
 from coordinator.http.responses_output import ResponseShapes, ResponseStream
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
@@ -223,6 +223,8 @@ class HttpApi:
                                  for run, choice in zip(runs, choices)])
             except Exception as exc:  # noqa: BLE001
                 raise from_domain(exc, parsed.params) from None
+            if parsed.scores_each_prompt_once:
+                share_prompt_scores(choices, parsed.n)
             return web.json_response(shapes.completion(choices, parsed.n),
                                      headers={"X-Request-Id": parsed.request.request_id})
 

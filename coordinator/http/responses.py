@@ -67,6 +67,15 @@ class Choice:
         return "".join(self.texts)
 
 
+def share_prompt_scores(choices: list[Choice], n: int) -> None:
+    """Each prompt's first choice's prompt scores (and the tokens they score) given to the prompt's other choices,
+    which did not ask for them (``ParsedRequest.scores_each_prompt_once``)."""
+    for choice in choices:
+        first = choices[choice.index - choice.index % n]
+        if first is not choice:
+            choice.prompt_ids, choice.prompt_logprobs = list(first.prompt_ids), list(first.prompt_logprobs)
+
+
 class Shapes:
     """The JSON objects of one request's reply (``chat``: the chat endpoint's; else the completions')."""
 

@@ -103,12 +103,22 @@ class ParsedRequest:
     def prompt_of(self, index: int) -> int:
         return index // self.n
 
+    @property
+    def scores_each_prompt_once(self) -> bool:
+        """Whether only each prompt's first choice asks the target to score the prompt (``prompt_logprobs``, or
+        echo with logprobs), and its other choices take those scores (``share_prompt_scores``): the scores are
+        the same for all of them, and where a kept score cannot be reused (a GPU, unpacked weights) each choice
+        computed the prompt again. Not streamed: a streamed choice's first chunk carries its own."""
+        return not self.stream and self.request.sampling.HasField("prompt_logprobs")
+
     def for_choice(self, index: int) -> generation_pb2.GenerateRequest:
         """Choice ``index``'s request: its prompt's; seeded requests take seed + the sample's index among its
-        prompt's ``n``, so their samples differ and repeat."""
+        prompt's ``n``, so their samples differ and repeat; only a prompt's first choice scores the prompt when
+        ``scores_each_prompt_once``."""
         prompt, sample = divmod(index, self.n)
         seeded = sample > 0 and self.request.sampling.HasField("seed")
-        if prompt == 0 and not seeded:
+        unscored = sample > 0 and self.scores_each_prompt_once
+        if prompt == 0 and not seeded and not unscored:
             return self.request
         request = generation_pb2.GenerateRequest()
         request.CopyFrom(self.request)
@@ -116,6 +126,8 @@ class ParsedRequest:
             _set_prompt(request, self.prompts[prompt])
         if seeded:
             request.sampling.seed = (self.request.sampling.seed + sample) % 2**64
+        if unscored:
+            request.sampling.ClearField("prompt_logprobs")
         return request
 
 

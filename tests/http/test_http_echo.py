@@ -199,7 +199,8 @@ def test_vllms_prompt_logprobs_score_each_prompt_token_with_its_rank(tokenizer):
             code, body = await post(running.url + "/completions", {
                 "model": MODEL, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": 2, "n": 2, "temperature": 0})
             assert code == 200, body
-            assert running.target.samplings[-1].prompt_logprobs == 2
+            # scored once, for both choices (test_each_prompt_is_scored_once_however_many_choices_it_has)
+            assert [s.prompt_logprobs for s in running.target.samplings if s.HasField("prompt_logprobs")] == [2]
             for choice in body["choices"]:
                 scores = choice["prompt_logprobs"]
                 assert scores[0] is None and len(scores) == len(ids)
@@ -224,4 +225,40 @@ def test_vllms_prompt_logprobs_score_each_prompt_token_with_its_rank(tokenizer):
                 "model": MODEL, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": 1, "echo": True, "logprobs": 1})
             assert code == 200 and same["choices"][0]["logprobs"]["token_logprobs"][1] == PROMPT_LOGPROB
             assert same["choices"][0]["prompt_logprobs"][1][str(ids[1])]["logprob"] == PROMPT_LOGPROB
+    run(go())
+
+
+def test_each_prompt_is_scored_once_however_many_choices_it_has(tokenizer):
+    """A prompt's n choices share its scores: only its first choice asks the target for them (the others would
+    compute the same again), and every choice's reply carries them; streamed, each choice scores its own."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            ids, other = tokenizer.encode("hello there"), [5, 6, 7]
+            code, body = await post(running.url + "/completions", {
+                "model": MODEL, "prompt": [ids, other], "max_tokens": 1, "n": 3, "echo": True, "logprobs": 1,
+                "prompt_logprobs": 1})
+            assert code == 200, body
+            asked = [s.prompt_logprobs if s.HasField("prompt_logprobs") else None for s in running.target.samplings]
+            assert sorted(asked, key=str) == [1, 1, None, None, None, None]  # one scored Prefill per prompt
+            for choice in body["choices"]:
+                prompt = ids if choice["index"] < 3 else other
+                expected = [None, *(PROMPT_LOGPROB * i for i in range(1, len(prompt)))]
+                assert choice["logprobs"]["token_logprobs"][:len(prompt)] == expected  # echo's
+                assert [e and e[str(t)]["logprob"] for t, e in zip(prompt, choice["prompt_logprobs"])] == expected
+            running.target.samplings.clear()
+            code, chat = await post(running.url + "/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": 2,
+                "prompt_logprobs": 0})
+            assert code == 200 and len(chat["choices"]) == 2 and chat["prompt_logprobs"][1] is not None
+            assert [s.HasField("prompt_logprobs") for s in running.target.samplings].count(True) == 1
+            running.target.samplings.clear()
+            stream = await client(running).completions.create(model=MODEL, prompt="abc", max_tokens=1, n=2, echo=True,
+                                                              logprobs=1, stream=True)
+            firsts = {}
+            async for chunk in stream:
+                for c in chunk.choices:
+                    if c.logprobs is not None:
+                        firsts.setdefault(c.index, c.logprobs.token_logprobs[:3])
+            assert firsts[0] == firsts[1] == [None, PROMPT_LOGPROB, 2 * PROMPT_LOGPROB]
+            assert [s.prompt_logprobs for s in running.target.samplings] == [1, 1]  # streamed: each its own
     run(go())
