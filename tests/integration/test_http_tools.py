@@ -161,3 +161,18 @@ def test_an_auto_call_written_as_fenced_json_is_a_call_whole_and_streamed(api, s
     assert (whole.index, whole.function.name, whole.id[:5]) == (0, "get_weather", "call_")
     assert json.loads(whole.function.arguments) == json.loads(call.function.arguments)
     assert content == "" and finish == "tool_calls"
+
+
+def test_the_responses_api_gives_an_auto_call_written_as_fenced_json_as_a_function_call(api):
+    """The Agents SDK's way in (POST /v1/responses, tool_choice auto): the same fenced call comes back as a
+    function_call item, as the chat completion's tool call above."""
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n```'
+    turns = [{"role": "user", "content": "What is the weather like in Rome today?"},
+             {"role": "assistant", "content": fenced}, *MESSAGES]
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
+    model = api.models.list().data[0].id
+    reply = api.responses.create(model=model, input=turns, tools=tools, tool_choice="auto",
+                                 max_output_tokens=MAX_NEW_TOKENS, temperature=0)
+    [call] = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] == "Paris"
+    assert not [item for item in reply.output if item.type == "message"]  # the fence is the call, not text
