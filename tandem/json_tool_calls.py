@@ -1,8 +1,8 @@
 """Calls a model writes as plain JSON instead of in ``<tool_call>`` blocks, found in ``auto``'s content.
 
 Qwen2.5-Coder's chat template shows it its tools and asks for Hermes blocks, but the model was not
-trained on them: left free, it writes its call as JSON, in a Markdown fence or bare, and never in a
-block (the 1.5B on ``data/tool_tasks``: 10 calls in 14 answers, benchmarks/README.md; vLLM's Hermes
+trained on them: left free, it writes its call as JSON, in a Markdown fence or bare (the 1.5B on
+``data/tool_tasks``: no block in 14 answers; 10 calls found so, benchmarks/README.md; vLLM's Hermes
 parser leaves these as content too, vLLM issue #32926). An agent then sees no call and stops. So,
 beside the Hermes parser, the content is scanned for two shapes, and nothing else:
 
