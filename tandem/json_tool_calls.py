@@ -214,10 +214,10 @@ class JsonCallFinder:
         return False
 
     # ----- helpers -----
-    def _search(self, pattern: re.Pattern[str], pos: int = 0) -> _Span | None:
-        """``pattern``'s first match in ``_held`` from ``pos``, seen with what comes before ``_held``: a line
+    def _search(self, pattern: re.Pattern[str]) -> _Span | None:
+        """``pattern``'s first match in ``_held``, seen with what comes before ``_held``: a line
         break if it starts a line (so that a fence at its very start counts), else a character that is none."""
-        match = pattern.search(("\n" if self._line_start else "\x00") + self._held, pos)
+        match = pattern.search(("\n" if self._line_start else "\x00") + self._held)
         if match is None:
             return None
         return _Span(max(0, match.start() - 1), match.end() - 1, match.group().endswith("\n"))
