@@ -8,7 +8,9 @@ import torch
 
 from tests.tiny_models import save_tiny_model, save_tiny_served_model
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# `make test` runs two pytest workers (pytest-xdist) on the two cores: one thread each, so that they do not contend
+# for each other's core; alone, a run takes both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="module")

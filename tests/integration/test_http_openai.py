@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tandem.client import build_request
-from tests.integration.conftest import MAX_NEW_TOKENS, PROMPTS
+from tests.integration.conftest import MAX_NEW_TOKENS, PROMPTS, SHARED_DTYPE
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 # and fp32, in process and here). One forward pass over the whole text computes other shapes: in bf16 its logits
 # round differently, measured up to 0.17 nats apart on these prompts (1e-5 in fp32, which tests/spec checks at
 # 1e-4); a wrong row (an off-by-one, another token's probability) is whole nats off.
-ONE_PASS_TOLERANCE_BF16 = 0.3
+ONE_PASS_TOLERANCE = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_penalties_and_logit_bias_give_the_penalised_target_only_text(api, model
     banned = smollm2_reference[prompt][1]  # the plain answer's second token, never to be said
     penalised = SamplingParams(repetition_penalty=1.25, frequency_penalty=0.75, presence_penalty=0.5,
                                logit_bias=((banned, -100.0),))
-    expected = target_only(smollm2_dir, [prompt], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+    expected = target_only(smollm2_dir, [prompt], dtype=SHARED_DTYPE, max_new_tokens=MAX_NEW_TOKENS,
                            sampling=penalised)[prompt]
     reply = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0, frequency_penalty=0.75,
                  presence_penalty=0.5, logit_bias={str(banned): -100}, extra_body={"repetition_penalty": 1.25})
@@ -105,7 +105,7 @@ def test_a_json_schema_gives_valid_json_equal_to_constrained_target_only(api, mo
     question = "Give the width and height of a 3 by 4 rectangle as a JSON object."
     schema = {"type": "object", "properties": {"width": {"type": "integer"}, "height": {"type": "integer"}},
               "required": ["width", "height"], "additionalProperties": False}
-    expected = target_only(smollm2_dir, [question], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+    expected = target_only(smollm2_dir, [question], dtype=SHARED_DTYPE, max_new_tokens=MAX_NEW_TOKENS,
                            sampling=SamplingParams(json_schema=json.dumps(schema)))[question]
     reply = chat(api, model, question, max_tokens=MAX_NEW_TOKENS, temperature=0,
                  response_format={"type": "json_schema", "json_schema": {"name": "size", "schema": schema}})
@@ -135,7 +135,7 @@ def test_vllm_choice_and_regex_constraints_give_constrained_target_only_text(api
              ("Write a year in the 1900s.", {"guided_regex": "19[0-9]{2}"}, regex_grammar("19[0-9]{2}"),
               lambda text: re.fullmatch("19[0-9]{2}", text) is not None)]
     for question, extra, grammar, valid in cases:
-        expected = target_only(smollm2_dir, [question], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+        expected = target_only(smollm2_dir, [question], dtype=SHARED_DTYPE, max_new_tokens=MAX_NEW_TOKENS,
                                sampling=SamplingParams(grammar=grammar))[question]
         reply = chat(api, model, question, max_tokens=MAX_NEW_TOKENS, temperature=0, extra_body=extra)
         text = reply.choices[0].message.content
@@ -153,7 +153,7 @@ def check_against_a_target_forward(model_dir, tokenizer, reference, scored) -> N
     from tandem.sampling import SamplingParams
     from tandem.tokenizer import encode_prompt, stop_token_ids
 
-    engine = ModelEngine.load(EngineConfig(model_dir, dtype="bfloat16", kv_cache_tokens=1024))
+    engine = ModelEngine.load(EngineConfig(model_dir, dtype=SHARED_DTYPE, kv_cache_tokens=1024))
     prompts = list(scored)
     ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
     stops = stop_token_ids(model_dir, tokenizer, engine.config)
@@ -167,7 +167,7 @@ def check_against_a_target_forward(model_dir, tokenizer, reference, scored) -> N
         sequence = prompt_ids + generated
         [logits] = engine.forward([ForwardItem(prompt, sequence[:-1], num_logits=len(generated))])
         one_pass = torch.log_softmax(logits.float(), -1)[torch.arange(len(generated)), torch.tensor(generated)]
-        assert logprobs == pytest.approx(one_pass.tolist(), abs=ONE_PASS_TOLERANCE_BF16), prompt
+        assert logprobs == pytest.approx(one_pass.tolist(), abs=ONE_PASS_TOLERANCE), prompt
         # greedy: the emitted token is a most likely one (bf16 has ties: which one comes first among equals varies)
         assert [top[0] for top in tops] == logprobs and all(len(top) == 2 for top in tops)
 
@@ -275,7 +275,7 @@ def test_echo_scores_a_text_as_the_target_said_it_when_it_wrote_it(api, model, s
     fixed = all(w.info.prefix_cache.generated for w in shared_client.info().target_workers)
     # Rows fixed by position (packed weights, as on a CPU with native bf16): bitwise. Else a prompt row rounds
     # otherwise than a decoded one (the module's tolerance).
-    assert scores == (said if fixed else pytest.approx(said, abs=ONE_PASS_TOLERANCE_BF16))
+    assert scores == (said if fixed else pytest.approx(said, abs=ONE_PASS_TOLERANCE))
     if fixed:
         tops = echoed.top_logprobs[len(ids):-1]
         assert all(lp == max(top.values()) for lp, top in zip(scores, tops))  # the harness's "greedy"
@@ -335,7 +335,7 @@ def test_min_tokens_writes_past_the_models_first_end_as_target_only_does(api, mo
     assert least < longest
     stops = tuple(sorted(stop_token_ids(smollm2_dir, tokenizer, ModelConfig.from_dir(smollm2_dir))))
     held = SamplingParams(min_tokens=least, min_tokens_stop_ids=stops)
-    expected = target_only(smollm2_dir, [question], dtype="bfloat16", max_new_tokens=longest, sampling=held)[question]
+    expected = target_only(smollm2_dir, [question], dtype=SHARED_DTYPE, max_new_tokens=longest, sampling=held)[question]
     reply = chat(api, model, question, max_tokens=longest, temperature=0, extra_body={"min_tokens": least})
     assert reply.usage.completion_tokens >= least
     assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.integration.conftest import SHARED_DTYPE
+
 pytestmark = pytest.mark.slow
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "examples/chat_templates/chatml_tools.jinja"
@@ -52,7 +54,7 @@ def constrained_target_only(model_dir: Path, tools: list[dict], choice: str, fun
                   for t in tools)
     prompt = encode_messages(tokenizer, MESSAGES, [s.template_entry() for s in specs])
     grammar = HermesFormat.of(tokenizer).grammar(ToolUse(specs, choice, function, single_call=True))
-    [ids] = target_only(model_dir, [prompt], dtype="bfloat16", max_new_tokens=MAX_NEW_TOKENS,
+    [ids] = target_only(model_dir, [prompt], dtype=SHARED_DTYPE, max_new_tokens=MAX_NEW_TOKENS,
                         sampling=SamplingParams(grammar=grammar)).values()
     _, [call] = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
     return call.name, json.loads(call.arguments)
@@ -136,7 +138,7 @@ def test_an_auto_call_written_as_fenced_json_is_a_call_whole_and_streamed(api, s
                 {"role": "assistant", "content": fenced}, *MESSAGES]
     tokenizer = load_tokenizer(smollm2_dir)
     tokenizer.chat_template = TEMPLATE.read_text()
-    [ids] = target_only(smollm2_dir, [encode_messages(tokenizer, messages, [WEATHER, CLOCK])], dtype="bfloat16",
+    [ids] = target_only(smollm2_dir, [encode_messages(tokenizer, messages, [WEATHER, CLOCK])], dtype=SHARED_DTYPE,
                         max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingParams()).values()
     text = tokenizer.decode(ids, skip_special_tokens=True)
     _, [expected] = parse_tool_calls(text, frozenset({"get_weather", "get_time"}))

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tandem.client import build_request
-from tests.integration.conftest import MAX_NEW_TOKENS, PROMPTS
+from tests.integration.conftest import MAX_NEW_TOKENS, PROMPTS, SHARED_DTYPE
 from tests.integration.test_services import metric_samples
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_a_conversation_s_next_turn_reuses_the_answer_and_equals_target_only(sha
     from tests.references import target_only
 
     if not all(w.info.prefix_cache.generated for w in shared_client.info().target_workers):
-        pytest.skip("bf16 weights are not packed on this CPU (no native bf16): targets cache prompt blocks only")
+        pytest.skip("the shared targets' weights are not packed here: they cache prompt blocks only")
     tokenizer = load_tokenizer(smollm2_dir)
     # Over 4 blocks of 16 tokens, so that both turns have the same placement key (their first 4 blocks) and go to
     # the same target replica.
@@ -88,7 +88,7 @@ def test_a_conversation_s_next_turn_reuses_the_answer_and_equals_target_only(sha
     first_ids, second_ids = encode_messages(tokenizer, first), encode_messages(tokenizer, second)
     assert one.usage.prompt_tokens == len(first_ids) >= 64 and two.usage.prompt_tokens == len(second_ids)
     assert one.choices[0].finish_reason == "length"  # 48 tokens of text, no stop token among them
-    generated = target_only(smollm2_dir, [first_ids], dtype="bfloat16", max_new_tokens=48)[tuple(first_ids)]
+    generated = target_only(smollm2_dir, [first_ids], dtype=SHARED_DTYPE, max_new_tokens=48)[tuple(first_ids)]
     assert answer == tokenizer.decode(generated, skip_special_tokens=True)
     # What the target holds of turn 1: its prompt and answer but the answer's last token (its KV is never computed),
     # in full blocks; the turn-2 prompt re-renders the answer as text, and shares the tokens up to where they part.
@@ -96,5 +96,5 @@ def test_a_conversation_s_next_turn_reuses_the_answer_and_equals_target_only(sha
     shared = next((i for i, (a, b) in enumerate(zip(held, second_ids)) if a != b), min(len(held), len(second_ids)))
     assert shared > len(first_ids) + 16  # the answer's text re-encodes to the tokens it was generated as
     assert two.usage.prompt_tokens_details.cached_tokens == min(shared, len(second_ids) - 1) // 16 * 16
-    expected = target_only(smollm2_dir, [second_ids], dtype="bfloat16", max_new_tokens=24)[tuple(second_ids)]
+    expected = target_only(smollm2_dir, [second_ids], dtype=SHARED_DTYPE, max_new_tokens=24)[tuple(second_ids)]
     assert two.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)

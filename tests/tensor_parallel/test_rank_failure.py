@@ -22,6 +22,8 @@ from tandem.parallel.ranks import RANK_FAILED_EXIT_CODE, RANK_TIMEOUT_S
 from tandem.v1 import target_pb2, target_pb2_grpc
 from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
 
+pytestmark = pytest.mark.alone  # ranks in lockstep: `make test` runs them after the rest, alone
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"TANDEM_READY role=target port=(\d+)")
 RANKS = re.compile(r"TANDEM_RANKS 1=(\d+)")

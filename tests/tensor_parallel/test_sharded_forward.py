@@ -18,6 +18,8 @@ import torch
 from tests.tensor_parallel import scenario
 from tests.tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.alone  # ranks in lockstep: `make test` runs them after the rest, alone
+
 ATOL = 1e-4
 RUN_TIMEOUT_S = 180
 
