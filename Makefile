@@ -56,8 +56,8 @@ demo: models  ## start the whole system locally (workers + coordinator), stream 
 # The tiers (README, Testing): `test` proves every property once and is what CI runs; `test-unit` is its
 # part that needs no real model and starts no processes; `test-long` is the long tier (not in CI).
 # pyproject.toml deselects the `long` marker by default and gives every test a timeout.
-# TEST_WORKERS: pytest processes (pytest-xdist) for `make test`. Alone, the suite keeps 2 cores about 60% busy (its
-# tests wait on processes and sockets); two workers keep them busy. Each worker starts the shared SmolLM2 system when
+# TEST_WORKERS: pytest processes (pytest-xdist) for `make test`. In one process, the integration tests keep 2 cores
+# about 60% busy (they wait on processes and sockets); two workers keep them busy. Each worker starts the shared SmolLM2 system when
 # it first needs it. Tests marked `alone` (tensor-parallel ranks, which wait on each other at every layer and starve
 # when a second worker computes) run after the rest, in one process. TEST_WORKERS=0: everything in this process.
 TEST_WORKERS ?= 2

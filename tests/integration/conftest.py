@@ -27,8 +27,8 @@ from tandem.config import native_cpu_bf16
 from tests.references import target_only
 
 # The dtype a user gets by default here (``--dtype auto``): bf16 where the CPU multiplies it natively, else
-# fp32. Where bf16 is emulated (AVX2 or AVX-512 without avx512_bf16), SmolLM2 verifying 4 drafted tokens of a
-# 40-token answer took 12.6 s in bf16 against 5.0 s in fp32 (packed weights; AMD EPYC Zen 3), and most
+# fp32. Where bf16 is emulated (AVX2 or AVX-512 without avx512_bf16), SmolLM2 drafting for itself with k=4
+# wrote a 40-token answer in 12.6 s in bf16 against 5.0 s in fp32 (packed weights; AMD EPYC Zen 3), and most
 # shared-cluster tests speculate. ``OTHER_DTYPE``'s own system (test_services) covers the dtype left out.
 SHARED_DTYPE = "bfloat16" if native_cpu_bf16() else "float32"
 OTHER_DTYPE = "float32" if SHARED_DTYPE == "bfloat16" else "bfloat16"
