@@ -76,14 +76,14 @@ soak: setup-dev models-ci  ## 64 concurrent streams on SmolLM2 for SOAK_SECONDS;
 	TANDEM_SOAK_SECONDS=$(SOAK_SECONDS) TANDEM_SOAK_REPORT=benchmarks/results/soak.json \
 		$(PYTHON) -m pytest -q -s -m long tests/integration/test_soak.py
 
-install-check: models-ci  ## `pip install .` (not editable) into a fresh venv, then run it from outside the checkout
-	VENV_PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash .ci/install_check.sh
+install-check: models-ci  ## the wheel in a fresh venv, run from outside the checkout: first as the coordinator's image (no torch), then whole
+	BOOTSTRAP_PYTHON=$(BOOTSTRAP_PYTHON) WORKER_PYTHON=$(abspath $(PYTHON)) TORCH_VERSION=$(TORCH_VERSION) \
+		bash .ci/install_check.sh
 
 # WORKER_PYTHON: the wheel check also serves 4 tokens through the wheel's coordinator when
 # SmolLM2 is prepared (after `make test`); it skips that step, saying so, otherwise.
-deploy-check: setup-dev  ## Helm chart (lint, schemas, pytest), hadolint, the coordinator's wheel without torch
-	TANDEM_TOOLS=$(TOOLS) VENV_PYTHON=$(abspath $(PYTHON)) WORKER_PYTHON=$(abspath $(PYTHON)) \
-		BOOTSTRAP_PYTHON=$(BOOTSTRAP_PYTHON) bash .ci/deploy_check.sh
+deploy-check: setup-dev  ## Helm chart (lint, schemas, pytest) and hadolint (the coordinator's wheel: install-check)
+	TANDEM_TOOLS=$(TOOLS) VENV_PYTHON=$(abspath $(PYTHON)) bash .ci/deploy_check.sh
 
 bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/engine_speed.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI for the deployment half: the Helm chart, the images and the coordinator's wheel.
+# CI for the deployment half: the Helm chart and the images (the coordinator's wheel: .ci/install_check.sh).
 #   1. tools (.ci/deploy_tools.sh: helm v4, kubernetes-validate, hadolint, CRD validators)
 #   2. for the default values and every variant in tests/deploy/values/: `helm lint --strict`,
 #      `helm template`, core objects through `kubernetes-validate --strict -k 1.30.0` (any kind it
@@ -7,7 +7,6 @@
 #      their CRDs' published schemas (.ci/validate_crds.mjs)
 #   3. hadolint on every Dockerfile
 #   4. pytest tests/deploy (the assertions on the rendered objects), with the tools from step 1
-#   5. the coordinator's wheel installed without torch (.ci/coordinator_wheel_check.sh)
 # Environment: TANDEM_TOOLS (default .tools in the checkout), VENV_PYTHON (the project's Python, with pytest;
 # default .venv/bin/python), KUBERNETES_VERSION (default 1.30.0).
 set -euo pipefail
@@ -53,8 +52,5 @@ echo "  $(ls docker/*.Dockerfile | tr '\n' ' ')clean"
 
 say "pytest tests/deploy"
 TANDEM_HELM="$helm" "$venv_python" -m pytest -q tests/deploy
-
-say "coordinator wheel without torch"
-WORKER_PYTHON=${WORKER_PYTHON:-} bash .ci/coordinator_wheel_check.sh
 
 say "passed"

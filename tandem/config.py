@@ -197,6 +197,9 @@ class EngineConfig:
     vocab_limit: int | None = None  # score only the first N token ids
     # Processes (ranks) the model is split over, one device each (tandem/parallel): targets only.
     tensor_parallel_size: int = 1
+    # How long a rank may be late inside a forward pass before the worker takes it for dead and exits
+    # (tandem/parallel/ranks.py); a tensor-parallel worker's first CUDA steps may want more.
+    rank_timeout_s: float = 30.0
     packed_weights: str = "auto"  # auto | on | off (see PACKED_WEIGHTS)
     # Keep the KV of committed full blocks after their sequence ends and reuse it for prompts that
     # start the same way (tandem/block_pool.py); off: every prompt is computed from its first token.
@@ -278,6 +281,8 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if n < 1:
             raise InvalidRequestError(f"tensor-parallel size must be at least 1, got {n}")
+        if not self.rank_timeout_s > 0:
+            raise InvalidRequestError(f"rank timeout must be a positive number of seconds, got {self.rank_timeout_s}")
         if n == 1:
             return
         if self.quantization != "none" or self.vocab_limit is not None:

@@ -124,6 +124,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="split the model over N ranks (processes), one device each: gloo on --device cpu, "
                              "NCCL with rank r on cuda:r for --device cuda; heads and KV heads must divide by N. "
                              "--threads is then per rank (default: cores / N) (default: %(default)s)")
+    target.add_argument("--rank-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="with --tensor-parallel-size > 1: a rank this late inside a forward pass is taken for "
+                             "dead, and the worker exits with code 75 so that it is restarted (default: %(default)s)")
     _server_flags(target, 50052)
     target.set_defaults(func=run_worker)
 
@@ -234,7 +237,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     """A worker's configuration from its flags (the model found or prepared in the cache), validated."""
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     role_options = draft_engine_options(args) if args.role == "draft" else {
-        "tensor_parallel_size": args.tensor_parallel_size}
+        "tensor_parallel_size": args.tensor_parallel_size, "rank_timeout_s": args.rank_timeout}
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
                           args.kv_cache_tokens, args.attention, num_threads=args.threads,
                           packed_weights=args.packed_weights, prefix_caching=not args.no_prefix_caching,

@@ -16,7 +16,7 @@ from tandem.models.packed import pack_linear_weights
 from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import ParallelModel, check_splittable
 from tandem.parallel import step
-from tandem.parallel.ranks import RANK_TIMEOUT, RankGroup
+from tandem.parallel.ranks import RankGroup
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ class TensorParallelEngine(ModelEngine):
 
         def announce() -> None:
             started = time.perf_counter()
-            step.send_forward(batch, context.control, context.device, RANK_TIMEOUT)
+            step.send_forward(batch, context.control, context.device, context.timeout)
             if clock.enabled:
                 clock.broadcast_seconds += time.perf_counter() - started
 
@@ -67,7 +67,7 @@ class TensorParallelEngine(ModelEngine):
         context, move_here = self.ranks.context, super().move_kv
         self._on_every_rank(
             "a KV move",
-            lambda: step.send_move(step.KVMove(src, dst), context.control, context.device, RANK_TIMEOUT),
+            lambda: step.send_move(step.KVMove(src, dst), context.control, context.device, context.timeout),
             lambda: move_here(src, dst),
         )
 
@@ -88,7 +88,7 @@ class TensorParallelEngine(ModelEngine):
     def close(self) -> None:
         """On the model thread: the other ranks leave their loop and exit."""
         context = self.ranks.context
-        self.ranks.stop(lambda: step.send_stop(context.control, context.device, RANK_TIMEOUT))
+        self.ranks.stop(lambda: step.send_stop(context.control, context.device, context.timeout))
 
 
 def load_engine(cfg: EngineConfig) -> ModelEngine:

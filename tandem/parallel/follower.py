@@ -30,7 +30,7 @@ def run_follower(rank: int, world_size: int, port: int, cfg: EngineConfig, threa
         signal.signal(sig, signal.SIG_IGN)
     watch_parent(parent_pid, lambda: os._exit(1))  # rank 0 gone: leave at once, whatever the main thread is in
     torch.set_num_threads(threads)
-    context = join_group(rank, world_size, port, cfg.device)
+    context = join_group(rank, world_size, port, cfg)
     model_cfg = ModelConfig.from_dir(cfg.model_dir)
     parallel = ParallelModel(context.shard, context.compute)
     model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, context.device, parallel)

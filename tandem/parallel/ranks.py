@@ -8,7 +8,8 @@ groups over the same ranks:
   after loading. Its timeout is practically infinite, because the other ranks wait in it
   for as long as rank 0 has no work;
 * compute: the all-reduces and all-gathers inside a forward pass, where every rank is in
-  step. Its timeout (``RANK_TIMEOUT_S``) is how long a hung rank can stall the worker.
+  step. Its timeout (``EngineConfig.rank_timeout_s``, ``--rank-timeout``; 30 s by default) is how long
+  a hung rank can stall the worker.
 
 Failure: the worker must not hang when a rank dies or stops answering. Rank 0 has a
 watchdog thread over its children (a child that exits fails the worker at once) and
@@ -40,10 +41,6 @@ from tandem.models.tensor_parallel import Shard
 
 log = logging.getLogger(__name__)
 
-# A forward pass keeps every rank in step; a rank this late inside one (or to take rank 0's
-# next step) is taken for dead.
-RANK_TIMEOUT_S = 30.0
-RANK_TIMEOUT = timedelta(seconds=RANK_TIMEOUT_S)
 # The other ranks wait on the control group between steps, idle for as long as rank 0 is.
 CONTROL_TIMEOUT = timedelta(days=365)
 WATCH_INTERVAL_S = 0.25
@@ -60,6 +57,9 @@ class RankContext:
     device: torch.device  # this rank's device: the CPU (gloo) or cuda:rank (NCCL)
     control: Any  # ProcessGroup of the step broadcasts
     compute: Any  # ProcessGroup of the collectives inside a forward pass
+    # A forward pass keeps every rank in step: a rank this late inside one (or to take rank 0's next step)
+    # is taken for dead.
+    timeout: timedelta
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -67,16 +67,17 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if base.type == "cuda" else base
 
 
-def join_group(rank: int, world_size: int, port: int, device: str) -> RankContext:
+def join_group(rank: int, world_size: int, port: int, cfg: EngineConfig) -> RankContext:
     """Rendezvous with the other ranks (blocks until all have joined) and make both groups."""
-    local = rank_device(device, rank)
+    local = rank_device(cfg.device, rank)
+    timeout = timedelta(seconds=cfg.rank_timeout_s)
     backend = "nccl" if local.type == "cuda" else "gloo"
     if local.type == "cuda":
         torch.cuda.set_device(local)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=CONTROL_TIMEOUT)
-    compute = dist.new_group(list(range(world_size)), timeout=RANK_TIMEOUT, backend=backend)
-    return RankContext(Shard(rank, world_size), local, dist.group.WORLD, compute)
+    compute = dist.new_group(list(range(world_size)), timeout=timeout, backend=backend)
+    return RankContext(Shard(rank, world_size), local, dist.group.WORLD, compute, timeout)
 
 
 def threads_per_rank(cfg: EngineConfig) -> int:
@@ -123,7 +124,7 @@ class RankGroup:
         torch.set_num_threads(threads_per_rank(cfg))
         group = cls(children)  # watching from here on: a rank that dies before joining fails the worker too
         try:
-            group.context = join_group(0, world, port, cfg.device)
+            group.context = join_group(0, world, port, cfg)
         except BaseException:
             group._kill_children()
             raise

@@ -153,17 +153,16 @@ def smollm2_bf16(smollm2_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,tree", [("early-exit", "off"), ("ngram", "off"), ("draft", "off"),
-                                         ("hybrid", "off"), ("early-exit", "on"), ("ngram", "on")])
+@pytest.mark.parametrize("method,tree", [("ngram", "off"), ("draft", "off"), ("ngram", "on"), ("hybrid", "on")])
 def test_smollm2_bf16_speculative_greedy_identical(smollm2_bf16, method, tree):
-    """In bf16 too: verification rows are computed exactly like decode steps (batch-invariant kernels)."""
+    """In bf16 too: verification rows are computed exactly like decode steps (batch-invariant kernels).
+
+    Chains from an n-gram lookup (few accepted) and from a draft model (all accepted), trees from both. Not
+    early exit: on SmolLM2 it accepts about one draft token in twenty, so its chain and tree took 64 of the
+    114 s that six methods took here (emulated bf16, AMD Zen 3), and they give the target's kernels no shape
+    that the others do not; its own greedy identity is checked in fp32 above."""
     target, same_model, prompts, plain = smollm2_bf16
-    draft = {
-        "early-exit": lambda: early_exit_engine(target, 20),
-        "ngram": lambda: None,
-        "draft": lambda: same_model,  # the same model drafting for itself
-        "hybrid": lambda: same_model,
-    }[method]()
+    draft = None if method == "ngram" else same_model  # the same model drafting for itself
     results = run(target, draft, method, prompts, n=60, k_max=4, ngram_max=3, tree=tree)
     assert [r.token_ids for r in results] == plain
     assert sum(r.stats.drafted for r in results) > 0

@@ -5,7 +5,7 @@ batched decode step and a verify; the logits after a rollback next to those of a
 sequence that never saw the rolled-back tokens; the logits of a speculation tree, and
 after keeping one of its paths (its K/V moved on every rank) next to those of a
 sequence fed just that path; greedy tokens through the
-target worker's own engine (``TargetEngine``: Prefill, then Verify rounds whose
+target worker's own engine (``TargetEngine``: Prefill, then batched Verify rounds whose
 drafts are partly wrong, so its KV rollback runs too); and a prompt's own
 log-probabilities (``prompt_logprobs``: every row's logits, gathered over ranks).
 """
@@ -60,7 +60,7 @@ def _record(engine, greedy_tokens: int, prompts: list[list[int]]) -> dict:
         engine.release(seq)
 
     target = TargetEngine(engine)
-    out["greedy"] = [_greedy(target, prompt, greedy_tokens) for prompt in prompts]
+    out["greedy"] = _greedy(target, prompts, greedy_tokens)
     [scored] = target.run_batch([PrefillCall("s", PROMPT_A, SamplingParams(prompt_logprobs=2))])  # echo's scores
     out["prompt_scores"] = torch.tensor([s.logprob for s in scored.prompt_logprobs])
     out["prompt_top_ids"] = [s.top_ids for s in scored.prompt_logprobs]
@@ -81,13 +81,18 @@ def _record_tree(engine, out: dict) -> None:
     out["chain_of_path"] = engine.forward([ForwardItem("d", [61], 1)])[0]
 
 
-def _greedy(target: TargetEngine, prompt: list[int], num_tokens: int) -> list[int]:
-    [first] = target.run_batch([PrefillCall("g", list(prompt), SamplingParams())])
-    tokens = [first.next_token]
-    while len(tokens) < num_tokens:
-        history = target.sequences["g"].history
-        drafts = [tokens[-1], 3, tokens[-1]]  # mostly wrong: exercises rollback of rejected KV
-        [verdict] = target.run_batch([VerifyCall("g", len(history), drafts, [])])
-        tokens += [*drafts[: verdict.num_accepted], verdict.next_token]
-    target.run_batch([ReleaseCall("g")])
-    return tokens[:num_tokens]
+def _greedy(target: TargetEngine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Each prompt's first ``num_tokens`` greedy tokens; their Verify calls go in one batch per step, as a
+    worker batches its requests (on real models this is most of the scenario's time: one step per token)."""
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        [first] = target.run_batch([PrefillCall(f"g{i}", list(prompt), SamplingParams())])
+        tokens[f"g{i}"] = [first.next_token]
+    while live := [seq for seq, done in tokens.items() if len(done) < num_tokens]:
+        # mostly wrong drafts: exercises the rollback of rejected KV
+        calls = [VerifyCall(seq, len(target.sequences[seq].history), [tokens[seq][-1], 3, tokens[seq][-1]], [])
+                 for seq in live]
+        for call, verdict in zip(calls, target.run_batch(calls)):
+            tokens[call.seq_id] += [*call.draft_tokens[: verdict.num_accepted], verdict.next_token]
+    target.run_batch([ReleaseCall(seq) for seq in tokens])
+    return [done[:num_tokens] for done in tokens.values()]

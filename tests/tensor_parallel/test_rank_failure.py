@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.parallel.ranks import RANK_FAILED_EXIT_CODE, RANK_TIMEOUT_S
+from tandem.parallel.ranks import RANK_FAILED_EXIT_CODE
 from tandem.v1 import target_pb2, target_pb2_grpc
 from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
 
@@ -29,6 +29,8 @@ READY = re.compile(r"TANDEM_READY role=target port=(\d+)")
 RANKS = re.compile(r"TANDEM_RANKS 1=(\d+)")
 START_TIMEOUT_S = 120
 EXIT_WITHIN_S = 15  # the watchdog polls every 0.25 s; the worker gets 5 s to stop its server
+# --rank-timeout: the frozen rank's test waits it out (the default, 30 s, would be idle time in `make test`).
+RANK_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ class TensorParallelWorker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem", "serve", "target", "--model", str(model_dir), "--port", "0",
              "--host", "127.0.0.1", "--tensor-parallel-size", "2", "--dtype", "float32", "--threads", "1",
-             "--kv-cache-tokens", "1024", "--block-size", "4"],
+             "--kv-cache-tokens", "1024", "--block-size", "4", "--rank-timeout", str(RANK_TIMEOUT_S)],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_path.open("w"), text=True,
             start_new_session=True,  # a process group of its own, as in a terminal or a container
         )
@@ -138,14 +140,18 @@ def test_rank_killed_during_requests_makes_the_worker_exit(model_dir: Path, tmp_
 
 
 def test_frozen_rank_fails_the_worker_after_the_rank_timeout(model_dir: Path, tmp_path: Path) -> None:
-    """A rank that stops answering (SIGSTOP) is taken for dead once a collective waits RANK_TIMEOUT_S for it."""
+    """A rank that stops answering (SIGSTOP) is taken for dead once a collective has waited --rank-timeout for it,
+    not sooner (a slow rank is not a dead one) and not much later (the worker does not hang)."""
     worker = TensorParallelWorker(model_dir, tmp_path / "worker.log")
     try:
         os.kill(worker.rank1_pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
         requests = Requests(worker.port)
         code = wait_exit(worker.proc, RANK_TIMEOUT_S + EXIT_WITHIN_S)
+        took = time.monotonic() - frozen_at
         requests.stop()
         assert code == RANK_FAILED_EXIT_CODE, worker.log_path.read_text()[-3000:]
+        assert took >= RANK_TIMEOUT_S, f"the worker gave up on its rank after {took:.1f}s, before --rank-timeout"
         assert grpc.StatusCode.UNAVAILABLE in requests.codes
     finally:
         worker.close()

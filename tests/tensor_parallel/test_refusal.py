@@ -41,6 +41,12 @@ def test_engine_config_refuses_tensor_parallel_drafts(tmp_path: Path) -> None:
         EngineConfig(tmp_path, tensor_parallel_size=0)
 
 
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan")])
+def test_engine_config_refuses_a_rank_timeout_that_is_not_positive(tmp_path: Path, seconds: float) -> None:
+    with pytest.raises(InvalidRequestError, match=f"rank timeout must be a positive number of seconds, got {seconds}"):
+        EngineConfig(tmp_path, tensor_parallel_size=2, rank_timeout_s=seconds)
+
+
 def test_serve_target_refuses_before_starting_any_rank(tmp_path: Path) -> None:
     from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
 
