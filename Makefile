@@ -57,12 +57,12 @@ demo: models  ## start the whole system locally (workers + coordinator), stream 
 # part that needs no real model and starts no processes; `test-long` is the long tier (not in CI).
 # pyproject.toml deselects the `long` marker by default and gives every test a timeout.
 # TEST_WORKERS: pytest processes (pytest-xdist) for `make test`. In one process, the integration tests keep 2 cores
-# about 60% busy (they wait on processes and sockets); two workers keep them busy. Each worker starts the shared SmolLM2 system when
-# it first needs it. Tests marked `alone` (tensor-parallel ranks, which wait on each other at every layer and starve
+# about 60% busy (they wait on processes and sockets); two workers keep them busy. `--dist loadgroup` with
+# tests/xdist_groups.py: every test on the shared SmolLM2 system runs on one worker, which starts it once. Tests marked `alone` (tensor-parallel ranks, which wait on each other at every layer and starve
 # when a second worker computes) run after the rest, in one process. TEST_WORKERS=0: everything in this process.
 TEST_WORKERS ?= 2
 test: setup-dev models-ci  ## the suite CI runs (unit tests, integration on a shared SmolLM2 cluster) on TEST_WORKERS workers, then the `alone` tests; names the slowest
-	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist load -m "not long and not alone"
+	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not long and not alone"
 	$(PYTHON) -m pytest -q --durations=10 -m "alone and not long"
 
 test-unit: setup-dev  ## unit tests only (tiny random models, in process): no model download, about 3 minutes

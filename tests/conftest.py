@@ -12,6 +12,23 @@ from tests.tiny_models import save_tiny_model, save_tiny_served_model
 # for each other's core; alone, a run takes both.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
+# The tests on the shared SmolLM2 system (tests/integration/conftest.py) run on one xdist worker under
+# `--dist loadgroup` (tests/xdist_groups.py says why and how): one system started, never two tests on it at once.
+SHARED_SYSTEM_GROUP = "shared-system"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        from tests.xdist_groups import register
+
+        register(config)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "shared_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group(SHARED_SYSTEM_GROUP))
+
 
 @pytest.fixture(scope="module")
 def every_linear_packed():
