@@ -29,15 +29,18 @@ $(PYTHON):
 
 $(STUBS): ;
 
+# --no-compile: pip byte-compiles every module it installs, most of which nothing here imports (transformers,
+# scipy, torch's own); Python compiles the ones imported, once, as they load. Measured in a fresh venv on an
+# AMD EPYC Zen 3: torch 41 s -> 16 s, the project with its dev extras 99 s -> 54 s.
 $(SETUP_STAMP): $(PYTHON) $(INSTALL_INPUTS) $(STUBS)
-	$(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e .
+	$(PIP) install -q --no-compile "torch==$(TORCH_VERSION)"
+	$(PIP) install -q --no-compile -e .
 	touch $@
 
 # A superset of setup, so it marks setup done as well instead of installing twice.
 $(SETUP_DEV_STAMP): $(PYTHON) $(INSTALL_INPUTS) $(STUBS)
-	$(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e ".[dev,bench]"
+	$(PIP) install -q --no-compile "torch==$(TORCH_VERSION)"
+	$(PIP) install -q --no-compile -e ".[dev,bench]"
 	touch $(SETUP_STAMP) $@
 
 models-ci: setup  ## the small real model the tests use (SmolLM2-135M, ~100 MB)
