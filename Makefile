@@ -29,18 +29,19 @@ $(PYTHON):
 
 $(STUBS): ;
 
-# --no-compile: pip byte-compiles every module it installs, most of which nothing here imports (transformers,
-# scipy, torch's own); Python compiles the ones imported, once, as they load. Measured in a fresh venv on an
-# AMD EPYC Zen 3: torch 41 s -> 16 s, the project with its dev extras 99 s -> 54 s.
+# Byte-compiled at install (pip's default), though that takes about 70 s more than --no-compile on 2 cores:
+# where PYTHONDONTWRITEBYTECODE is set (this machine sets it), Python never writes the .pyc files it compiles
+# on import, so every process the tests start would compile torch and transformers again (measured with
+# --no-compile: the parallel part of `make test` took 1375 s, against 1040 s the run before).
 $(SETUP_STAMP): $(PYTHON) $(INSTALL_INPUTS) $(STUBS)
-	$(PIP) install -q --no-compile "torch==$(TORCH_VERSION)"
-	$(PIP) install -q --no-compile -e .
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e .
 	touch $@
 
 # A superset of setup, so it marks setup done as well instead of installing twice.
 $(SETUP_DEV_STAMP): $(PYTHON) $(INSTALL_INPUTS) $(STUBS)
-	$(PIP) install -q --no-compile "torch==$(TORCH_VERSION)"
-	$(PIP) install -q --no-compile -e ".[dev,bench]"
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e ".[dev,bench]"
 	touch $(SETUP_STAMP) $@
 
 models-ci: setup  ## the small real model the tests use (SmolLM2-135M, ~100 MB)
@@ -64,7 +65,10 @@ demo: models  ## start the whole system locally (workers + coordinator), stream 
 # tests/xdist_groups.py: every test on the shared SmolLM2 system runs on one worker, which starts it once. Tests marked `alone` (tensor-parallel ranks, which wait on each other at every layer and starve
 # when a second worker computes) run after the rest, in one process. TEST_WORKERS=0: everything in this process.
 TEST_WORKERS ?= 2
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), no import writes a .pyc, and each
+# of the ~150 processes the tests start would compile Tandem's own modules again (0.45 CPU-s a worker, measured).
 test: setup-dev models-ci  ## the suite CI runs (unit tests, integration on a shared SmolLM2 cluster) on TEST_WORKERS workers, then the `alone` tests; names the slowest
+	$(PYTHON) -m compileall -q tandem coordinator target_worker draft_worker > /dev/null
 	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not long and not alone"
 	$(PYTHON) -m pytest -q --durations=10 -m "alone and not long"
 
