@@ -73,7 +73,7 @@ class RowStableLinear(nn.Linear):
         self.padding: tuple[int, ...] = DEFAULT_PADDING  # rows a small packed call computes (row_padding)
 
     def reset_parameters(self) -> None:
-        if self.weight.is_meta:  # a skeleton that a checkpoint fills (see ``meta_skeleton``): nothing to initialise
+        if self.weight.is_meta:  # a skeleton that a checkpoint fills (see ``building_on_meta``): nothing to initialise
             return
         super().reset_parameters()
 
@@ -184,13 +184,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up, blocks)
 
 
-def meta_skeleton() -> bool:
+def building_on_meta() -> bool:
     """Whether modules are being built on the meta device (``with torch.device("meta")``), as skeletons that a
     checkpoint then fills (tandem/models/weights.py, tandem/heads/store.py).
 
     Such a build must compute nothing on meta tensors: an operation on one (an initialiser's ``normal_``, the
     rotary frequencies' arithmetic) runs torch's Python reference kernel, and the first one imports
-    torch._dynamo, which cost every worker 1.3 s of its start-up (measured: SmolLM2 loaded in 2.6 s, 1.2 s
+    torch._dynamo, which cost every worker 1.3 s of its start-up (measured: SmolLM2 loaded in 2.6 s, 1.35 s
     without it, on an AMD EPYC Zen 3)."""
     return torch.get_default_device().type == "meta"
 
@@ -217,7 +217,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        if meta_skeleton():  # computed on the CPU, then moved: see ``meta_skeleton``
+        if building_on_meta():  # computed on the CPU, then moved: see ``building_on_meta``
             with torch.device("cpu"):
                 inv_freq = rope_inverse_frequencies(head_dim, theta, scaling).to("meta")
         else:

@@ -106,7 +106,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         # Built as a meta skeleton only (tandem/models/weights.py), which the checkpoint fills: an empty weight,
-        # which nn.Embedding then does not initialise (see ``meta_skeleton``).
+        # which nn.Embedding then does not initialise (see ``building_on_meta``).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))

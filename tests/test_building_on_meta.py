@@ -1,4 +1,4 @@
-"""Loading a model builds its skeleton on the meta device without computing on it (``meta_skeleton``)."""
+"""Loading a model builds its skeleton on the meta device without computing on it (``building_on_meta``)."""
 
 from __future__ import annotations
 
