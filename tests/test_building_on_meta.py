@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 LOAD = """
@@ -18,6 +20,7 @@ print("dynamo imported" if "torch._dynamo" in sys.modules else "no dynamo")
 """
 
 
+@pytest.mark.slow  # a process of its own: not the unit tier
 def test_loading_a_model_does_not_import_torch_dynamo(tiny_llama_dir) -> None:
     """An operation on a meta tensor runs torch's Python reference kernel, whose first call imports torch._dynamo:
     1.3 s of every worker's start-up. In a fresh process, since pytest's may have imported it already."""

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts pytest processes: not the unit tier
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SUITE = '''
