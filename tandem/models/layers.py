@@ -217,11 +217,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        if building_on_meta():  # computed on the CPU, then moved: see ``building_on_meta``
-            with torch.device("cpu"):
-                inv_freq = rope_inverse_frequencies(head_dim, theta, scaling).to("meta")
-        else:
-            inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+        # In a meta skeleton only the shape: the loader builds this module again for real (see ``building_on_meta``).
+        inv_freq = torch.empty(head_dim // 2) if building_on_meta() else rope_inverse_frequencies(head_dim, theta,
+                                                                                                   scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
