@@ -11,10 +11,35 @@ from tandem.config import ModelConfig
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The checkpoint's own tokenizer, through transformers' AutoTokenizer."""
+    """The checkpoint's own tokenizer, through transformers' AutoTokenizer (the class it would choose, the same ids)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), config=_tokenizer_choice_config(Path(model_dir)))
+
+
+def _tokenizer_choice_config(model_dir: Path) -> Any:
+    """What AutoTokenizer reads of the model's config to choose a tokenizer class, or None to let it load the config.
+
+    AutoTokenizer loads the model's config only to choose the class, and in transformers 5 loading it imports the
+    architecture's config module, which imports torch.distributed.tensor and sympy: 1.8 s of every worker's and
+    coordinator's start on 2 cores, for a model whose weights Tandem loads itself. A plain ``PretrainedConfig``
+    with the same model type, name and declared tokenizer class takes the same branches. Only a checkpoint whose
+    tokenizer_config.json names its class (and carries no remote code) gets it; any other falls back to the full load.
+    """
+    from transformers import PretrainedConfig
+
+    try:
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        model_config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or "auto_map" in model_config:
+        return None
+    if not isinstance(model_config.get("model_type"), str):
+        return None
+    config = PretrainedConfig(name_or_path=str(model_dir), tokenizer_class=model_config.get("tokenizer_class"))
+    config.model_type = model_config["model_type"]
+    return config
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
