@@ -187,3 +187,21 @@ def test_tandem_up_refuses_security_flags_that_cannot_work_before_starting_anyth
     names = dict(cert=pki.server_cert, key=pki.server_key, ca=pki.ca, tmp=tmp_path)
     with pytest.raises(InvalidRequestError, match=complaint):
         up_spec(*(f.format(**names) for f in flags))
+
+
+def test_tandem_up_passes_the_rank_timeout_to_every_target_worker_it_starts():
+    from tandem.cli import build_parser
+
+    spec = up_spec("--tensor-parallel-size", "2", "--rank-timeout", "6")
+    args = list(spec.target_args)
+    assert args[args.index("--rank-timeout") + 1] == "6.0"
+    # ...in a form `tandem serve target` takes, so a restarted or scaled-up replica starts with it too
+    served = build_parser().parse_args(["serve", "target", "--model", "m", *args])
+    assert served.rank_timeout == 6.0
+    assert "--rank-timeout" not in up_spec().target_args  # the worker's own default unless asked for
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_tandem_up_refuses_a_rank_timeout_that_is_not_a_positive_number_before_starting_anything(value):
+    with pytest.raises(InvalidRequestError, match=f"--rank-timeout must be a positive number of seconds, got {value}"):
+        up_spec("--tensor-parallel-size", "2", "--rank-timeout", value)

@@ -90,6 +90,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "sized from the measured step cost; 0: whole (default: auto)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="each target worker splits its model over N ranks (see `tandem serve target --help`)")
+    p.add_argument("--rank-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --tensor-parallel-size > 1: how long a rank may be late inside a forward pass before "
+                        "its target worker exits and is restarted (see `tandem serve target --help`; default: 30)")
     p.add_argument("--pipelining", action="store_true",
                    help="draft round r+1 while round r is verified (pays when draft and target have their own "
                         "hardware; off by default here, where they share this machine's cores)")
@@ -142,6 +145,11 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if tls and tls.mutual and not (worker_tls and worker_tls.cert):
         raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
                                   "require the coordinator's client certificate")
+    if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
+        raise InvalidRequestError(f"--rank-timeout must be a positive number of seconds, got {args.rank_timeout}")
+    target_args = ("--heads", str(args.heads)) if args.heads else ()
+    if args.rank_timeout is not None:
+        target_args += ("--rank-timeout", repr(args.rank_timeout))
     coordinator_args = ["--redis-url", args.redis_url] if args.redis_url else []
     if not args.no_http:
         http_port = args.http_port if args.http_port is not None else (DEFAULT_HTTP_PORT if args.port else 0)
@@ -162,7 +170,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         draft_replicas=args.draft_replicas if draft else 0, dtype=args.dtype, worker_threads=args.worker_threads,
         kv_cache_tokens=args.kv_cache_tokens, tensor_parallel_size=args.tensor_parallel_size,
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
-        target_args=("--heads", str(args.heads)) if args.heads else (),
+        target_args=target_args,
         # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
         worker_args=("--host", "127.0.0.1", *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                      *(("--no-cache-generated",) if args.no_cache_generated else ()),

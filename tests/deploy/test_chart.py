@@ -261,6 +261,12 @@ def test_the_schema_refuses_latest_unknown_keys_and_tls_without_a_secret():
     assert "/tls/secretName" in render_error("tls.enabled=true")
     assert "/models/source" in render_error("models.source=s3")
     assert "not both" in render_error("redis.url=redis://elsewhere:6379/0")
+    assert "/target/rankTimeoutSeconds" in render_error("target.rankTimeoutSeconds=0")
+
+
+def test_the_target_gets_its_rank_timeout_as_given():
+    assert flag(container(render(), "target")["args"], "--rank-timeout") == "30"
+    assert flag(container(render(None, "target.rankTimeoutSeconds=7"), "target")["args"], "--rank-timeout") == "7"
 
 
 def test_coordinator_finds_the_fleets_through_their_headless_services():
