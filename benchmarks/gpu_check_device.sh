@@ -21,7 +21,13 @@ if ! compgen -G "tandem/v1/*_pb2.py" > /dev/null; then
     echo "no gRPC stubs in tandem/v1: bring them with the copy (python benchmarks/gpu_wheels.py makes them fresh)" >&2
     exit 1
 fi
-touch tandem/v1/*_pb2*.py
+# Only those older than their .proto: touching fresh ones in a checkout would make its .venv's install
+# look stale to make (the stubs are its inputs), and the next make target would reinstall.
+for proto in proto/tandem/v1/*.proto; do
+    for stub in tandem/v1/"$(basename "$proto" .proto)"_pb2*.py; do
+        [ "$stub" -nt "$proto" ] || touch "$stub"
+    done
+done
 nvidia-smi -L || true
 python3 -c "import torch, transformers, grpc, google.protobuf as pb
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(),

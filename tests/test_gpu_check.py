@@ -95,9 +95,13 @@ def test_the_device_script_runs_the_check_with_the_machines_python3(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "OUT": str(tmp_path), "DEVICE": "cpu", "TANDEM_WHEELS": str(tmp_path / "no-wheels")}
     env.pop("PYTHONPATH", None)
+    stubs = sorted((root / "tandem" / "v1").glob("*_pb2*.py"))
+    stub_times = [stub.stat().st_mtime_ns for stub in stubs]
     done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check_device.sh"), "--skip", skip], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    # fresh stubs are left alone: touched, they would make make's install look stale and the next target reinstall
+    assert [stub.stat().st_mtime_ns for stub in stubs] == stub_times
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["complete"] is True and [c["check"] for c in report["checks"]] == ["attention"]
     assert "[PASS] attention" in (tmp_path / "gpu_check.log").read_text()
