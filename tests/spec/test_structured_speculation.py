@@ -30,6 +30,13 @@ def smollm2(smollm2_dir):
     return engine, structured, tokenizer, encode_prompt(tokenizer, QUESTION, chat=True), stops
 
 
+@pytest.fixture(scope="module")
+def same_model_draft(smollm2_dir):
+    """SmolLM2 drafting for itself: its proposals are the target's unconstrained choices, so the grammar keeps long
+    accepted runs where they are valid and cuts them where they are not."""
+    return load(smollm2_dir)
+
+
 def generate(smollm2, sampling: SamplingParams, method: str = "none", draft=None, n: int = 96,
              question: str | None = None, **options) -> list[int]:
     """The answer's token ids; a constrained one must end (a complete JSON value, then the stop token)."""
@@ -52,21 +59,19 @@ def text_of(smollm2, ids: list[int]) -> str:
     return smollm2[2].decode(ids, skip_special_tokens=True)
 
 
-def test_json_schema_output_is_valid_and_speculation_keeps_it(smollm2):
-    from draft_worker.engine import early_exit_engine
-
+def test_json_schema_output_is_valid_and_speculation_keeps_it(smollm2, same_model_draft):
     constrained = SamplingParams(json_schema=json.dumps(PERSON))
     alone = generate(smollm2, constrained)
     person = json.loads(text_of(smollm2, alone))
     assert set(person) == {"name", "age", "languages"} and isinstance(person["age"], int) and person["age"] >= 0
     assert all(isinstance(x, str) for x in person["languages"]) and len(person["languages"]) <= 3
-    free = text_of(smollm2, generate(smollm2, SamplingParams()))
-    with pytest.raises(ValueError):  # unconstrained, the model wraps its JSON in prose or a code fence
-        json.loads(free)
-    engine = smollm2[0]
-    for method, draft, tree in (("early-exit", early_exit_engine(engine, 20), "off"), ("ngram", None, "off"),
-                                ("early-exit", early_exit_engine(engine, 20), "on")):
-        assert generate(smollm2, constrained, method, draft, k_max=4, ngram_max=3, tree=tree) == alone, method
+    free = text_of(smollm2, generate(smollm2, SamplingParams(), n=16))
+    assert not free.lstrip().startswith(("{", "```")), free  # unconstrained, it answers in prose
+    # Chains and a tree from a draft model, and n-gram chains (mostly rejected). Early exit, whose drafts SmolLM2
+    # rejects about 19 times in 20 (22 of this test's 43 s), is constrained in the seeded test below.
+    for method, draft, tree in (("draft", same_model_draft, "off"), ("ngram", None, "off"),
+                                ("draft", same_model_draft, "on")):
+        assert generate(smollm2, constrained, method, draft, k_max=4, ngram_max=3, tree=tree) == alone, (method, tree)
 
 
 def test_json_object_output_is_an_object(smollm2):
