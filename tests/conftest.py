@@ -28,6 +28,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "shared_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group(SHARED_SYSTEM_GROUP))
+        elif not any(item.iter_markers("xdist_group")) and uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))
+
+
+def uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a module-scoped fixture: such a module's tests then run on one xdist worker (as one
+    group), so that the fixture, often a loaded model and its reference outputs, is made once instead of once per
+    worker (SmolLM2's bf16 pair and its target-only answers took 19 s on each of the two)."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the test's fixtures (no public accessor)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope == "module" for defs in (info.name2fixturedefs.get(name)
+                                                                 for name in item.fixturenames))
 
 
 @pytest.fixture(scope="module")
