@@ -72,12 +72,15 @@ demo: models  ## start the whole system locally (workers + coordinator), stream 
 # tests/xdist_groups.py: every test on the shared SmolLM2 system runs on one worker, which starts it once. Tests marked `alone` (tensor-parallel ranks, which wait on each other at every layer and starve
 # when a second worker computes) run after the rest, in one process. TEST_WORKERS=0: everything in this process.
 TEST_WORKERS ?= 2
+# Where the `alone` tests are (tests/conftest.py refuses one elsewhere): collecting only there saves the 15 CPU-s
+# that collecting the whole suite costs.
+ALONE_TESTS := tests/tensor_parallel
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), no import writes a .pyc, and each
 # of the ~150 processes the tests start would compile Tandem's own modules again (0.45 CPU-s a worker, measured).
 test: setup-dev models-ci  ## the suite CI runs (unit tests, integration on a shared SmolLM2 cluster) on TEST_WORKERS workers, then the `alone` tests; names the slowest
 	$(PYTHON) -m compileall -q tandem coordinator target_worker draft_worker > /dev/null
 	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not long and not alone"
-	$(PYTHON) -m pytest -q --durations=10 -m "alone and not long"
+	$(PYTHON) -m pytest -q --durations=10 -m "alone and not long" $(ALONE_TESTS)
 
 test-unit: setup-dev  ## unit tests only (tiny random models, in process): no model download, about 3 minutes
 	$(PYTHON) -m pytest -q -m "not slow and not long"

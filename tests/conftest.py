@@ -24,23 +24,18 @@ def pytest_configure(config: pytest.Config) -> None:
         register(config)
 
 
+# Where tests marked `alone` live: `make test` collects only this directory for its `alone` part (collecting the whole
+# suite to select them took 15 CPU-s), so a test marked `alone` elsewhere would never run, and is refused.
+ALONE_TESTS_DIR = "tests/tensor_parallel/"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if item.get_closest_marker("alone") is not None and not item.nodeid.startswith(ALONE_TESTS_DIR):
+            raise pytest.UsageError(f"{item.nodeid} is marked alone outside {ALONE_TESTS_DIR}, the only directory "
+                                    "`make test` runs alone tests from (Makefile, ALONE_TESTS)")
         if "shared_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group(SHARED_SYSTEM_GROUP))
-        elif not any(item.iter_markers("xdist_group")) and uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))
-
-
-def uses_a_module_fixture(item: pytest.Item) -> bool:
-    """Whether the test uses a module-scoped fixture: such a module's tests then run on one xdist worker (as one
-    group), so that the fixture, often a loaded model and its reference outputs, is made once instead of once per
-    worker (SmolLM2's bf16 pair and its target-only answers took 19 s on each of the two)."""
-    info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the test's fixtures (no public accessor)
-    if info is None:
-        return False
-    return any(defs and defs[-1].scope == "module" for defs in (info.name2fixturedefs.get(name)
-                                                                 for name in item.fixturenames))
 
 
 @pytest.fixture(scope="module")
