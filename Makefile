@@ -72,8 +72,8 @@ demo: models  ## start the whole system locally (workers + coordinator), stream 
 # tests/xdist_groups.py: every test on the shared SmolLM2 system runs on one worker, which starts it once. Tests marked `alone` (tensor-parallel ranks, which wait on each other at every layer and starve
 # when a second worker computes) run after the rest, in one process. TEST_WORKERS=0: everything in this process.
 TEST_WORKERS ?= 2
-# Where the `alone` tests are (tests/conftest.py refuses one elsewhere): collecting only there saves the 15 CPU-s
-# that collecting the whole suite costs.
+# Where the `alone` tests are (tests/conftest.py refuses one elsewhere): collecting only there takes 4 s, collecting
+# the whole suite to select them 14-18 s.
 ALONE_TESTS := tests/tensor_parallel
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), no import writes a .pyc, and each
 # of the ~150 processes the tests start would compile Tandem's own modules again (0.45 CPU-s a worker, measured).

@@ -21,8 +21,9 @@ def _tokenizer_choice_config(model_dir: Path) -> Any:
     """What AutoTokenizer reads of the model's config to choose a tokenizer class, or None to let it load the config.
 
     AutoTokenizer loads the model's config only to choose the class, and in transformers 5 loading it imports the
-    architecture's config module, which imports torch.distributed.tensor and sympy: 1.8 s of every worker's and
-    coordinator's start on 2 cores, for a model whose weights Tandem loads itself. A plain ``PretrainedConfig``
+    architecture's config module; Llama's imports torch.distributed.tensor and sympy, about 1 s of every SmolLM2
+    worker's and coordinator's start on 2 cores (2.8 s to load its tokenizer in a fresh process, 1.8 s without),
+    for a model whose weights Tandem loads itself. A plain ``PretrainedConfig``
     with the same model type, name and declared tokenizer class takes the same branches. Only a checkpoint whose
     tokenizer_config.json names its class (and carries no remote code) gets it; any other falls back to the full load.
     """
