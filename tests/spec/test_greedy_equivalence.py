@@ -136,6 +136,9 @@ def test_smollm2_early_exit_greedy_identical(smollm2_dir):
 
 
 BF16_PROMPTS = ("Write a story about a cat.", "Repeat after me: alpha beta gamma alpha beta gamma.")
+# 40 new tokens each (was 60): emulated bf16 on a CPU without it costs about 2.5x fp32, and these four ran about
+# 150 s of CI's 2-core time; 40 still gives every method's chains, trees and rejections several rounds.
+BF16_NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +151,7 @@ def smollm2_bf16(smollm2_dir):
     prompts = [encode_prompt(tok, p, chat=True) for p in BF16_PROMPTS]
     target = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16", kv_cache_tokens=8192))
     draft = ModelEngine.load(EngineConfig(smollm2_dir, dtype="bfloat16"))
-    plain = [r.token_ids for r in run(target, prompts=prompts, n=60)]
+    plain = [r.token_ids for r in run(target, prompts=prompts, n=BF16_NEW_TOKENS)]
     return target, draft, prompts, plain
 
 
@@ -163,7 +166,7 @@ def test_smollm2_bf16_speculative_greedy_identical(smollm2_bf16, method, tree):
     that the others do not; its own greedy identity is checked in fp32 above."""
     target, same_model, prompts, plain = smollm2_bf16
     draft = None if method == "ngram" else same_model  # the same model drafting for itself
-    results = run(target, draft, method, prompts, n=60, k_max=4, ngram_max=3, tree=tree)
+    results = run(target, draft, method, prompts, n=BF16_NEW_TOKENS, k_max=4, ngram_max=3, tree=tree)
     assert [r.token_ids for r in results] == plain
     assert sum(r.stats.drafted for r in results) > 0
     if tree == "on":  # trees, each path scored in bf16 bit for bit as a chain of it would be
