@@ -152,14 +152,19 @@ class HermesFormat:
     def grammar(self, use: ToolUse) -> str:
         """The Lark grammar (llguidance's dialect) of the calls ``use`` enforces: one call, or several unless
         ``single_call``; each block's JSON names a callable tool, with arguments under its
-        schema. After the last block the grammar ends: the model's stop tokens end the text."""
+        schema. After the last block one newline may follow, then the grammar ends: the model's stop tokens end the
+        text."""
         options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema},
                     "required": ["name", "arguments"], "additionalProperties": False} for t in use.callable()]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         tag_open, tag_close = (self.OPEN, self.CLOSE) if self.special_tags else (
             json.dumps(self.OPEN), json.dumps(self.CLOSE))
         # The newlines the template shows around each block are allowed, not required: a call parses either way.
-        start = "start: call" if use.single_call else 'start: call ("\\n"? call)*'
+        # The one after the last block must be allowed on its own: a template ends its blocks with one before the
+        # stop token, so a model writes it (Qwen2.5-Coder-1.5B: p = 1.0 after </tool_call>, then p = 1.0 for its
+        # stop token), and a grammar that took it only before another block forced a copy of the call after it,
+        # and another, up to max_tokens.
+        start = 'start: call "\\n"?' if use.single_call else 'start: call ("\\n"? call)* "\\n"?'
         return (f'{start}\ncall: {tag_open} "\\n"? body "\\n"? {tag_close}\n'
                 f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")
 

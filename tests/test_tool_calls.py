@@ -134,27 +134,28 @@ def test_bad_tools_are_refused_naming_why(tools, choice, function, words):
         ToolUse(tools, choice, function)
 
 
+class _ByteTokens:
+    """A byte-level vocabulary for llguidance: ids 0-255 are the bytes, 256 the stop token."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
 @pytest.fixture(scope="module")
-def matcher_of(tmp_path_factory):
-    """A matcher factory for a grammar, on a real byte-level tokenizer of 94 single characters (no spaces)."""
+def matcher_of():
+    """A matcher factory for a grammar, on a byte-level tokenizer (every text is spellable, newlines included)."""
     import llguidance
-    import llguidance.hf
 
-    from tandem.tokenizer import load_tokenizer
-    from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
-
-    path = save_tiny_model(tmp_path_factory.mktemp("tools-tok"), "qwen2", vocab_size=100, bos_token_id=0,
-                           eos_token_id=1)
-    save_tiny_tokenizer(path, 100, eos_token_id=1, bos_token_id=0)
-    tokenizer = load_tokenizer(path)
-    llg = llguidance.hf.from_tokenizer(tokenizer, n_vocab=100, eos_token=[1])
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()))
 
     def accepts(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(llg, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         assert not matcher.is_error(), matcher.get_error()
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-        assert tokenizer.decode(ids) == text
-        # the whole text, and then the grammar is complete (its mask is then the stop token alone)
+        ids = list(text.encode())
+        # the whole text, and then the grammar may end (the stop token is allowed)
         return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
 
     return accepts
@@ -174,6 +175,20 @@ def test_the_grammar_takes_calls_to_the_tools_under_their_schemas_and_nothing_el
         assert not matcher_of(required, wrong), wrong
     named = fmt.grammar(ToolUse((WEATHER, CLOCK), "function", "get_time", single_call=True))
     assert matcher_of(named, clock) and not matcher_of(named, call) and not matcher_of(named, clock + clock)
+
+
+def test_the_grammar_may_end_after_the_newline_that_follows_a_block(matcher_of):
+    """Templates end a block with a newline before the stop token, and a model writes it: if that newline could only
+    open another block, the model was made to write its call again, and again, until max_tokens."""
+    fmt = HermesFormat(special_tags=False)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    required = fmt.grammar(ToolUse((WEATHER, CLOCK), "required"))
+    single = fmt.grammar(ToolUse((WEATHER, CLOCK), "required", single_call=True))
+    for grammar in (required, single):
+        assert matcher_of(grammar, call + "\n")  # and the stop token may follow
+        assert not matcher_of(grammar, call + "\n\n") and not matcher_of(grammar, call + "\nDone.")
+    assert matcher_of(required, call + "\n" + clock + "\n") and not matcher_of(single, call + "\n" + clock)
 
 
 def test_special_tags_are_named_as_tokens_in_the_grammar():
