@@ -3,7 +3,9 @@
 A ``WorkerClient`` is one replica; ``for_request`` binds it to one request's
 deadline, giving the ``Verifier`` / ``DraftChannel`` the speculation loop runs
 against (``tandem.spec.transport``). Every call carries a deadline: the
-shorter of the internal call timeout and the time the client has left. gRPC
+shorter of its hang timeout (the internal call timeout, plus the price of the
+prompt tokens it reads: ``RequestChannel.hang_timeout``) and the time the
+client has left. gRPC
 failures become the errors a client of the coordinator should see
 (``tandem.rpc.status.worker_failure``), naming no internal address.
 
@@ -56,6 +58,11 @@ log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 2.0
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the client's deadline
+# A call that reads a prompt may take this many times the prompt's price on its worker (Info's prompt_token_s)
+# beyond the internal call timeout before the worker passes for hung: the price is measured on a short prompt,
+# attention makes a long one's tokens dearer (about 2x at 16k tokens on a 1.5B model), and the worker computes
+# it a chunk per step beside the streams it serves.
+PROMPT_TIME_MARGIN = 4.0
 REPLACEMENT_POLL_S = 0.5  # while a request waits for a healthy replica to move to
 HEARTBEAT_FRACTION = 1 / 3  # an Info poll at least this often per worker lease: two may be lost in a row
 
@@ -191,24 +198,39 @@ class RequestChannel:
         self._draft_tokens: list[int] = []
         self._verified = 0
 
-    def _timeout(self) -> float:
+    def hang_timeout(self, prompt_tokens: int = 0) -> float:
+        """How long a call may take before its worker passes for hung: the internal call timeout, plus, for a call
+        that reads ``prompt_tokens`` tokens (a prompt, a moved request's history, a draft's catch-up),
+        ``PROMPT_TIME_MARGIN`` times their price on this worker. A 5,128-token prompt takes a 1.5B model in fp32
+        152 s on a 2-core CPU: under the bare 60 s its worker was taken for hung and the request moved, which
+        read the prompt again from the start, until its moves ran out (a 500 after three minutes)."""
         timeout = self.client.call_timeout_s
-        if self.deadline is not None:
-            left = self.deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise WorkerDeadlineError("the request's deadline passed")
-            timeout = min(timeout, left)
+        fit = self.client.fitted_cost()
+        if prompt_tokens > 0 and fit is not None:
+            # (the prompt price is measured at warm-up; a forward's per-token slope is the next best guess)
+            per_token = fit.prompt_token_s or fit.per_token_s or fit.last_per_token_s
+            timeout += PROMPT_TIME_MARGIN * prompt_tokens * per_token
         return timeout
 
-    async def _call(self, method: str, request: Any) -> Any:
-        """One call bounded by the request's deadline; a replica that outlasts the internal call
-        timeout instead (it hangs) is marked unhealthy and reported as unavailable, so that the
-        request moves and new requests skip it until its Info answers again."""
-        timeout = self._timeout()
+    def _timeout(self, hang: float) -> float:
+        """``hang``, or the time the client has left if that is shorter."""
+        if self.deadline is None:
+            return hang
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise WorkerDeadlineError("the request's deadline passed")
+        return min(hang, left)
+
+    async def _call(self, method: str, request: Any, prompt_tokens: int = 0) -> Any:
+        """One call bounded by the request's deadline; a replica that outlasts its hang timeout instead
+        (``hang_timeout``) is marked unhealthy and reported as unavailable, so that the request moves and new
+        requests skip it until its Info answers again."""
+        hang = self.hang_timeout(prompt_tokens)
+        timeout = self._timeout(hang)
         try:
             return await self.client.call(method, request, timeout)
         except WorkerDeadlineError:
-            if timeout < self.client.call_timeout_s:
+            if timeout < hang:
                 raise  # the client's own deadline: nothing to move for
             self.client.healthy = False
             raise WorkerUnavailableError(f"a {self.client.role} worker did not answer in time") from None
@@ -226,7 +248,7 @@ class RequestChannel:
         # still holds of it. A first Prefill never does: the worker refuses an id that is live there.
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
-            owner=self.owner, replace=prompt_len > 0, propose=propose))
+            owner=self.owner, replace=prompt_len > 0, propose=propose), prompt_tokens=len(token_ids))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
                          reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens),
                          logprobs_from_proto(reply.prompt_logprobs) if sampling.prompt_logprobs is not None else None)
@@ -250,7 +272,7 @@ class RequestChannel:
         reply = await self._call("Propose", draft_pb2.ProposeRequest(
             seq_id=seq_id, committed_len=committed_len, new_tokens=new_tokens, k=k,
             sampling=sampling_to_proto(sampling), alternatives=alternatives, prompt_len=prompt_len,
-            owner=self.owner, verified_len=verified_len, stop_below=stop_below))
+            owner=self.owner, verified_len=verified_len, stop_below=stop_below), prompt_tokens=len(new_tokens))
         if committed_len == 0 and k > 0 and 0 < prompt_len <= len(new_tokens):
             self.client.read_prompt(new_tokens[:prompt_len])  # (a draft offers a prompt it drafted after)
         del self._draft_tokens[committed_len:]  # (in place: no copy of the whole history per round)

@@ -182,7 +182,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "probabilities say the target will likely turn the rest down (for a draft whose "
                             "confidence does not track the target's agreement)")
     coord.add_argument("--call-timeout", type=float, default=60.0,
-                       help="deadline of each internal call, seconds: a worker that takes longer is taken for hung, "
+                       help="deadline of each internal call, seconds (a call that reads a prompt gets 4x its "
+                            "tokens' measured price on that worker on top): a worker that takes longer is taken "
+                            "for hung, "
                             "marked unhealthy until its Info answers again, and its requests move "
                             "(default: %(default)s)")
     coord.add_argument("--max-moves", type=int, default=3,

@@ -12,7 +12,7 @@ from coordinator.workers import RequestChannel, WorkerClient, WorkerPool
 from tandem import errors
 from tandem.rpc.status import status_for, worker_failure
 from tandem.sampling_params import SamplingParams
-from tandem.v1 import common_pb2, target_pb2
+from tandem.v1 import common_pb2, draft_pb2, target_pb2
 
 
 def client(address: str, free: int, queue: int = 0, healthy: bool = True, active: int = 0) -> WorkerClient:
@@ -109,3 +109,74 @@ def test_a_workers_info_carries_the_last_trusted_line_to_the_heads_budget():
     assert c.fitted_cost().prompt_token_s == 0.0016  # what a draft's read of a long prompt is weighed with
     state = RequestState([1, 2, 3], SamplingParams(), StopConditions(100))
     assert heads_budget(SpecOptions("eagle", 4), state, 1000, fit) == 2
+
+
+class TimedClient:
+    """A worker whose every call takes ``seconds[method]``, against the timeout it is given (no clock: a call
+    longer than its timeout raises what gRPC's DEADLINE_EXCEEDED becomes)."""
+
+    call_timeout_s = 60.0
+    streams = 1
+
+    def __init__(self, seconds: dict[str, float], prompt_token_s: float = 0.03) -> None:
+        from tandem.spec.transport import FittedCost
+
+        self.seconds, self.timeouts, self.healthy, self.role = seconds, {}, True, "target"
+        self.fit = FittedCost(0.3, 0.02, prompt_token_s=prompt_token_s)
+
+    async def call(self, method, request, timeout):
+        self.timeouts[method] = timeout
+        if self.seconds[method] > timeout:
+            raise errors.WorkerDeadlineError("deadline exceeded")
+        replies = {"Prefill": target_pb2.PrefillResponse(next_token=7), "Verify": target_pb2.VerifyResponse(),
+                   "Propose": draft_pb2.ProposeResponse()}
+        return replies[method]
+
+    def fitted_cost(self):
+        return self.fit
+
+    def read_prompt(self, prompt_ids) -> None:
+        pass
+
+
+def test_a_long_prompt_is_work_not_a_hang_and_the_hang_timeout_still_catches_a_stuck_call():
+    """A 5,128-token prompt took a 1.5B target 152 s on a 2-core CPU: under the bare 60 s call timeout its worker
+    was taken for hung and the request moved, reading the prompt again each time, until it failed."""
+    long_prompt = list(range(5128))
+
+    async def scenario(client, deadline_s=None):
+        now = asyncio.get_running_loop().time()
+        channel = RequestChannel(client, None if deadline_s is None else now + deadline_s)
+        return await channel.prefill("s", long_prompt, SamplingParams()), channel
+
+    worker = TimedClient({"Prefill": 152.0, "Verify": 61.0})
+    prefilled, channel = asyncio.run(scenario(worker))
+    assert prefilled.next_token == 7 and worker.healthy
+    assert worker.timeouts["Prefill"] == pytest.approx(60.0 + 4 * 5128 * 0.03)  # PROMPT_TIME_MARGIN x its price
+    # a call with no prompt to read keeps the bare timeout: past it the worker is hung, and the request moves
+    with pytest.raises(errors.WorkerUnavailableError, match="did not answer in time"):
+        asyncio.run(channel.verify("s", 5128, [1, 2], []))
+    assert worker.timeouts["Verify"] == 60.0 and not worker.healthy
+
+    # so is a prompt read that outlasts its price by more than the margin
+    stuck = TimedClient({"Prefill": 60.0 + 4 * 5128 * 0.03 + 1})
+    with pytest.raises(errors.WorkerUnavailableError):
+        asyncio.run(scenario(stuck))
+    assert not stuck.healthy
+    # and the client's own deadline still bounds it, without blaming the worker
+    impatient = TimedClient({"Prefill": 152.0})
+    with pytest.raises(errors.WorkerDeadlineError):
+        asyncio.run(scenario(impatient, deadline_s=100.0))
+    assert impatient.timeouts["Prefill"] <= 100.0 and impatient.healthy
+
+
+def test_a_draft_reading_a_prompt_gets_the_time_its_price_says():
+    async def scenario():
+        draft = TimedClient({"Propose": 70.0}, prompt_token_s=0.007)
+        draft.role = "draft"
+        await RequestChannel(draft, None).propose("s", 0, list(range(5128)), 4, SamplingParams(), prompt_len=5128)
+        with pytest.raises(errors.WorkerUnavailableError):  # a round's few new tokens: about the bare timeout
+            await RequestChannel(draft, None).propose("s", 5130, [1, 2], 4, SamplingParams())
+        return draft.timeouts["Propose"]
+
+    assert asyncio.run(scenario()) == pytest.approx(60.0 + 4 * 2 * 0.007)
