@@ -53,8 +53,18 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+# The end-of-generation tokens llama.cpp stops at beside a GGUF's one eos (src/llama-vocab.cpp, where a vocabulary
+# has them as special tokens). A GGUF names a single eos, so a checkpoint converted from one lost the rest of its
+# generation config: Qwen2.5-Instruct's upstream config stops at <|im_end|> and <|endoftext|>, its GGUF names only
+# <|im_end|>, and after a tool call block Qwen2.5-Coder-1.5B writes <|endoftext|> (p = 1.0), past which
+# generation ran on.
+GGUF_END_TOKENS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
+                             "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>"})
+
+
 def stop_token_ids(model_dir: Path, tokenizer: Any, config: ModelConfig) -> frozenset[int]:
-    """End-of-sequence ids from the config, generation_config.json and the tokenizer."""
+    """End-of-sequence ids from the config, generation_config.json and the tokenizer; for a checkpoint converted
+    from a GGUF (``tandem models prepare``), also the end tokens llama.cpp stops at (``GGUF_END_TOKENS``)."""
     ids = set(config.eos_token_ids)
     gen_cfg = Path(model_dir) / "generation_config.json"
     if gen_cfg.is_file():
@@ -62,7 +72,20 @@ def stop_token_ids(model_dir: Path, tokenizer: Any, config: ModelConfig) -> froz
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
+    if _converted_from_gguf(Path(model_dir)):
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        ids.update(i for i, token in added.items() if token.special and token.content in GGUF_END_TOKENS)
     return frozenset(int(i) for i in ids)
+
+
+def _converted_from_gguf(model_dir: Path) -> bool:
+    """Whether ``model_dir`` was written by the GGUF converter (its marker names the GGUF file)."""
+    from tandem.model_store import MARKER_NAME
+
+    try:
+        return bool(json.loads((model_dir / MARKER_NAME).read_text()).get("gguf_file"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
