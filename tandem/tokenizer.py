@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import ModelConfig
+from tandem.model_store import MARKER_NAME
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -80,8 +81,6 @@ def stop_token_ids(model_dir: Path, tokenizer: Any, config: ModelConfig) -> froz
 
 def _converted_from_gguf(model_dir: Path) -> bool:
     """Whether ``model_dir`` was written by the GGUF converter (its marker names the GGUF file)."""
-    from tandem.model_store import MARKER_NAME
-
     try:
         return bool(json.loads((model_dir / MARKER_NAME).read_text()).get("gguf_file"))
     except (OSError, ValueError, AttributeError):
