@@ -35,10 +35,11 @@ tokens after those: pipelined guesses the target has not verified, or this
 draft's own drafts.
 
 Chunked prefill (``tandem/rpc/prefill_chunks.py``, the same policy as the
-target's): while other sequences are held here, a Propose whose unread prompt is
-longer than a chunk feeds one chunk, answers ``Unfinished`` and is queued again
-by the batcher; its next check finds the chunk in the KV (the longest common
-prefix) and goes on from there, so the call itself carries no progress.
+target's): a Propose whose unread prompt is longer than a chunk (a larger one
+while no other sequence is held here) feeds one chunk, answers ``Unfinished``
+and is queued again by the batcher; its next check finds the chunk in the KV
+(the longest common prefix) and goes on from there, so the call itself carries
+no progress.
 
 A batch first checks every call and admits it to the KV pool (counting the
 blocks its whole k-step run will hold) without changing anything; a refused
@@ -275,13 +276,21 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
             self.engine.commit(call.seq_id, plan.tokens, committed)
 
     def _feed_chunks(self, plans: list[_Plan]) -> list[_Plan]:
-        """Feed one chunk of each long unread prompt while other sequences are held here; those plans."""
+        """Feed one chunk of each long unread prompt (larger ones while no other sequence is held here, so that a
+        newcomer soon joins the batch); those plans."""
         if not self.chunks.enabled:
             return []
-        now = {p.index: self.chunks.take((p.call.prompt_len or len(p.tokens)) - p.keep, p.keep) for p in plans}
-        long = [p for p in plans if now[p.index] < (p.call.prompt_len or len(p.tokens)) - p.keep]
-        mine = {p.call.seq_id for p in long}
-        if not long or not any(s not in mine for s in self.sequences):
+        unread = {p.index: (p.call.prompt_len or len(p.tokens)) - p.keep for p in plans}
+        now = {p.index: self.chunks.take(unread[p.index], p.keep) for p in plans}
+        # As the target's (TargetEngine._chunk): lone chunks while every sequence held here is a prompt being read,
+        # except beside a newcomer's prompt that a lone step ends.
+        reading = {p.call.seq_id for p in plans if unread[p.index] > 0}
+        if all(s in reading for s in self.sequences):
+            lone = {p.index: self.chunks.take(unread[p.index], p.keep, lone=True) for p in plans}
+            newcomer = any(lone[i] == unread[i] for i in lone if unread[i] > 0)
+            now = {i: n if not newcomer or n == unread[i] else now[i] for i, n in lone.items()}
+        long = [p for p in plans if now[p.index] < unread[p.index]]
+        if not long:
             return []
         self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0,
                                          prompt=True) for p in long])

@@ -33,7 +33,8 @@ the answer it resends cached) where the engine's rows are fixed by position
 what a prompt holding it computes) unless ``cache_generated`` is off. A rejected
 draft never reaches a cached block, as only committed tokens are offered.
 Chunked prefill (``tandem/rpc/prefill_chunks.py``): while other sequences are
-running, a long prompt computes one chunk per batch step beside their rows; the
+running, a long prompt computes one chunk per batch step beside their rows (a
+lone prompt, larger chunks, so that a newcomer soon joins the batch); the
 call's result is then ``Unfinished`` and the batcher queues it again, first,
 until its last chunk gives the first token. A heads prompt's chunks go to the
 heads as they are computed (EAGLE's KV grows with them), the proposal with the last.
@@ -302,20 +303,28 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     # ----- chunked prefill -------------------------------------------------
     def _chunk(self, plans: list[_Plan]) -> None:
-        """Cut each long new prompt to one chunk when other sequences are running (module doc); a scored prompt
-        (``prompt_logprobs``) to ``SCORED_ROWS_PER_STEP`` rows whatever else runs, to bound the logits it holds."""
+        """Cut each long new prompt to one chunk (a larger one when no other sequence is running: module doc); a
+        scored prompt (``prompt_logprobs``) to ``SCORED_ROWS_PER_STEP`` rows whatever else runs, to bound the logits
+        it holds."""
         prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len]  # (not rebuilds)
         for plan in prompts:
             if _scores_prompt(plan.call) and len(plan.item.token_ids) > SCORED_ROWS_PER_STEP:
                 _cut(plan, SCORED_ROWS_PER_STEP)
         if not self.chunks.enabled:
             return
-        prefilling = {p.call.seq_id for p in prompts}
-        if not any(s not in prefilling and seq.prefilling is None for s, seq in self.sequences.items()):
-            return  # nobody is waiting on these prompts
+        spans = {plan.call.seq_id: (len(plan.item.token_ids), plan.kv_len - len(plan.item.token_ids))
+                 for plan in prompts}  # tokens left to feed, from which position
+        # While no other sequence is running, prompts take lone chunks (larger), so that a newcomer waits one of them
+        # at most; in the step that a newcomer's prompt ends in, a long one takes a small chunk beside it.
+        running = any(seq.prefilling is None and s not in spans for s, seq in self.sequences.items())
+        lone = {} if running else {s: self.chunks.take(left, start, lone=True) for s, (left, start) in spans.items()}
+        newcomer = any(lone[s] == left for s, (left, _) in spans.items()) if lone else False
         for plan in prompts:
-            now = self.chunks.take(len(plan.item.token_ids), plan.kv_len - len(plan.item.token_ids))
-            if now < len(plan.item.token_ids):
+            left, start = spans[plan.call.seq_id]
+            now = lone.get(plan.call.seq_id, left)
+            if not lone or (newcomer and now < left):
+                now = self.chunks.take(left, start)
+            if now < left:
                 _cut(plan, now)
 
     def _score_prompts(self, plans: list[_Plan], logits: list[torch.Tensor], results: list) -> list[torch.Tensor]:

@@ -65,8 +65,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="most tokens in one batched forward pass (default: %(default)s)")
     p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
                    help="while other streams run, compute a long prompt N tokens per batch step beside them; "
-                        "auto: sized so that a chunk makes a step about 0.75x dearer, from the measured cost of "
-                        "a step and of prompt tokens; 0: always the whole prompt at once (default: auto)")
+                        "auto: sized so that a chunk makes a step at most 0.8x dearer, from the measured cost of "
+                        "a step and of prompt tokens. A prompt arriving alone goes in larger chunks (each at least "
+                        "N, a second's worth and 20x what reading the weights costs), so that a request arriving "
+                        "during it waits one chunk; 0: always the whole prompt at once (default: auto)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt from its first token; by default the KV of committed full blocks "
                         "is kept after a request ends and reused by prompts that start the same way")

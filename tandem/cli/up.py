@@ -86,8 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="workers keep only prompt blocks in their prefix cache (default: the target's generated "
                         "text's blocks too, so that a conversation's next turn finds the answer it sends back cached)")
     p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default=None, metavar="N|auto",
-                   help="workers compute a long prompt N tokens per step while other streams run; auto: "
-                        "sized from the measured step cost; 0: whole (default: auto)")
+                   help="workers compute a long prompt N tokens per step while other streams run (a lone "
+                        "prompt in larger chunks); auto: sized from the measured step cost; 0: whole (default: auto)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="each target worker splits its model over N ranks (see `tandem serve target --help`)")
     p.add_argument("--rank-timeout", type=float, default=None, metavar="SECONDS",

@@ -18,7 +18,17 @@ chunk attends over more keys and the chunks get shorter.
 A chunk may be any number of tokens: prompt tokens are attended by position (tandem/attention/sdpa.py),
 so a prompt's rows are bitwise the same in one run or in chunks of any size.
 
-A prompt arriving while no other sequence is running is computed whole: nobody waits on it.
+A prompt arriving while no other sequence is running (a lone prompt) is cut too, in larger chunks:
+nobody waits on it now, but a request arriving during its prefill would wait for all of it (a
+5,000-token prompt of the 1.5B target in fp32 on a 2-core CPU: 150 s before the newcomer's first
+step). Between chunks the newcomer joins (the step that reads its prompt gives the long one a
+running-size chunk), and the rest of the prompt goes on in running-size chunks beside it; a call
+whose client gave up is dropped there too (``tandem.rpc.batcher``). A lone chunk pays the weights
+once more than one run would (``base_s``, and the fixed part), so it is the smallest that keeps
+that below ``LONE_OVERHEAD`` of its tokens' cost, and never one that costs less than
+``LONE_CHUNK_S`` (a wait nobody notices): on that CPU chunks of about 200 tokens (6 s); on a GPU,
+where a prompt token costs microseconds, whole prompts of up to tens of thousands of tokens.
+Until a prompt token has been priced, a lone prompt goes whole.
 """
 
 from __future__ import annotations
@@ -36,6 +46,10 @@ AUTO_STEP_FRACTION = 0.8
 UNFITTED_CHUNK_TOKENS = 256
 # However cheap prompt tokens look (a GPU's passes of a few hundred tokens cost no more than one of one).
 MAX_AUTO_CHUNK_TOKENS = 2048
+# A lone prompt's chunks: each costs its prompt at most this fraction of its tokens' cost in extra passes...
+LONE_OVERHEAD = 0.05
+# ... and none costs less than this many seconds (the longest a newcomer then waits is about one chunk).
+LONE_CHUNK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -64,18 +78,32 @@ class PrefillChunks:
         room = AUTO_STEP_FRACTION * self.cost_fit.base_s - price.fixed_s  # seconds a chunk's tokens may add
         return max(1, min(MAX_AUTO_CHUNK_TOKENS, int(room / price.per_token_s)))
 
-    def take(self, left: int, start: int) -> int:
-        """Of ``left`` prompt tokens still to compute from position ``start``, how many this step: a chunk,
-        or all of them (the last chunk, or chunking off).
+    def lone_size(self) -> int | None:
+        """Tokens of one chunk of a lone prompt (module doc), at least ``size()``; None: the prompt goes whole
+        (chunking off, or no prompt token priced yet)."""
+        price = self.prompt_cost
+        if not self.enabled or not price.ready or price.per_token_s <= 0:
+            return None
+        extra_s = (self.cost_fit.base_s if self.cost_fit.ready else 0.0) + price.fixed_s  # one more pass's price
+        tokens = max(LONE_CHUNK_S, extra_s / LONE_OVERHEAD) / price.per_token_s
+        return max(self.size(), int(min(tokens, 2**31)))
+
+    def take(self, left: int, start: int, lone: bool = False) -> int:
+        """Of ``left`` prompt tokens still to compute from position ``start``, how many this step: a chunk
+        (``lone``: a lone prompt's, ``lone_size``), or all of them (the last chunk, or chunking off).
 
         Chunks tile prompt attention's pieces (``PIECE`` positions, a power of two): a piece is one
         attention call per layer whatever the chunk holds of it, so a chunk that straddled a boundary
         would pay two, and a piece cut 3 + 1 would pay twice for four tokens. So a chunk is a multiple
-        of ``PIECE``, or a power of two below it; a start off a boundary first goes to the boundary.
+        of ``PIECE``, or a power of two below it; a start off a boundary first goes to the boundary. A lone
+        chunk, whose passes cost most, ends on the last boundary it reaches instead.
         """
-        size = self.size()
-        if not 0 < size < left:
+        size = self.size() if not lone else self.lone_size()
+        if size is None or not 0 < size < left:
             return left
+        end = (start + size) // PIECE * PIECE
+        if lone and end > start:
+            return end - start
         to_boundary = -start % PIECE
         if to_boundary:
             return min(size, to_boundary)

@@ -7,7 +7,13 @@ import pytest
 
 from tandem.attention.sdpa import PIECE
 from tandem.cost_fit import ForwardCostFit, PromptTokenCost
-from tandem.rpc.prefill_chunks import AUTO_STEP_FRACTION, UNFITTED_CHUNK_TOKENS, PrefillChunks
+from tandem.rpc.prefill_chunks import (
+    AUTO_STEP_FRACTION,
+    LONE_CHUNK_S,
+    LONE_OVERHEAD,
+    UNFITTED_CHUNK_TOKENS,
+    PrefillChunks,
+)
 
 
 def measured(base_s: float, prompt_token_s: float) -> tuple[ForwardCostFit, PromptTokenCost]:
@@ -78,3 +84,22 @@ def test_the_rest_of_a_prompt_shorter_than_a_chunk_goes_whole():
     assert chunks.take(21, 1) == PIECE - 1  # first back onto a piece's boundary
     assert PrefillChunks(7, ForwardCostFit(), PromptTokenCost()).take(50, 8) == 4  # chunks of 4 tile pieces of 4
     assert PrefillChunks(0, ForwardCostFit(), PromptTokenCost()).take(500, 0) == 500  # chunking off
+
+
+def test_a_lone_prompt_takes_chunks_that_cost_it_little_and_a_newcomer_no_long_wait():
+    fit, prompt = measured(0.2, 0.015)  # a 2-core CPU
+    chunks = PrefillChunks(None, fit, prompt)
+    # The smallest chunk whose one extra pass (the weights read again) costs at most LONE_OVERHEAD of its tokens.
+    assert chunks.lone_size() == int(0.2 / LONE_OVERHEAD / 0.015) > chunks.size()
+    assert chunks.take(5000, 0, lone=True) == chunks.lone_size() // PIECE * PIECE
+    assert (5 + chunks.take(5000, 5, lone=True)) % PIECE == 0  # ends on a piece's boundary, in one pass
+    assert chunks.take(100, 0, lone=True) == 100  # a prompt shorter than a lone chunk goes whole
+    fit, prompt = measured(0.01, 0.000002)  # a GPU: a chunk is at least LONE_CHUNK_S of prompt tokens
+    assert PrefillChunks(None, fit, prompt).lone_size() == int(LONE_CHUNK_S / 0.000002)
+    assert PrefillChunks(None, fit, prompt).take(100_000, 0, lone=True) == 100_000
+    # Never below the chunk beside running streams; whole while no prompt token is priced, or chunking is off.
+    assert PrefillChunks(4096, fit, prompt).lone_size() == int(LONE_CHUNK_S / 0.000002)
+    assert PrefillChunks(10**6, fit, prompt).lone_size() == 10**6
+    assert PrefillChunks(None, ForwardCostFit(), PromptTokenCost()).lone_size() is None
+    assert PrefillChunks(None, ForwardCostFit(), PromptTokenCost()).take(5000, 0, lone=True) == 5000
+    assert PrefillChunks(0, fit, prompt).lone_size() is None

@@ -16,11 +16,13 @@ from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.block_pool import block_hash
 from tandem.compute_thread import CallingThreadExecutor
 from tandem.config import EngineConfig
+from tandem.cost_fit import ForwardCostFit, PromptTokenCost
 from tandem.engine import ModelEngine
 from tandem.heads.serving import drafter_for
 from tandem.inprocess import GenerationRequest, LocalDraft, SpeculativeGenerator
 from tandem.models import packed
 from tandem.rpc.batcher import Batcher, Unfinished
+from tandem.rpc.prefill_chunks import LONE_CHUNK_S, PrefillChunks
 from tandem.sampling import SamplingParams
 from tandem.spec.options import SpecOptions
 from target_worker.engine import PrefillCall, Prefilled, ReleaseCall, TargetEngine, Verdict, VerifyCall
@@ -169,9 +171,43 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_running_stream(tiny_qwen2
         steps += 1
     assert steps == STEPS[chunk] and result == expected
     assert torch.equal(kv_of(chunked.engine, "b"), kv_of(whole.engine, "b"))  # every row as in one run
-    # Alone on the worker, a prompt is computed whole: nobody waits on it.
+    # Alone on the worker, a prompt that costs less than a lone chunk (LONE_CHUNK_S: this tiny model's) is whole.
     ok(chunked.run_batch([ReleaseCall("a"), ReleaseCall("b")]))
     assert isinstance(ok(chunked.run_batch([PrefillCall("c", LONG, GREEDY)]))[0], Prefilled)
+
+
+def priced(base_s: float, prompt_token_s: float) -> tuple[ForwardCostFit, PromptTokenCost]:
+    """Costs as a large model's passes leave them (the engine's own measurements of this tiny one are not read)."""
+    fit, prompt = ForwardCostFit(), PromptTokenCost()
+    for tokens in (1, 8, 1, 8):
+        fit.observe(tokens, base_s)
+    prompt.observe(400, 400 * prompt_token_s)
+    return fit, prompt
+
+
+def test_a_lone_long_prompt_goes_in_chunks_and_a_newcomer_joins_before_it_ends(tiny_qwen2_dir, dtype, monkeypatch):
+    monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)  # row-invariant kernels, as every real model's (above)
+    whole = TargetEngine(load(tiny_qwen2_dir, caching=False, dtype=dtype))
+    (expected,) = ok(whole.run_batch([PrefillCall("b", LONG, GREEDY)]))
+    chunked = TargetEngine(load(tiny_qwen2_dir, caching=False, dtype=dtype), prefill_chunk_tokens=None)
+    # Priced so that a lone chunk is 20 tokens (a second's worth, LONE_CHUNK_S) and one beside a stream 1 token.
+    chunked.chunks = PrefillChunks(None, *priced(0.02, LONE_CHUNK_S / 20))
+    assert (chunked.chunks.lone_size(), chunked.chunks.size()) == (20, 1)
+    long = PrefillCall("b", LONG, GREEDY)
+    assert isinstance(ok(chunked.run_batch([long]))[0], Unfinished)  # alone: its first 20 tokens
+    assert chunked.engine.seq_len("b") == 20
+    # A request arriving now waits one lone chunk, not the whole prompt: it is answered in the next step, where the
+    # long prompt takes a small chunk beside it.
+    unfinished, first = ok(chunked.run_batch([long, PrefillCall("a", [5, 17, 33], GREEDY)]))
+    assert isinstance(unfinished, Unfinished) and isinstance(first, Prefilled)
+    assert chunked.engine.seq_len("b") == 21
+    steps, result = 0, unfinished
+    while isinstance(result, Unfinished):  # the rest goes in chunks beside the newcomer's stream
+        result, verdict = ok(chunked.run_batch([long, VerifyCall("a", len(chunked.sequences["a"].history), [], [])]))
+        assert isinstance(verdict, Verdict)
+        steps += 1
+    assert steps == 59 and result == expected  # 1-token chunks, the last one with the first token
+    assert torch.equal(kv_of(chunked.engine, "b"), kv_of(whole.engine, "b"))  # every row as in one run
 
 
 def test_a_chunked_prompt_released_midway_leaves_no_kv(tiny_qwen2_dir):
@@ -218,3 +254,21 @@ def test_a_draft_reads_a_long_prompt_in_chunks_beside_another_sequence(tiny_qwen
         steps += 1
     assert steps == 4  # three chunks of 20, then the last 20 tokens and the drafting
     assert result.tokens == expected.tokens
+
+
+def test_a_draft_reads_a_lone_long_prompt_in_chunks(tiny_qwen2_dir):
+    whole = DraftEngine(load(tiny_qwen2_dir, caching=False))
+    (expected,) = ok(whole.run_batch([ProposeCall("b", 0, LONG, 3, GREEDY, prompt_len=len(LONG))]))
+    chunked = DraftEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=None)
+    chunked.chunks = PrefillChunks(None, *priced(0.02, LONE_CHUNK_S / 20))  # lone chunks of 20 (test above)
+    call, steps, result = ProposeCall("b", 0, LONG, 3, GREEDY, prompt_len=len(LONG)), 0, Unfinished()
+    while isinstance(result, Unfinished):
+        (result,) = ok(chunked.run_batch([call]))
+        steps += 1
+    assert steps == 4 and result.tokens == expected.tokens  # three chunks of 20, then the rest and the drafting
+    # A newcomer's short prompt beside a lone one is read whole in its first step, the long one a chunk beside it.
+    long = ProposeCall("c", 0, LONG, 3, GREEDY, prompt_len=len(LONG))
+    released, unfinished = ok(chunked.run_batch([ReleaseCall("b"), long]))  # alone again: a lone chunk
+    assert released is True and isinstance(unfinished, Unfinished) and chunked.engine.seq_len("c") == 20
+    unfinished, proposed = ok(chunked.run_batch([long, ProposeCall("d", 0, [5, 17, 33], 2, GREEDY, prompt_len=3)]))
+    assert isinstance(unfinished, Unfinished) and len(proposed.tokens) == 2
