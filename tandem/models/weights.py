@@ -66,9 +66,23 @@ class Checkpoint:
     def __contains__(self, key: str) -> bool:
         return key in self._file_of
 
+    def shape(self, key: str, dim: int | None, shard: Shard) -> tuple[int, ...]:
+        """The shape ``read`` gives for these arguments, read from the file's header."""
+        path = self._file_of[key]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shape = list(f.get_slice(key).get_shape())
+        except Exception as exc:
+            raise ModelFileError(f"cannot read tensor {key!r} from {path}: {exc}") from exc
+        if dim is not None and not shard.is_whole:
+            start, stop = part_range(shape[dim], shard)
+            shape[dim] = stop - start
+        return tuple(shape)
+
     def read(self, key: str, dim: int | None, shard: Shard, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
-        """Tensor ``key`` (its ``shard`` part along ``dim``; whole if ``dim`` is None) as a new ``dtype`` tensor.
+             device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``key`` (its ``shard`` part along ``dim``; whole if ``dim`` is None) as a new ``dtype`` tensor,
+        or copied into ``out`` (a fused parameter's rows: one pass over memory instead of a copy and a cat).
 
         A copy even when the dtype and device already match: the slice is a view of the
         file's mapping, and one kept view keeps the whole mapping alive, every page read
@@ -78,15 +92,34 @@ class Checkpoint:
         try:
             with safe_open(str(path), framework="pt") as f:
                 view = f.get_slice(key)
-                shape = view.get_shape()
                 if dim is None or shard.is_whole:
                     part = view[:]
                 else:
-                    start, stop = part_range(shape[dim], shard)
+                    start, stop = part_range(view.get_shape()[dim], shard)
                     part = view[start:stop] if dim == 0 else view[:, start:stop]
+                if out is not None:
+                    if tuple(out.shape) != tuple(part.shape):
+                        raise ValueError(f"its shape {tuple(part.shape)} is not the {tuple(out.shape)} it fills")
+                    return out.copy_(part)
                 return part.to(dtype=dtype, device=device, memory_format=torch.contiguous_format, copy=True)
         except Exception as exc:
             raise ModelFileError(f"cannot read tensor {key!r} from {path}: {exc}") from exc
+
+
+def _read_fused(checkpoint: Checkpoint, keys: tuple[str, ...], name: str, shape: tuple[int, ...], shard: Shard,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Parameter ``name`` of ``shape``: the checkpoint tensors ``keys`` one after the other along rows, each copied
+    (and converted) once, into its own rows."""
+    dim = split_dim(name)
+    shapes = [checkpoint.shape(key, dim, shard) for key in keys]
+    if len({s[1:] for s in shapes}) != 1 or (sum(s[0] for s in shapes), *shapes[0][1:]) != shape:
+        raise ModelFileError(f"tensors for {name} have shapes {shapes}, the config implies {shape} together")
+    value = torch.empty(shape, dtype=dtype, device=device)
+    start = 0
+    for key, part in zip(keys, shapes):
+        checkpoint.read(key, dim, shard, dtype, device, out=value[start:start + part[0]])
+        start += part[0]
+    return value
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -105,18 +138,20 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: to
     for name, param in model.named_parameters():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue  # this rank's rows of embed_tokens.weight, tied again below
-        parts = []
-        for key in _checkpoint_names(name):
+        keys = _checkpoint_names(name)
+        for key in keys:
             if key not in checkpoint:
                 raise ModelFileError(f"checkpoint in {model_dir} lacks tensor {key!r} (needed for {name})")
-            parts.append(checkpoint.read(key, split_dim(name), shard, dtype, device))
-        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if len(keys) == 1:
+            value = checkpoint.read(keys[0], split_dim(name), shard, dtype, device)
+        else:  # a fused parameter (q/k/v, gate/up): each checkpoint tensor read straight into its rows
+            value = _read_fused(checkpoint, keys, name, tuple(param.shape), shard, dtype, device)
         if tuple(value.shape) != tuple(param.shape):
             raise ModelFileError(
                 f"tensor for {name} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
             )
         state[name] = value
-        del parts, value
+        del value
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings and shard.is_whole:
         model.lm_head.weight = model.embed_tokens.weight
