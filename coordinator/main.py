@@ -9,7 +9,7 @@ from coordinator.access import AccessControl
 from coordinator.discovery import follow, make_source
 from coordinator.http import HttpApi
 from coordinator.service import GenerationService
-from coordinator.workers import WorkerPool, new_owner_id
+from coordinator.workers import RELEASE_TIMEOUT_S, WorkerPool, new_owner_id
 from tandem.config import CoordinatorConfig
 from tandem.errors import WorkerUnavailableError
 from tandem.rpc.metrics import CoordinatorMetrics
@@ -93,6 +93,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
             await http.stop()
         for task in background:
             task.cancel()
+        await service.finish_releases(RELEASE_TIMEOUT_S)  # the last requests' KV, freed before the channels close
         if cache is not None:
             await cache.close()
         await targets.close()

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -110,6 +110,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.heads_verdicts = HeadsVerdicts()  # which way (the heads or not) the requests here found faster
         self.public_name = ReplicaNames(cfg.expose_worker_addresses, self._present)
         self.tool_format = HermesFormat.of(tokenizer)  # None: the chat template shows the model no tools
+        self._releases: set[asyncio.Task] = set()  # ended requests' sequences being released on their workers
+
+    # ----- releases --------------------------------------------------------
+    def _release_later(self, release: Coroutine[Any, Any, None]) -> None:
+        """An ended request's release, run after its reply: it waits for the batch step under way on each worker
+        (a chunk of a long prompt: seconds on a CPU), which the client need not wait for. Its sequence's Release
+        is queued on the worker before anything the client sends next."""
+        task = asyncio.ensure_future(release)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # (each release logs its own)
+
+    async def finish_releases(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the releases under way (at shutdown, before the worker channels close)."""
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=timeout_s)
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -167,7 +183,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         channel = placement.draft_channel()
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
-                               self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts)
+                               self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts,
+                               release_later=self._release_later)
         parser = None
         if tools is not None and tools.shown:  # auto's calls may be plain JSON too; enforced ones are blocks
             parser = ToolCallParser(frozenset() if tools.enforced else frozenset(t.name for t in tools.callable()))

@@ -198,6 +198,11 @@ class RequestChannel:
         self._draft_tokens: list[int] = []
         self._verified = 0
 
+    @property
+    def worker(self) -> WorkerClient:
+        """The worker this channel calls (each request's channels to one worker share it)."""
+        return self.client
+
     def hang_timeout(self, prompt_tokens: int = 0) -> float:
         """How long a call may take before its worker passes for hung: the internal call timeout, plus, for a call
         that reads ``prompt_tokens`` tokens (a prompt, a moved request's history, a draft's catch-up),
@@ -292,7 +297,16 @@ class RequestChannel:
             self.client.read_prompt(self._draft_tokens[:self._verified])
         self._draft_tokens, self._verified = [], 0
         try:
-            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S)
+            await self.client.stub.Release(common_pb2.ReleaseRequest(seq_id=seq_id), timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # queued behind a long step: it runs when taken
+                log.info("release of %s on %s not answered within %.0f s (the worker is in a long step; it frees "
+                         "the sequence when it takes the call)", seq_id, self.client.address, RELEASE_TIMEOUT_S)
+            else:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.client.healthy = False  # as any call's (WorkerClient.call)
+                failure = worker_failure(exc, self.client.role, self.client.address)
+                log.warning("release of %s on %s failed: %s", seq_id, self.client.address, failure)
         except Exception as exc:  # noqa: BLE001
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 

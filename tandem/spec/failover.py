@@ -53,6 +53,12 @@ def _in_background(call: Awaitable[Any], tasks: set[asyncio.Task]) -> None:
     task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
+def _worker_of(channel: Any) -> Any:
+    """What identifies the worker a channel calls: a coordinator's channels (``RequestChannel``) name their worker's
+    client; any other channel stands for itself."""
+    return getattr(channel, "worker", channel)
+
+
 class FailoverVerifier:
     """A ``Verifier`` on the request's current target replica, replacing it when it fails the request.
 
@@ -120,7 +126,15 @@ class FailoverVerifier:
                 replacement = await self.replicas.replace_target(faulty=True)
                 if replacement is None:
                     raise
-                _in_background(self.target.release(seq_id), self._releases)  # frees its KV if it is still there
+                release = self.target.release(seq_id)  # frees its KV if it is still there
+                if _worker_of(replacement) is _worker_of(self.target):
+                    # The same worker, healthy again (one that was only slow): the release goes first. Sent beside
+                    # the repeated call, it could land after it and free the sequence that call made (measured: a
+                    # request queued behind a 71 s prompt moved back to its only target three times, each Verify
+                    # then found no sequence, and the client got an internal error).
+                    await release
+                else:
+                    _in_background(release, self._releases)
                 s.stats.target_moves += 1
             self.target = replacement
             needs_rebuild = rebuild

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from tandem.errors import InternalError
@@ -124,7 +124,8 @@ class SpeculationLoop:
     def __init__(self, state: RequestState, seq_id: str, options: SpecOptions, verifier: Verifier,
                  draft: DraftChannel | None, costs: CostModel, max_context: int,
                  observer: RoundObserver | None = None, cache: ContinuationCache | None = None,
-                 match_rates: MatchRates | None = None, heads_verdicts: HeadsVerdicts | None = None) -> None:
+                 match_rates: MatchRates | None = None, heads_verdicts: HeadsVerdicts | None = None,
+                 release_later: Callable[[Coroutine[Any, Any, None]], None] | None = None) -> None:
         if options.uses_draft and draft is None:
             raise ValueError(f"method {options.method!r} needs a draft channel")
         self.state = state
@@ -147,6 +148,10 @@ class SpeculationLoop:
         self._rounds_at_zero = 0  # rounds adaptive k held a draft model at k = 0 (see _choose_k)
         self._draft_waiting = False  # this round goes without the draft model (see _draft_waits)
         self._heads_last_round = options.uses_heads  # the round before was a heads round (or the Prefill)
+        # Where the sequence's release runs once the request ends: None awaits it before ``run`` ends. A server
+        # hands it to a task of its own, so that a reply's end does not wait for the workers' queues (a release
+        # waits for the batch step under way there: measured up to 5 s behind a long prompt's chunk on a CPU).
+        self._release_later = release_later
 
     # ----- the loop ------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
@@ -158,7 +163,10 @@ class SpeculationLoop:
                 proposal = await self._round(proposal)
                 yield
         finally:
-            await self._release()
+            if self._release_later is None:
+                await self._release()
+            else:
+                self._release_later(self._release())
 
     async def run_to_end(self) -> RequestState:
         async for _ in self.run():

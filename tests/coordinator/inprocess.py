@@ -52,6 +52,7 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
         self.fingerprint = fingerprint
         self.calls: collections.Counter[str] = collections.Counter()
         self.free_blocks = 90
+        self.release_gate: asyncio.Event | None = None  # a test's: each Release waits for it (a worker mid-step)
 
     async def Info(self, request, context):
         self.calls["Info"] += 1
@@ -68,6 +69,8 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
         return target_pb2.VerifyResponse(num_accepted=0, next_token=TOKEN)
 
     async def Release(self, request, context):
+        if self.release_gate is not None:
+            await self.release_gate.wait()
         self.calls["Release"] += 1
         return common_pb2.ReleaseResponse(released=True)
 

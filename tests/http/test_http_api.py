@@ -61,6 +61,10 @@ def test_chat_completion_through_the_openai_client(tokenizer):
                                                                                           len(prompt) + 4)
             stats = choice.model_extra["tandem"]  # the extension field, per choice
             assert stats["generated_tokens"] == 4 and stats["rounds"] == 3 and "acceptance" in stats
+            for _ in range(200):  # released after the reply (coordinator/service.py, _release_later)
+                if not running.target.live:
+                    break
+                await asyncio.sleep(0.01)
             assert not running.target.live  # every sequence released
     run(go())
 

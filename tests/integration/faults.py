@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -40,8 +41,14 @@ def serving(cluster: LocalCluster, role: str) -> Service:
     return holding[0]
 
 
-def assert_kv_whole(workers: list[Service]) -> None:
-    """Each worker's KV pool is back to its baseline: every block free, no sequence held."""
+def assert_kv_whole(workers: list[Service], wait_s: float = 10.0) -> None:
+    """Each worker's KV pool is back to its baseline: every block free, no sequence held, within ``wait_s`` (an ended
+    request's release runs after its reply: coordinator/service.py)."""
+    deadline = time.monotonic() + wait_s
     for worker in workers:
-        info = worker_info(worker)
+        while True:
+            info = worker_info(worker)
+            if (info.free_blocks == info.total_blocks and info.active_sequences == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert info.free_blocks == info.total_blocks and info.active_sequences == 0, worker.role

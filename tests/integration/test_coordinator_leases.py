@@ -141,7 +141,9 @@ def test_a_killed_coordinators_kv_is_freed_and_the_other_coordinators_request_is
             stream.resume.set()
             stream.join(30)
             assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
-        for w in workers:  # B released its own; nothing is left over
-            info = worker_info(w)
+        for w in workers:  # B released its own (after its reply: coordinator/service.py); nothing is left over
+            released = time.monotonic() + 10
+            while (info := worker_info(w)).active_sequences and time.monotonic() < released:
+                time.sleep(0.05)
             assert (info.free_blocks, info.active_sequences) == (baseline[w.role], 0), w.role
             assert reclaimed(w, "idle") == 0 and reclaimed(w, "lease") == 2

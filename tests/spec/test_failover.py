@@ -229,3 +229,26 @@ def test_a_request_whose_draft_is_gone_goes_on_with_ngram_proposals(method):
     assert state.generated == target_only(PROMPT, 80)
     assert loop.draft is None and dying.calls_left == -1
     assert state.stats.ngram_rounds > 0  # the n-gram lookup took over (a draft request has none otherwise)
+
+
+class SlowRelease(Replica):
+    """A replica whose Release takes a moment, as one queued behind other calls on a worker does."""
+
+    async def release(self, seq_id):
+        await asyncio.sleep(0.01)
+        self.released.append(seq_id)
+
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+        self.calls.append(("released before this prefill", list(self.released)))
+        return await super().prefill(seq_id, token_ids, sampling, prompt_len, propose)
+
+
+def test_a_request_moved_back_to_the_same_worker_is_released_there_before_the_call_is_repeated():
+    # A worker taken for hung (only slow) is healthy again by the time the request moves: the move picks it. Its
+    # release must come first, or it could free the sequence the repeated Prefill makes there.
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    slow = SlowRelease("slow", [WorkerUnavailableError("did not answer in time")])
+    wrapped = verifier(slow, Spares(targets=[slow]), state)
+    assert asyncio.run(wrapped.prefill("s", PROMPT, state.sampling)) == Prefilled(9)
+    assert slow.calls[-2:] == [("released before this prefill", ["s"]), ("prefill", PROMPT, 0, 0)]
+    assert state.stats.target_moves == 1
