@@ -95,13 +95,16 @@ class WorkerClient:
         self.closed = False  # its channel is closed: a poll still holding it gets no answer, and no error
         self.prompt_blocks = PrefixMirror()  # a draft's: the prompts this coordinator has seen it cache
 
-    async def call(self, method: str, request: Any, timeout: float) -> Any:
+    async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False) -> Any:
+        """``deadline_expected``: a call that may outlast ``timeout`` without anything being wrong (a release queued
+        behind a long step); its ``WorkerDeadlineError`` is not logged as a worker failure."""
         try:
             return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.healthy = False  # skipped by new requests until its Info answers again
-            raise worker_failure(exc, self.role, self.address) from None
+            expected = deadline_expected and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            raise worker_failure(exc, self.role, self.address, logged=not expected) from None
 
     async def refresh(self) -> grpc.StatusCode:
         """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
@@ -297,16 +300,11 @@ class RequestChannel:
             self.client.read_prompt(self._draft_tokens[:self._verified])
         self._draft_tokens, self._verified = [], 0
         try:
-            await self.client.stub.Release(common_pb2.ReleaseRequest(seq_id=seq_id), timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # queued behind a long step: it runs when taken
-                log.info("release of %s on %s not answered within %.0f s (the worker is in a long step; it frees "
-                         "the sequence when it takes the call)", seq_id, self.client.address, RELEASE_TIMEOUT_S)
-            else:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.client.healthy = False  # as any call's (WorkerClient.call)
-                failure = worker_failure(exc, self.client.role, self.client.address)
-                log.warning("release of %s on %s failed: %s", seq_id, self.client.address, failure)
+            await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S,
+                                   deadline_expected=True)
+        except WorkerDeadlineError:  # queued behind a long step (a chunk of a long prompt): it runs when taken
+            log.info("release of %s on %s not answered within %.0f s (the worker is in a long step; it frees the "
+                     "sequence when it takes the call)", seq_id, self.client.address, RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
 

@@ -62,10 +62,12 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def worker_failure(exc: grpc.aio.AioRpcError, role: str, address: str) -> errors.TandemError:
-    """The error a client of the coordinator sees for a failed worker call (see the module doc)."""
+def worker_failure(exc: grpc.aio.AioRpcError, role: str, address: str, logged: bool = True) -> errors.TandemError:
+    """The error a client of the coordinator sees for a failed worker call (see the module doc); ``logged``: the
+    failure is logged as a warning here (a caller that expects it logs it its own way)."""
     code = exc.code()
-    log.warning("%s worker %s: %s: %s", role, address, code.name, exc.details())
+    if logged:
+        log.warning("%s worker %s: %s: %s", role, address, code.name, exc.details())
     kind, message = _WORKER_FAILURES.get(
         code, (errors.InternalError, "a {role} worker refused an internal call (" + code.name + ")"))
     return kind(message.format(role=role))

@@ -68,7 +68,7 @@ class RecordingClient:
     def __init__(self) -> None:
         self.timeouts: list[float] = []
 
-    async def call(self, method, request, timeout):
+    async def call(self, method, request, timeout, deadline_expected=False):
         self.timeouts.append(timeout)
         return target_pb2.PrefillResponse(next_token=7) if method == "Prefill" else common_pb2.ReleaseResponse()
 
@@ -124,7 +124,7 @@ class TimedClient:
         self.seconds, self.timeouts, self.healthy, self.role = seconds, {}, True, "target"
         self.fit = FittedCost(0.3, 0.02, prompt_token_s=prompt_token_s)
 
-    async def call(self, method, request, timeout):
+    async def call(self, method, request, timeout, deadline_expected=False):
         self.timeouts[method] = timeout
         if self.seconds[method] > timeout:
             raise errors.WorkerDeadlineError("deadline exceeded")
