@@ -51,4 +51,6 @@ def test_a_release_queued_behind_a_long_step_is_no_warning(tmp_path, monkeypatch
     asyncio.run(scenario())
     released = [r for r in caplog.records if "release of s" in r.getMessage()]
     assert [(r.levelname, "not answered within" in r.getMessage()) for r in released] == [("INFO", True)]
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # (grpc's own server may log that the held handler answered a call whose deadline had passed: not ours)
+    ours = [r for r in caplog.records if r.name.startswith(("coordinator", "tandem"))]
+    assert not [r for r in ours if r.levelno >= logging.WARNING]
