@@ -2,11 +2,12 @@
 
 A ``WorkerClient`` is one replica; ``for_request`` binds it to one request's
 deadline, giving the ``Verifier`` / ``DraftChannel`` the speculation loop runs
-against (``tandem.spec.transport``). Every call carries a deadline: the
-shorter of its hang timeout (the internal call timeout, plus the price of the
-prompt tokens it reads: ``RequestChannel.hang_timeout``) and the time the
-client has left. gRPC
-failures become the errors a client of the coordinator should see
+against (``tandem.spec.transport``). Every call carries the client's deadline,
+and has a hang timeout (the internal call timeout, plus the price of the prompt
+tokens it reads: ``WorkerClient.hang_timeout``): past it, the worker is asked
+whether it is computing, and taken for hung if it does not answer or its
+current batch has run past that batch's own price (``RequestChannel._call``).
+gRPC failures become the errors a client of the coordinator should see
 (``tandem.rpc.status.worker_failure``), naming no internal address.
 
 A pool polls each replica's Info in the background and picks, for a new
@@ -64,6 +65,9 @@ RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the cli
 # it a chunk per step beside the streams it serves.
 PROMPT_TIME_MARGIN = 4.0
 REPLACEMENT_POLL_S = 0.5  # while a request waits for a healthy replica to move to
+# A call that outlasts its hang timeout while its worker keeps computing waits at most this many more timeouts: a
+# backstop against a call a working worker never answers (the client's deadline, where it set one, bounds it first).
+MAX_BUSY_WAITS = 16
 HEARTBEAT_FRACTION = 1 / 3  # an Info poll at least this often per worker lease: two may be lost in a row
 
 
@@ -94,6 +98,7 @@ class WorkerClient:
         self.leaving = False  # discovery no longer lists it: no new requests, closed once idle
         self.closed = False  # its channel is closed: a poll still holding it gets no answer, and no error
         self.prompt_blocks = PrefixMirror()  # a draft's: the prompts this coordinator has seen it cache
+        self._asking: asyncio.Future | None = None  # an Info asked for calls past their hang timeout (``computing``)
 
     async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False) -> Any:
         """``deadline_expected``: a call that may outlast ``timeout`` without anything being wrong (a release queued
@@ -105,6 +110,32 @@ class WorkerClient:
                 self.healthy = False  # skipped by new requests until its Info answers again
             expected = deadline_expected and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             raise worker_failure(exc, self.role, self.address, logged=not expected) from None
+
+    def hang_timeout(self, prompt_tokens: int = 0) -> float:
+        """How long a call (or a batch) may take before this worker passes for hung: the internal call timeout, plus,
+        for one that reads ``prompt_tokens`` tokens (a prompt, a moved request's history, a draft's catch-up, a
+        batch's priced tokens), ``PROMPT_TIME_MARGIN`` times their price on this worker. A 5,128-token prompt takes a
+        1.5B model in fp32 152 s on a 2-core CPU: under the bare 60 s its worker was taken for hung and the request
+        moved, which read the prompt again from the start, until its moves ran out (a 500 after three minutes)."""
+        timeout = self.call_timeout_s
+        fit = self.fitted_cost()
+        if prompt_tokens > 0 and fit is not None:
+            # (the prompt price is measured at warm-up; a forward's per-token slope is the next best guess)
+            per_token = fit.prompt_token_s or fit.per_token_s or fit.last_per_token_s
+            timeout += PROMPT_TIME_MARGIN * prompt_tokens * per_token
+        return timeout
+
+    async def computing(self) -> bool:
+        """Whether this worker answers Info and its model thread is between batches or in one that has run no longer
+        than its own hang timeout (``hang_timeout`` of its priced tokens): a worker that computes, not a hung one.
+        False for a worker too old to say (no ``step_running_s``). The calls that outlast their timeouts together (a
+        burst's) share one Info."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self.refresh())
+        if await asyncio.shield(self._asking) != grpc.StatusCode.OK or self.info is None:
+            return False
+        info = self.info
+        return info.HasField("step_running_s") and info.step_running_s <= self.hang_timeout(info.step_tokens)
 
     async def refresh(self) -> grpc.StatusCode:
         """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
@@ -207,41 +238,46 @@ class RequestChannel:
         return self.client
 
     def hang_timeout(self, prompt_tokens: int = 0) -> float:
-        """How long a call may take before its worker passes for hung: the internal call timeout, plus, for a call
-        that reads ``prompt_tokens`` tokens (a prompt, a moved request's history, a draft's catch-up),
-        ``PROMPT_TIME_MARGIN`` times their price on this worker. A 5,128-token prompt takes a 1.5B model in fp32
-        152 s on a 2-core CPU: under the bare 60 s its worker was taken for hung and the request moved, which
-        read the prompt again from the start, until its moves ran out (a 500 after three minutes)."""
-        timeout = self.client.call_timeout_s
-        fit = self.client.fitted_cost()
-        if prompt_tokens > 0 and fit is not None:
-            # (the prompt price is measured at warm-up; a forward's per-token slope is the next best guess)
-            per_token = fit.prompt_token_s or fit.per_token_s or fit.last_per_token_s
-            timeout += PROMPT_TIME_MARGIN * prompt_tokens * per_token
-        return timeout
+        """How long a call may take before its worker passes for hung (``WorkerClient.hang_timeout``)."""
+        return self.client.hang_timeout(prompt_tokens)
 
-    def _timeout(self, hang: float) -> float:
-        """``hang``, or the time the client has left if that is shorter."""
+    def _time_left(self) -> float | None:
+        """Seconds until the client's deadline (None: it set none)."""
         if self.deadline is None:
-            return hang
+            return None
         left = self.deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise WorkerDeadlineError("the request's deadline passed")
-        return min(hang, left)
+        return left
 
     async def _call(self, method: str, request: Any, prompt_tokens: int = 0) -> Any:
-        """One call bounded by the request's deadline; a replica that outlasts its hang timeout instead
-        (``hang_timeout``) is marked unhealthy and reported as unavailable, so that the request moves and new
-        requests skip it until its Info answers again."""
+        """One call bounded by the request's deadline. Each time it outlasts its hang timeout (``hang_timeout``), the
+        worker is asked whether it is computing (``WorkerClient.computing``): one that is, in a batch that has not run
+        past its own price, is busy with other calls ahead of this one (a burst of long prompts), and the call waits
+        on. One that does not answer, or whose batch has, is hung: it is marked unhealthy and the call reported as
+        unavailable, so that the request moves and new requests skip it until its Info answers again. Before workers
+        said what they compute, a healthy target under a burst of eight 1,500-token prompts was taken for hung seven
+        times, and each of those requests read its prompt again."""
         hang = self.hang_timeout(prompt_tokens)
-        timeout = self._timeout(hang)
+        call = asyncio.ensure_future(self.client.call(method, request, self._time_left()))
         try:
-            return await self.client.call(method, request, timeout)
-        except WorkerDeadlineError:
-            if timeout < hang:
-                raise  # the client's own deadline: nothing to move for
-            self.client.healthy = False
-            raise WorkerUnavailableError(f"a {self.client.role} worker did not answer in time") from None
+            for _ in range(MAX_BUSY_WAITS + 1):
+                done, _pending = await asyncio.wait({call}, timeout=hang)
+                if done:
+                    return call.result()  # the client's own deadline is raised as it is: nothing to move for
+                computing = await self.client.computing()
+                if call.done():
+                    return call.result()  # it answered while the worker was asked
+                if not computing:
+                    break
+            else:
+                log.warning("a %s call on %s waited %.0f s while its worker kept computing; taking it for hung",
+                            method, self.client.address, (MAX_BUSY_WAITS + 1) * hang)
+        finally:
+            if not call.done():
+                call.cancel()  # cancels the RPC on the worker: its batcher drops the call between steps
+        self.client.healthy = False
+        raise WorkerUnavailableError(f"a {self.client.role} worker did not answer in time")
 
     @property
     def streams(self) -> int:

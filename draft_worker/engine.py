@@ -281,15 +281,14 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         if not self.chunks.enabled:
             return []
         unread = {p.index: (p.call.prompt_len or len(p.tokens)) - p.keep for p in plans}
-        now = {p.index: self.chunks.take(unread[p.index], p.keep) for p in plans}
-        # As the target's (TargetEngine._chunk): lone chunks while every sequence held here is a prompt being read,
-        # except beside a newcomer's prompt that a lone step ends.
-        reading = {p.call.seq_id for p in plans if unread[p.index] > 0}
-        if all(s in reading for s in self.sequences):
-            lone = {p.index: self.chunks.take(unread[p.index], p.keep, lone=True) for p in plans}
-            newcomer = any(lone[i] == unread[i] for i in lone if unread[i] > 0)
-            now = {i: n if not newcomer or n == unread[i] else now[i] for i, n in lone.items()}
-        long = [p for p in plans if now[p.index] < unread[p.index]]
+        # As the target's (TargetEngine._chunk): the prompts share a lone chunk while every sequence held here is a
+        # prompt being read, and take running-size chunks otherwise.
+        reading = [p for p in plans if unread[p.index] > 0]
+        spans = [(unread[p.index], p.keep) for p in reading]
+        lone = all(s in {p.call.seq_id for p in reading} for s in self.sequences)
+        cuts = self.chunks.take_lone(spans) if lone else [self.chunks.take(*span) for span in spans]
+        long = [p for p, now, (left, _) in zip(reading, cuts, spans) if now < left]
+        now = {p.index: cut for p, cut in zip(reading, cuts)}
         if not long:
             return []
         self.engine.forward([ForwardItem(p.call.seq_id, p.tokens[p.keep:p.keep + now[p.index]], num_logits=0,

@@ -314,17 +314,13 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
             return
         spans = {plan.call.seq_id: (len(plan.item.token_ids), plan.kv_len - len(plan.item.token_ids))
                  for plan in prompts}  # tokens left to feed, from which position
-        # While no other sequence is running, prompts take lone chunks (larger), so that a newcomer waits one of them
-        # at most; in the step that a newcomer's prompt ends in, a long one takes a small chunk beside it.
+        # While no other sequence is running, the prompts share a lone (larger) chunk, so that a newcomer waits one at
+        # most; a prompt that finishes in it is not held up by the others' chunks (PrefillChunks.take_lone).
         running = any(seq.prefilling is None and s not in spans for s, seq in self.sequences.items())
-        lone = {} if running else {s: self.chunks.take(left, start, lone=True) for s, (left, start) in spans.items()}
-        newcomer = any(lone[s] == left for s, (left, _) in spans.items()) if lone else False
-        for plan in prompts:
-            left, start = spans[plan.call.seq_id]
-            now = lone.get(plan.call.seq_id, left)
-            if not lone or (newcomer and now < left):
-                now = self.chunks.take(left, start)
-            if now < left:
+        cuts = (self.chunks.take_lone([spans[p.call.seq_id] for p in prompts]) if not running else
+                [self.chunks.take(*spans[p.call.seq_id]) for p in prompts])
+        for plan, now in zip(prompts, cuts):
+            if now < spans[plan.call.seq_id][0]:
                 _cut(plan, now)
 
     def _score_prompts(self, plans: list[_Plan], logits: list[torch.Tensor], results: list) -> list[torch.Tensor]:

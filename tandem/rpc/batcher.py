@@ -80,6 +80,8 @@ class Batcher(Generic[Item, Result]):
         self._owns_executor = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._task: asyncio.Task | None = None
+        self._step_started: float | None = None  # perf_counter when the running batch began; None: idle
+        self._step_tokens = 0  # the running batch's cost
 
     @property
     def executor(self) -> Executor:
@@ -89,6 +91,19 @@ class Batcher(Generic[Item, Result]):
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def step_running_s(self) -> float:
+        """Seconds the running batch has taken so far; 0 between batches. A coordinator tells a busy worker from a
+        hung one by it (Info's ``step_running_s``): a call may wait long behind many batches, but a batch that runs
+        far past its price (``step_tokens``) is a hang."""
+        started = self._step_started
+        return 0.0 if started is None else time.perf_counter() - started
+
+    @property
+    def step_tokens(self) -> int:
+        """The running batch's cost (its calls' ``cost``, the budget's unit); 0 between batches."""
+        return 0 if self._step_started is None else self._step_tokens
 
     def forget(self, key: Hashable) -> None:
         """A released sequence: no batch waits for it any more."""
@@ -149,11 +164,14 @@ class Batcher(Generic[Item, Result]):
                 continue
             if self.key is not None:
                 self._recent.append({self.key(p.item) for p in batch})
-            started = time.perf_counter()
+            self._step_tokens = sum(p.cost for p in batch)
+            started = self._step_started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.run_batch, [p.item for p in batch])
             except Exception as exc:  # noqa: BLE001 - a batch-wide failure fails each of its calls
                 results = [exc] * len(batch)
+            finally:
+                self._step_started = None
             if self.on_batch:
                 self.on_batch(len(batch), sum(p.cost for p in batch), time.perf_counter() - started)
             unfinished = []

@@ -29,10 +29,18 @@ that below ``LONE_OVERHEAD`` of its tokens' cost, and never one that costs less 
 ``LONE_CHUNK_S`` (a wait nobody notices): on that CPU chunks of about 200 tokens (6 s); on a GPU,
 where a prompt token costs microseconds, whole prompts of up to tens of thousands of tokens.
 Until a prompt token has been priced, a lone prompt goes whole.
+
+Prompts that arrive together (a burst) share one lone chunk's tokens per step (``take_lone``): the
+prompts whose rest fits in it finish now, shortest first, and while none does the oldest takes the
+lone chunk; every other takes a running-size chunk. Cut one lone chunk each, fifteen 2,000-token
+prompts of the tiny test model made one 30,000-token step of 4.5 s, 15 times a lone chunk's wait for
+anyone arriving then; and prompts that share every step all finish at the end of the burst, while
+the oldest first finishes first (as a first-come-first-served scheduler would).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.attention.sdpa import PIECE
@@ -87,6 +95,26 @@ class PrefillChunks:
         extra_s = (self.cost_fit.base_s if self.cost_fit.ready else 0.0) + price.fixed_s  # one more pass's price
         tokens = max(LONE_CHUNK_S, extra_s / LONE_OVERHEAD) / price.per_token_s
         return max(self.size(), int(min(tokens, 2**31)))
+
+    def take_lone(self, spans: Sequence[tuple[int, int]]) -> list[int]:
+        """How many tokens of each prompt one step computes while no other sequence runs; ``spans``: each prompt's
+        (tokens left, from position), oldest first. The prompts share one lone chunk (module doc): those whose rest
+        fits in it finish, shortest first; if none does, the oldest takes a lone chunk (``take(..., lone=True)``);
+        every other prompt takes a running-size chunk (``take``), so that one finishing now is not held up by the
+        others. Unpriced prompt tokens (``lone_size`` None): every prompt whole."""
+        room = self.lone_size()
+        if room is None:
+            return [left for left, _ in spans]
+        now = [0] * len(spans)
+        for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+            if spans[i][0] <= room:
+                now[i], room = spans[i][0], room - spans[i][0]
+        oldest_lone = not any(now)
+        for i, (left, start) in enumerate(spans):
+            if not now[i]:
+                now[i] = self.take(left, start, lone=oldest_lone)
+                oldest_lone = False
+        return now
 
     def take(self, left: int, start: int, lone: bool = False) -> int:
         """Of ``left`` prompt tokens still to compute from position ``start``, how many this step: a chunk

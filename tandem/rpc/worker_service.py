@@ -66,7 +66,8 @@ class WorkerServiceBase:
             prefix_cache=_prefix_cache_info(cache.prefix_stats(), self.engine.caches_generated),
             heads_prefix_cache=(None if (heads := self.engine.heads_prefix_stats()) is None
                                 else _prefix_cache_info(heads, self.engine.caches_generated)),
-            shared_prompt_waits=waits, prompt_score_blocks=scored,
+            shared_prompt_waits=waits, prompt_score_blocks=scored, step_running_s=self.batcher.step_running_s,
+            step_tokens=self.batcher.step_tokens,
         )
 
 

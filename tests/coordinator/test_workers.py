@@ -61,7 +61,7 @@ def test_a_worker_failure_is_never_the_clients_fault_and_names_no_address(code, 
     assert "10.0.0.7" not in str(exc) and "r-1" not in str(exc)
 
 
-class RecordingClient:
+class RecordingClient(WorkerClient):  # (hang_timeout from WorkerClient)
     call_timeout_s = 60.0
     streams = 1
 
@@ -111,26 +111,43 @@ def test_a_workers_info_carries_the_last_trusted_line_to_the_heads_budget():
     assert heads_budget(SpecOptions("eagle", 4), state, 1000, fit) == 2
 
 
-class TimedClient:
-    """A worker whose every call takes ``seconds[method]``, against the timeout it is given (no clock: a call
-    longer than its timeout raises what gRPC's DEADLINE_EXCEEDED becomes)."""
+# TimedClient's clock: a thousandth of the seconds its figures stand for, so that these tests run in real time.
+MS = 1e-3
 
-    call_timeout_s = 60.0
+
+class TimedClient(WorkerClient):
+    """A worker whose every call takes ``seconds[method]`` (times ``MS``) and whose Info says its model thread has been
+    in its current batch for ``batch_running_s`` (None: its Info does not answer; the default: short batches, one
+    after another), a batch priced at ``batch_tokens``. A call past the time it is given raises what gRPC's
+    DEADLINE_EXCEEDED becomes."""
+
+    call_timeout_s = 60.0 * MS
     streams = 1
+    address = "10.0.0.7:50052"
 
-    def __init__(self, seconds: dict[str, float], prompt_token_s: float = 0.03) -> None:
+    def __init__(self, seconds: dict[str, float], prompt_token_s: float = 0.03,
+                 batch_running_s: float | None = 0.5, batch_tokens: int = 0) -> None:
         from tandem.spec.transport import FittedCost
 
         self.seconds, self.timeouts, self.healthy, self.role = seconds, {}, True, "target"
-        self.fit = FittedCost(0.3, 0.02, prompt_token_s=prompt_token_s)
+        self.fit = FittedCost(0.3 * MS, 0.02 * MS, prompt_token_s=prompt_token_s * MS)
+        self.batch_running_s, self.batch_tokens = batch_running_s, batch_tokens
+        self.asked = 0  # times it was asked whether it computes
 
     async def call(self, method, request, timeout, deadline_expected=False):
         self.timeouts[method] = timeout
-        if self.seconds[method] > timeout:
+        seconds = self.seconds[method] * MS
+        if timeout is not None and seconds > timeout:
+            await asyncio.sleep(timeout)
             raise errors.WorkerDeadlineError("deadline exceeded")
+        await asyncio.sleep(seconds)
         replies = {"Prefill": target_pb2.PrefillResponse(next_token=7), "Verify": target_pb2.VerifyResponse(),
                    "Propose": draft_pb2.ProposeResponse()}
         return replies[method]
+
+    async def computing(self) -> bool:  # WorkerClient.computing's rule, over the Info described
+        self.asked += 1
+        return self.batch_running_s is not None and self.batch_running_s * MS <= self.hang_timeout(self.batch_tokens)
 
     def fitted_cost(self):
         return self.fit
@@ -146,20 +163,22 @@ def test_a_long_prompt_is_work_not_a_hang_and_the_hang_timeout_still_catches_a_s
 
     async def scenario(client, deadline_s=None):
         now = asyncio.get_running_loop().time()
-        channel = RequestChannel(client, None if deadline_s is None else now + deadline_s)
+        channel = RequestChannel(client, None if deadline_s is None else now + deadline_s * MS)
         return await channel.prefill("s", long_prompt, SamplingParams()), channel
 
-    worker = TimedClient({"Prefill": 152.0, "Verify": 61.0})
+    worker = TimedClient({"Prefill": 152.0, "Verify": 61.0}, batch_running_s=70.0)  # one batch, 70 s and counting
     prefilled, channel = asyncio.run(scenario(worker))
-    assert prefilled.next_token == 7 and worker.healthy
-    assert worker.timeouts["Prefill"] == pytest.approx(60.0 + 4 * 5128 * 0.03)  # PROMPT_TIME_MARGIN x its price
-    # a call with no prompt to read keeps the bare timeout: past it the worker is hung, and the request moves
+    assert prefilled.next_token == 7 and worker.healthy and worker.asked == 0  # within its price: never in doubt
+    assert channel.hang_timeout(len(long_prompt)) == pytest.approx((60.0 + 4 * 5128 * 0.03) * MS)  # its price x 4
+    assert worker.timeouts["Prefill"] is None  # the gRPC call carries the client's deadline only
+    # a call with no prompt to read keeps the bare timeout: past it, with the worker's batch older than that, the
+    # worker is hung, and the request moves
     with pytest.raises(errors.WorkerUnavailableError, match="did not answer in time"):
         asyncio.run(channel.verify("s", 5128, [1, 2], []))
-    assert worker.timeouts["Verify"] == 60.0 and not worker.healthy
+    assert worker.asked == 1 and not worker.healthy
 
     # so is a prompt read that outlasts its price by more than the margin
-    stuck = TimedClient({"Prefill": 60.0 + 4 * 5128 * 0.03 + 1})
+    stuck = TimedClient({"Prefill": 60.0 + 4 * 5128 * 0.03 + 200}, batch_running_s=700.0, batch_tokens=5128)
     with pytest.raises(errors.WorkerUnavailableError):
         asyncio.run(scenario(stuck))
     assert not stuck.healthy
@@ -167,16 +186,89 @@ def test_a_long_prompt_is_work_not_a_hang_and_the_hang_timeout_still_catches_a_s
     impatient = TimedClient({"Prefill": 152.0})
     with pytest.raises(errors.WorkerDeadlineError):
         asyncio.run(scenario(impatient, deadline_s=100.0))
-    assert impatient.timeouts["Prefill"] <= 100.0 and impatient.healthy
+    assert impatient.timeouts["Prefill"] <= 100.0 * MS and impatient.healthy
+
+
+def test_a_call_queued_behind_a_busy_workers_batches_waits_and_a_silent_or_stuck_worker_is_hung():
+    """A burst of eight 1,500-token prompts on one 1.5B target: each prompt was read a chunk per step beside the
+    others, the last ones answered after about 300 s, past their 183 s hang timeout, and the coordinator took the
+    healthy worker for hung seven times (each request read its prompt again)."""
+    async def verify(client, deadline_s=None):
+        now = asyncio.get_running_loop().time()
+        channel = RequestChannel(client, None if deadline_s is None else now + deadline_s * MS)
+        return await channel.verify("s", 10, [1, 2], [])
+
+    busy = TimedClient({"Verify": 200.0})  # three hang timeouts and more, while batches of 0.5 s come and go
+    asyncio.run(verify(busy))
+    assert busy.healthy and busy.asked == 3
+    # a batch of many prompts at once (chunking off) runs long, and is still work: its price says how long
+    burst = TimedClient({"Verify": 200.0}, batch_running_s=150.0, batch_tokens=15 * 2000)
+    asyncio.run(verify(burst))
+    assert burst.healthy and burst.asked == 3
+    silent = TimedClient({"Verify": 200.0}, batch_running_s=None)  # its Info does not answer (a stopped process)
+    with pytest.raises(errors.WorkerUnavailableError):
+        asyncio.run(verify(silent))
+    assert not silent.healthy and silent.asked == 1
+    stuck = TimedClient({"Verify": 200.0}, batch_running_s=90.0, batch_tokens=6)  # a 6-token batch running 90 s
+    with pytest.raises(errors.WorkerUnavailableError):
+        asyncio.run(verify(stuck))
+    assert not stuck.healthy and stuck.asked == 1
+    # a worker that computes yet never answers this call is taken for hung after MAX_BUSY_WAITS more timeouts
+    from coordinator.workers import MAX_BUSY_WAITS
+
+    never = TimedClient({"Verify": 1e9})
+    with pytest.raises(errors.WorkerUnavailableError):
+        asyncio.run(verify(never))
+    assert not never.healthy and never.asked == MAX_BUSY_WAITS + 1
+    # the client's deadline ends the wait first, and is the client's, not the worker's, fault
+    patient_until = TimedClient({"Verify": 1e9})
+    with pytest.raises(errors.WorkerDeadlineError):
+        asyncio.run(verify(patient_until, deadline_s=150.0))
+    assert patient_until.healthy and patient_until.asked == 2
+
+
+def test_a_worker_is_computing_when_its_info_says_a_young_batch_runs_and_not_when_it_cannot_say():
+    class Stub:
+        def __init__(self, reply):
+            self.reply, self.calls = reply, 0
+
+        async def Info(self, request, timeout):
+            self.calls += 1
+            await asyncio.sleep(0.01)
+            if isinstance(self.reply, Exception):
+                raise self.reply
+            return self.reply
+
+    async def computing(reply, callers=1):
+        worker = client("a", 100)  # call timeout 60 s
+        worker.closed, worker.owner, worker._asking, worker.prompt_blocks = False, "", None, None
+        worker.stub = Stub(reply)
+        answers = await asyncio.gather(*(worker.computing() for _ in range(callers)))
+        return answers, worker.stub.calls
+
+    def info(running_s=None, tokens=0):
+        return common_pb2.WorkerInfo(step_running_s=running_s, step_tokens=tokens, forward_base_s=0.3,
+                                     prompt_token_s=0.03)
+
+    assert asyncio.run(computing(info(0.0))) == ([True], 1)  # between batches
+    assert asyncio.run(computing(info(12.0, tokens=8))) == ([True], 1)
+    assert asyncio.run(computing(info(75.0, tokens=8))) == ([False], 1)  # 8 tokens may take 60 s + 4 x their price
+    assert asyncio.run(computing(info(75.0, tokens=2000))) == ([True], 1)  # 2,000 may take 60 s + 240 s
+    assert asyncio.run(computing(info(301.0, tokens=2000))) == ([False], 1)
+    assert asyncio.run(computing(common_pb2.WorkerInfo())) == ([False], 1)  # a worker too old to say
+    assert asyncio.run(computing(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Info"))) == ([False], 1)
+    # the calls that outlast their timeouts together ask once
+    assert asyncio.run(computing(info(1.0), callers=5)) == ([True] * 5, 1)
 
 
 def test_a_draft_reading_a_prompt_gets_the_time_its_price_says():
     async def scenario():
-        draft = TimedClient({"Propose": 70.0}, prompt_token_s=0.007)
+        draft = TimedClient({"Propose": 70.0}, prompt_token_s=0.007, batch_running_s=65.0)
         draft.role = "draft"
-        await RequestChannel(draft, None).propose("s", 0, list(range(5128)), 4, SamplingParams(), prompt_len=5128)
+        channel = RequestChannel(draft, None)
+        await channel.propose("s", 0, list(range(5128)), 4, SamplingParams(), prompt_len=5128)
         with pytest.raises(errors.WorkerUnavailableError):  # a round's few new tokens: about the bare timeout
             await RequestChannel(draft, None).propose("s", 5130, [1, 2], 4, SamplingParams())
-        return draft.timeouts["Propose"]
+        return draft.asked
 
-    assert asyncio.run(scenario()) == pytest.approx(60.0 + 4 * 2 * 0.007)
+    assert asyncio.run(scenario()) == 1

@@ -40,6 +40,9 @@ TOKENS = 600
 KV_CACHE_TOKENS = 1024
 COUNT_PROMPTS = [f"Count from {i} to {i + 60}, one number per line." for i in range(4)]
 COUNT_TOKENS = 400
+# The burst test: prompts that reach one idle target together, each long enough that the last answered waits for
+# many times its own price, against a call timeout longer than any step (a lone chunk is about a second's worth).
+BURST_PROMPTS, BURST_TOKENS, BURST_CALL_TIMEOUT_S = 24, 2000, 4.0
 
 
 def request(**kw):
@@ -167,4 +170,28 @@ def test_a_full_kv_pool_preempts_and_rebuilds_and_every_request_completes(tiny_s
             replies = list(pool.map(run, COUNT_PROMPTS))
         assert {p: list(r.token_ids) for p, r in zip(COUNT_PROMPTS, replies)} == alone
         assert sum(r.stats.preemptions for r in replies) > 0
+        assert_kv_whole(cluster.workers("target"))
+
+
+def test_a_busy_target_under_a_burst_of_long_prompts_is_not_taken_for_hung(tiny_served_dir, tmp_path):
+    """24 prompts of 2,000 tokens at once: the last answered waits about ten seconds, past its hang timeout (4 s and 4
+    times its prompt's price). Before workers said what they compute, the coordinator took the healthy target for
+    hung then, and moved 23 of the 24 requests (to the same target: each read its prompt again)."""
+    prompts = [[(i * 7919 + j * 104729) % 80 + 10 for j in range(BURST_TOKENS)] for i in range(BURST_PROMPTS)]
+    with local_cluster(tiny_served_dir, tmp_path, targets=1, drafts=0, call_timeout_s=BURST_CALL_TIMEOUT_S,
+                       kv_cache_tokens=BURST_PROMPTS * (BURST_TOKENS + 64)) as cluster, \
+            TandemClient(cluster.coordinator.address, timeout_s=300) as client:
+        started = time.monotonic()
+
+        def run(prompt):
+            reply = client.generate(build_request(prompt, max_new_tokens=2, method="none", ignore_eos=True))
+            return reply, time.monotonic() - started
+
+        with ThreadPoolExecutor(BURST_PROMPTS) as pool:
+            answered = list(pool.map(run, prompts))
+        waits = sorted(seconds for _, seconds in answered)
+        assert [reply.stats.target_moves for reply, _ in answered] == [0] * BURST_PROMPTS, waits
+        assert all(len(reply.token_ids) == 2 for reply, _ in answered)
+        # the prompts shared a lone chunk per step and finished one after another, not all at the burst's end
+        assert waits[0] < waits[-1] / 3, waits
         assert_kv_whole(cluster.workers("target"))

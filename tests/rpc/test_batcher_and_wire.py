@@ -69,6 +69,34 @@ def test_a_failing_batch_fails_each_of_its_calls_and_the_loop_goes_on():
     assert asyncio.run(scenario()) == 2
 
 
+def test_the_batcher_says_how_long_its_running_batch_has_taken_and_zero_between_batches():
+    """What a worker's Info reports as ``step_running_s``: a coordinator tells a busy worker from a hung one by it."""
+    started, release = threading.Event(), threading.Event()
+
+    def run_batch(items):
+        started.set()
+        release.wait(10)
+        return items
+
+    async def scenario():
+        batcher = Batcher(run_batch, cost=lambda i: 1, token_budget=10)
+        batcher.start()
+        idle = batcher.step_running_s
+        call = asyncio.ensure_future(batcher.submit(1))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        await asyncio.sleep(0.2)
+        running = batcher.step_running_s
+        release.set()
+        await call
+        after = batcher.step_running_s
+        await batcher.stop()
+        return idle, running, after
+
+    idle, running, after = asyncio.run(scenario())
+    assert idle == 0.0 and after == 0.0
+    assert 0.2 <= running < 10
+
+
 def test_batches_wait_for_every_cycling_sequence():
     """Sequences a, b, c called together; when a comes back alone, the batch waits for b and c."""
     seen: list[list[str]] = []

@@ -103,3 +103,25 @@ def test_a_lone_prompt_takes_chunks_that_cost_it_little_and_a_newcomer_no_long_w
     assert PrefillChunks(None, ForwardCostFit(), PromptTokenCost()).lone_size() is None
     assert PrefillChunks(None, ForwardCostFit(), PromptTokenCost()).take(5000, 0, lone=True) == 5000
     assert PrefillChunks(0, fit, prompt).lone_size() is None
+
+
+def test_prompts_arriving_together_share_one_lone_chunk_and_finish_oldest_first():
+    """Fifteen 2,000-token prompts arriving at an idle worker, cut a lone chunk each, made one step of 30,000 tokens."""
+    fit, prompt = measured(0.2, 0.015)  # a 2-core CPU: a lone chunk is 266 tokens, one beside streams 10
+    chunks = PrefillChunks(None, fit, prompt)
+    lone, size = chunks.lone_size(), chunks.size()
+    assert (lone, size) == (266, 10)
+    # none fits whole: the oldest takes a lone chunk, the others one beside it, so the oldest finishes first
+    cuts = chunks.take_lone([(2000, 0)] * 15)
+    assert cuts[0] == chunks.take(2000, 0, lone=True) and cuts[1:] == [8] * 14  # (8: 10 cut to attention's pieces)
+    assert sum(cuts) <= lone + 14 * size
+    # those that fit in it finish now, shortest first, and the others wait with small chunks (a newcomer's first
+    # token is not held up by a long prompt's lone chunk)
+    assert chunks.take_lone([(2000, 64), (30, 0), (200, 0), (100, 0)]) == [8, 30, 8, 100]  # 30 + 100 fit, 200 not
+    assert chunks.take_lone([(100, 0), (100, 0), (100, 0)]) == [100, 100, 8]
+    # alone, as before: a lone chunk, or the whole rest where it fits
+    assert chunks.take_lone([(5000, 0)]) == [chunks.take(5000, 0, lone=True)]
+    assert chunks.take_lone([(100, 0)]) == [100]
+    # unpriced, or chunking off: whole
+    assert PrefillChunks(None, ForwardCostFit(), PromptTokenCost()).take_lone([(5000, 0), (3000, 0)]) == [5000, 3000]
+    assert PrefillChunks(0, fit, prompt).take_lone([(5000, 0)]) == [5000]

@@ -135,6 +135,9 @@ def test_a_speculative_round_over_grpc(workers):
         t_info, d_info = target.Info(common_pb2.WorkerInfoRequest()), draft.Info(common_pb2.WorkerInfoRequest())
         assert t_info.vocab_size == d_info.vocab_size == VOCAB
         assert t_info.tokenizer_fingerprint == d_info.tokenizer_fingerprint and list(t_info.stop_token_ids) == [1]
+        # idle workers say so: a coordinator whose call outlasts its hang timeout asks this before it moves a request
+        for info in (t_info, d_info):
+            assert info.HasField("step_running_s") and info.step_running_s == 0.0
         # Warmed up over several sizes, the fit has a line, and the last trusted one travels beside it.
         assert t_info.forward_base_s > 0 and t_info.last_forward_base_s > 0
         if t_info.forward_per_token_s > 0:

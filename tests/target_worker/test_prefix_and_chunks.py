@@ -210,6 +210,32 @@ def test_a_lone_long_prompt_goes_in_chunks_and_a_newcomer_joins_before_it_ends(t
     assert torch.equal(kv_of(chunked.engine, "b"), kv_of(whole.engine, "b"))  # every row as in one run
 
 
+def test_prompts_arriving_together_at_an_idle_target_share_a_lone_chunk_and_the_oldest_finishes_first(
+        tiny_qwen2_dir, monkeypatch):
+    """A burst's prompts each took a lone chunk in one step: fifteen 2,000-token prompts of the tiny served model made a
+    4.5 s step, and every one of them finished at the burst's end."""
+    monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)  # row-invariant kernels, as every real model's (above)
+    prompts = {name: [t + shift for t in LONG] for name, shift in (("b", 0), ("c", 1), ("d", 2))}
+    whole = TargetEngine(load(tiny_qwen2_dir, caching=False))
+    expected = {name: ok(whole.run_batch([PrefillCall(name, ids, GREEDY)]))[0] for name, ids in prompts.items()}
+    chunked = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=None)
+    chunked.chunks = PrefillChunks(None, *priced(0.02, LONE_CHUNK_S / 20))  # a lone chunk: 20 tokens, else 1
+    calls = [PrefillCall(name, ids, GREEDY) for name, ids in prompts.items()]
+    assert all(isinstance(r, Unfinished) for r in ok(chunked.run_batch(calls)))
+    assert [chunked.engine.seq_len(name) for name in prompts] == [20, 1, 1]  # one lone chunk in the step, not three
+    finished: list[str] = []
+    while calls:
+        results = ok(chunked.run_batch(calls))
+        finished += [call.seq_id for call, r in zip(calls, results) if not isinstance(r, Unfinished)]
+        for call, result in zip(calls, results):
+            if not isinstance(result, Unfinished):
+                assert result == expected[call.seq_id]
+        calls = [call for call, r in zip(calls, results) if isinstance(r, Unfinished)]
+    assert finished == ["b", "c", "d"]  # first come, first served
+    for name in prompts:
+        assert torch.equal(kv_of(chunked.engine, name), kv_of(whole.engine, name))  # every row as in one run
+
+
 def test_a_chunked_prompt_released_midway_leaves_no_kv(tiny_qwen2_dir):
     target = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=20)
     ok(target.run_batch([PrefillCall("a", [5, 17, 33], GREEDY)]))
@@ -272,3 +298,9 @@ def test_a_draft_reads_a_lone_long_prompt_in_chunks(tiny_qwen2_dir):
     assert released is True and isinstance(unfinished, Unfinished) and chunked.engine.seq_len("c") == 20
     unfinished, proposed = ok(chunked.run_batch([long, ProposeCall("d", 0, [5, 17, 33], 2, GREEDY, prompt_len=3)]))
     assert isinstance(unfinished, Unfinished) and len(proposed.tokens) == 2
+    # Long prompts arriving together share one lone chunk: the oldest takes it, the others a small one beside it.
+    ok(chunked.run_batch([ReleaseCall("c"), ReleaseCall("d")]))
+    burst = [ProposeCall(name, 0, [t + shift for t in LONG], 3, GREEDY, prompt_len=len(LONG))
+             for name, shift in (("e", 0), ("f", 1), ("g", 2))]
+    assert all(isinstance(r, Unfinished) for r in ok(chunked.run_batch(burst)))
+    assert [chunked.engine.seq_len(name) for name in "efg"] == [20, 1, 1]
