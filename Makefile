@@ -108,6 +108,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/prompt_scoring.py
 	$(PYTHON) benchmarks/shared_prompt_wait.py
 	$(PYTHON) benchmarks/lone_prompt.py
+	$(PYTHON) benchmarks/prompt_burst.py
 	$(PYTHON) benchmarks/attention_ab.py
 	$(PYTHON) benchmarks/int8_rows.py
 	$(PYTHON) benchmarks/spec_bench.py
