@@ -82,8 +82,9 @@ test: setup-dev models-ci  ## the suite CI runs (unit tests, integration on a sh
 	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup -m "not long and not alone"
 	$(PYTHON) -m pytest -q --durations=10 -m "alone and not long" $(ALONE_TESTS)
 
-test-unit: setup-dev  ## unit tests only (tiny random models, in process): no model download, about 3 minutes
-	$(PYTHON) -m pytest -q -m "not slow and not long"
+test-unit: setup-dev  ## unit tests only (tiny random models, in process): no model download, about 4 minutes on 2 cores
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not long and not alone"
+	$(PYTHON) -m pytest -q -m "alone and not slow and not long" $(ALONE_TESTS)
 
 test-long: setup-dev models-ci  ## the long tier: SmolLM2 soak, the full fuzz budget, full chi-square samples
 	$(PYTHON) -m pytest -q --durations=25 -m long
