@@ -269,6 +269,9 @@ class RequestChannel:
                 if call.done():
                     return call.result()  # it answered while the worker was asked
                 if not computing:
+                    log.warning("a %s call on %s passed its hang timeout (%.0f s) and the worker is not computing (its "
+                                "Info did not answer, or its batch ran past its own price): taking it for hung",
+                                method, self.client.address, hang)
                     break
             else:
                 log.warning("a %s call on %s waited %.0f s while its worker kept computing; taking it for hung",
