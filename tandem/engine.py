@@ -181,6 +181,9 @@ class ModelEngine:
         # Forward seconds against tokens, fitted as the engine runs: what adaptive k plans with.
         self.cost_fit = ForwardCostFit()
         self.prompt_cost = PromptTokenCost()  # what a prompt chunk's tokens cost (tandem.rpc.prefill_chunks)
+        # Tokens of the forward running now (0 between forwards). A worker's Info reads it from another thread: a
+        # coordinator prices the worker's running step by it (a lone prompt chunk is more than its call's cost).
+        self.rows_in_forward = 0
         # On a CPU, a second thread computing beside the one that loaded the model slows every pass: warn once.
         self.home_thread = HomeThread(f"the {model.config.model_type} engine") if self.device.type == "cpu" else None
         self.rows_fixed_by_position = _rows_fixed_by_position(model, backend)
@@ -321,11 +324,12 @@ class ModelEngine:
         context_lens = [self.seq_len(s) for s in seq_ids]
         existed = [self.kv_cache.has_sequence(s) for s in seq_ids]
         slots = self.kv_cache.append_slots({it.seq_id: len(it.token_ids) for it in items})
+        tokens = sum(len(it.token_ids) for it in items)
+        self.rows_in_forward = tokens
         started = time.perf_counter()
         try:
             out = self._run(items, context_lens, slots, spec)
             seconds = time.perf_counter() - started
-            tokens = sum(len(it.token_ids) for it in items)
             prompt = sum(len(it.token_ids) for it in items if it.prompt)
             if prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
                 self.prompt_cost.observe(prompt, seconds - self.cost_fit.seconds(tokens - prompt))
@@ -339,6 +343,8 @@ class ModelEngine:
                 else:
                     self.kv_cache.release(seq_id)
             raise
+        finally:
+            self.rows_in_forward = 0
 
     def _run(
         self, items: Sequence[ForwardItem], context_lens: list[int], slots: dict[SeqId, torch.Tensor],

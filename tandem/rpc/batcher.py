@@ -96,7 +96,7 @@ class Batcher(Generic[Item, Result]):
     def step_running_s(self) -> float:
         """Seconds the running batch has taken so far; 0 between batches. A coordinator tells a busy worker from a
         hung one by it (Info's ``step_running_s``): a call may wait long behind many batches, but a batch that runs
-        far past its price (``step_tokens``) is a hang."""
+        far past its price (``step_tokens``, and the rows of the engine's running forward) is a hang."""
         started = self._step_started
         return 0.0 if started is None else time.perf_counter() - started
 

@@ -67,7 +67,7 @@ class WorkerServiceBase:
             heads_prefix_cache=(None if (heads := self.engine.heads_prefix_stats()) is None
                                 else _prefix_cache_info(heads, self.engine.caches_generated)),
             shared_prompt_waits=waits, prompt_score_blocks=scored, step_running_s=self.batcher.step_running_s,
-            step_tokens=self.batcher.step_tokens,
+            step_tokens=max(self.batcher.step_tokens, model.rows_in_forward),
         )
 
 

@@ -304,3 +304,22 @@ def test_a_draft_reads_a_lone_long_prompt_in_chunks(tiny_qwen2_dir):
              for name, shift in (("e", 0), ("f", 1), ("g", 2))]
     assert all(isinstance(r, Unfinished) for r in ok(chunked.run_batch(burst)))
     assert [chunked.engine.seq_len(name) for name in "efg"] == [20, 1, 1]
+
+
+def test_the_engine_says_how_many_rows_its_running_forward_computes(tiny_qwen2_dir):
+    """What a worker's Info prices its running step by (``step_tokens``), for a coordinator asking whether it is hung:
+    a lone prompt chunk is far more rows than its call's cost (a running-size chunk)."""
+    target = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=None)
+    target.chunks = PrefillChunks(None, *priced(0.02, LONE_CHUNK_S / 20))  # a lone chunk: 20 tokens, else 1
+    seen: list[int] = []
+    run = target.engine._run
+
+    def recording(*args, **kwargs):
+        seen.append(target.engine.rows_in_forward)
+        return run(*args, **kwargs)
+
+    target.engine._run = recording
+    assert target.engine.rows_in_forward == 0
+    call = PrefillCall("b", LONG, GREEDY)
+    assert target.call_cost(call) == 1 and isinstance(ok(target.run_batch([call]))[0], Unfinished)
+    assert seen == [20] and target.engine.rows_in_forward == 0  # the lone chunk's 20 rows while it ran, then none
