@@ -34,8 +34,8 @@ Prompts that arrive together (a burst) share one lone chunk's tokens per step (`
 prompts whose rest fits in it finish now, shortest first, and while none does the oldest takes the
 lone chunk; every other takes a running-size chunk. Cut one lone chunk each, fifteen 2,000-token
 prompts of the tiny test model made one 30,000-token step of 4.5 s, 15 times a lone chunk's wait for
-anyone arriving then; and prompts that share every step all finish at the end of the burst, while
-the oldest first finishes first (as a first-come-first-served scheduler would).
+anyone arriving then, and since each prompt had a share of every step, all of them finished at the
+burst's end. Now the oldest finishes first (first come, first served).
 """
 
 from __future__ import annotations
