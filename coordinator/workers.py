@@ -99,6 +99,7 @@ class WorkerClient:
         self.closed = False  # its channel is closed: a poll still holding it gets no answer, and no error
         self.prompt_blocks = PrefixMirror()  # a draft's: the prompts this coordinator has seen it cache
         self._asking: asyncio.Future | None = None  # an Info asked for calls past their hang timeout (``computing``)
+        self.busy_waits = 0  # times a call here outlasted its hang timeout and waited on, the worker computing
 
     async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False) -> Any:
         """``deadline_expected``: a call that may outlast ``timeout`` without anything being wrong (a release queued
@@ -268,11 +269,13 @@ class RequestChannel:
                 computing = await self.client.computing()
                 if call.done():
                     return call.result()  # it answered while the worker was asked
-                if not computing:
-                    log.warning("a %s call on %s passed its hang timeout (%.0f s) and the worker is not computing (its "
-                                "Info did not answer, or its batch ran past its own price): taking it for hung",
-                                method, self.client.address, hang)
-                    break
+                if computing:
+                    self.client.busy_waits += 1
+                    continue
+                log.warning("a %s call on %s passed its hang timeout (%.0f s) and the worker is not computing (its "
+                            "Info did not answer, or its batch ran past its own price): taking it for hung",
+                            method, self.client.address, hang)
+                break
             else:
                 log.warning("a %s call on %s waited %.0f s while its worker kept computing; taking it for hung",
                             method, self.client.address, (MAX_BUSY_WAITS + 1) * hang)
@@ -364,6 +367,7 @@ class WorkerPool:
         self.fingerprint = fingerprint
         self.call_timeout_s = call_timeout_s
         self._tasks: set[asyncio.Task] = set()  # first Info calls and closes, held until done
+        self._closed_busy_waits = 0  # the busy waits of replicas closed since (``busy_waits``)
 
     def pick(self, avoid: WorkerClient | None = None, key: bytes | None = None) -> WorkerClient:
         """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort.
@@ -395,6 +399,11 @@ class WorkerPool:
                 await self.refresh(failed)  # back (restarted, or no longer hung)? then it counts again
                 if failed.healthy and failed.routable:
                     failed = None
+
+    def busy_waits(self) -> int:
+        """Calls that outlasted their hang timeout on a computing replica of this pool and waited on (a fleet too small
+        for its bursts), since start: ``tandem_coordinator_busy_waits_total``."""
+        return self._closed_busy_waits + sum(c.busy_waits for c in self.clients)
 
     def has_healthy(self) -> bool:
         return any(c.routable and c.healthy for c in self.clients)
@@ -439,6 +448,7 @@ class WorkerPool:
         """Close the leaving replicas that no request uses any more."""
         for client in [c for c in self.clients if c.leaving and c.active == 0]:
             self.clients.remove(client)
+            self._closed_busy_waits += client.busy_waits
             log.info("%s worker %s drained; closed", self.role, client.address)
             self._spawn(client.close())
 

@@ -131,12 +131,28 @@ class ReplicaCollector(Collector):
         yield family
 
 
+class BusyWaitsCollector(Collector):
+    """Calls that outlasted their hang timeout on a computing worker and waited on, per role, read at scrape time."""
+
+    def __init__(self, waits: Callable[[], dict[str, int]]) -> None:
+        self.waits = waits
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily("tandem_coordinator_busy_waits",
+                                     "worker calls that outlasted their hang timeout while the worker computed other "
+                                     "work, and waited on (not taken for hung), by role", labels=["role"])
+        for role, n in self.waits().items():
+            family.add_metric([role], n)
+        yield family
+
+
 class CoordinatorMetrics:
     """What the coordinator exports: the speculation loop's behaviour per request and per round."""
 
     def __init__(self, registry: CollectorRegistry, cache_snapshot: Callable[[], dict[str, Any]] | None = None,
                  replica_counts: Callable[[], dict[str, dict[str, int]]] | None = None,
-                 match_rates: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 match_rates: Callable[[], list[dict[str, Any]]] | None = None,
+                 busy_waits: Callable[[], dict[str, int]] | None = None) -> None:
         p = "tandem_coordinator"
         self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=registry)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens streamed to clients", registry=registry)
@@ -187,3 +203,5 @@ class CoordinatorMetrics:
             registry.register(ReplicaCollector(replica_counts))
         if match_rates is not None:
             registry.register(MatchRatesCollector(match_rates))
+        if busy_waits is not None:
+            registry.register(BusyWaitsCollector(busy_waits))

@@ -133,6 +133,7 @@ class TimedClient(WorkerClient):
         self.fit = FittedCost(0.3 * MS, 0.02 * MS, prompt_token_s=prompt_token_s * MS)
         self.batch_running_s, self.batch_tokens = batch_running_s, batch_tokens
         self.asked = 0  # times it was asked whether it computes
+        self.busy_waits = 0
 
     async def call(self, method, request, timeout, deadline_expected=False):
         self.timeouts[method] = timeout
@@ -200,7 +201,7 @@ def test_a_call_queued_behind_a_busy_workers_batches_waits_and_a_silent_or_stuck
 
     busy = TimedClient({"Verify": 200.0})  # three hang timeouts and more, while batches of 0.5 s come and go
     asyncio.run(verify(busy))
-    assert busy.healthy and busy.asked == 3
+    assert busy.healthy and busy.asked == 3 and busy.busy_waits == 3  # (tandem_coordinator_busy_waits_total)
     # a batch of many prompts at once (chunking off) runs long, and is still work: its price says how long
     burst = TimedClient({"Verify": 200.0}, batch_running_s=150.0, batch_tokens=15 * 2000)
     asyncio.run(verify(burst))
@@ -208,7 +209,7 @@ def test_a_call_queued_behind_a_busy_workers_batches_waits_and_a_silent_or_stuck
     silent = TimedClient({"Verify": 200.0}, batch_running_s=None)  # its Info does not answer (a stopped process)
     with pytest.raises(errors.WorkerUnavailableError):
         asyncio.run(verify(silent))
-    assert not silent.healthy and silent.asked == 1
+    assert not silent.healthy and silent.asked == 1 and silent.busy_waits == 0
     stuck = TimedClient({"Verify": 200.0}, batch_running_s=90.0, batch_tokens=6)  # a 6-token batch running 90 s
     with pytest.raises(errors.WorkerUnavailableError):
         asyncio.run(verify(stuck))
@@ -272,3 +273,23 @@ def test_a_draft_reading_a_prompt_gets_the_time_its_price_says():
         return draft.asked
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_a_pools_busy_waits_are_counted_across_its_replicas_and_kept_when_one_is_closed():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tandem.rpc.metrics import CoordinatorMetrics
+
+    a, b = client("a", 100), client("b", 100)
+    a.busy_waits, b.busy_waits = 3, 2
+    pool = WorkerPool("target", [a, b])
+    assert pool.busy_waits() == 5
+    b.leaving, b.active = True, 0
+    pool._spawn = lambda work: work.close()  # (sweep closes the channel in the background; there is none here)
+    pool.sweep()
+    assert pool.clients == [a] and pool.busy_waits() == 5  # a counter never goes back
+    registry = CollectorRegistry()
+    CoordinatorMetrics(registry, busy_waits=lambda: {"target": pool.busy_waits(), "draft": 0})
+    text = generate_latest(registry).decode()
+    assert 'tandem_coordinator_busy_waits_total{role="target"} 5.0' in text
+    assert 'tandem_coordinator_busy_waits_total{role="draft"} 0.0' in text
