@@ -17,8 +17,10 @@ mid-stream (``target_moves`` / ``draft_moves`` say so).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -194,4 +196,8 @@ def test_a_busy_target_under_a_burst_of_long_prompts_is_not_taken_for_hung(tiny_
         assert all(len(reply.token_ids) == 2 for reply, _ in answered)
         # the prompts shared a lone chunk per step and finished one after another, not all at the burst's end
         assert waits[0] < waits[-1] / 3, waits
+        # calls did outlast their hang timeout (the case this is about), and waited on
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{cluster.coordinator.metrics_port}/metrics", timeout=10)
+        busy = re.search(r'^tandem_coordinator_busy_waits_total\{role="target"\} (\S+)$', metrics.read().decode(), re.M)
+        assert busy is not None and float(busy.group(1)) > 0, waits
         assert_kv_whole(cluster.workers("target"))
