@@ -285,7 +285,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         # prompt being read, and take running-size chunks otherwise.
         reading = [p for p in plans if unread[p.index] > 0]
         spans = [(unread[p.index], p.keep) for p in reading]
-        lone = all(s in {p.call.seq_id for p in reading} for s in self.sequences)
+        lone = set(self.sequences) <= {p.call.seq_id for p in reading}
         cuts = self.chunks.take_lone(spans) if lone else [self.chunks.take(*span) for span in spans]
         long = [p for p, now, (left, _) in zip(reading, cuts, spans) if now < left]
         now = {p.index: cut for p, cut in zip(reading, cuts)}

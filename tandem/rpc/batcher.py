@@ -173,7 +173,7 @@ class Batcher(Generic[Item, Result]):
             finally:
                 self._step_started = None
             if self.on_batch:
-                self.on_batch(len(batch), sum(p.cost for p in batch), time.perf_counter() - started)
+                self.on_batch(len(batch), self._step_tokens, time.perf_counter() - started)
             unfinished = []
             for pending, result in zip(batch, results):
                 if pending.future.done():
