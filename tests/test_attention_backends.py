@@ -10,7 +10,7 @@ import torch
 from tandem.attention.base import AttentionMetadata
 from tandem.attention.flash import FlashAttention
 from tandem.attention.reference import ReferenceAttention
-from tandem.attention.sdpa import SdpaAttention
+from tandem.attention.sdpa import PIECE, SdpaAttention, batch_short_runs
 from tandem.kv_cache import PagedKVCache
 from tandem.tree_rows import path_to
 
@@ -219,6 +219,63 @@ def test_sdpa_prompt_rows_are_bitwise_the_same_however_the_prompt_is_cut(dtype):
         AttentionMetadata.build([2], [3], slots[3:5], cache.block_table(["p"]), block, torch.device("cpu"),
                                 tree_parents=[[-1, -1]], prompt_runs=[True])
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_runs_of_many_sequences_share_calls_and_keep_their_prompt_rows(dtype):
+    """Decode rows and short verified chains of many sequences, batched by the keys their pieces read (one call
+    per key count), beside a long prompt run and a tree: every row bitwise the row its sequence's prompt computes
+    at that position, alone, as in the module doc's promise (SmolLM2's head layout: 9 query heads on 3 KV heads)."""
+    heads, kv_heads, dim, block = 9, 3, 64, 4
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 256, block, kv_heads, dim, dtype)
+    # (context, new tokens): four decode rows in the piece ending at 44, two in the one ending at 48, a chain of
+    # 5 over both, a chain of 2 inside one, and a long prompt run (ten pieces, a call per piece of its own)
+    runs = {"d40": (40, 1), "d41": (41, 1), "d42": (42, 1), "d43": (43, 1), "d44": (44, 1), "d46": (46, 1),
+            "v42": (42, 5), "v45": (45, 2), "prompt": (3, 37)}
+    lens = {s: c + q for s, (c, q) in runs.items()} | {"tree": 30 + len(TREE)}
+    slots = cache.append_slots(lens)
+    for seq, n in lens.items():
+        kv = torch.randn(2, n, kv_heads, dim, generator=g).to(dtype)
+        cache.write(0, slots[seq], kv[0], kv[1])
+    queries = {s: torch.randn(n, heads, dim, generator=g).to(dtype) for s, n in lens.items()}
+    backend = SdpaAttention(dtype)
+
+    def metadata(batch: list[tuple[str, int, int]], prompt: bool = False) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            [q for _, _, q in batch], [c for _, c, _ in batch], torch.cat([slots[s][c : c + q] for s, c, q in batch]),
+            cache.block_table([s for s, _, _ in batch]), block, torch.device("cpu"),
+            [TREE if s == "tree" else None for s, _, _ in batch], [prompt] * len(batch))
+
+    def attend(batch: list[tuple[str, int, int]], prompt: bool = False) -> torch.Tensor:
+        meta = metadata(batch, prompt)
+        query = torch.cat([queries[s][c : c + q] for s, c, q in batch])
+        return backend.forward(query, cache.key[0], cache.value[0], meta, backend.prepare(meta), dim**-0.5)
+
+    batch = [(s, c, q) for s, (c, q) in runs.items()] + [("tree", 30, len(TREE))]
+    state = backend.prepare(metadata(batch))
+    pieces_per_call = sorted(b.count for b in state.piece_batches)
+    assert pieces_per_call == [4, 5], "ending at 44: d40-d43, v42's first piece; at 48: d44, d46, v42's second, v45"
+    assert state.long_runs == [(8, 13)] and set(state.tree_gathers) == {9}
+    mixed = attend(batch)
+    token = 0
+    for seq, context, new in batch:
+        if seq != "tree":
+            as_prompt = attend([(seq, 0, context + new)], prompt=True)[context:]  # the same rows, by position
+            assert torch.equal(mixed[token : token + new], as_prompt), seq
+        token += new
+    assert torch.equal(mixed[-len(TREE):], attend([("tree", 30, len(TREE))]))
+
+
+def test_short_runs_are_batched_on_a_cpu_only():
+    """Elsewhere a kernel's split of its work may follow the batch (sdpa.py's module doc): every run alone there."""
+    cache, meta, _ = random_batch([9, 10, 30, 0], [1, 1, 5, 40], 4)
+    kv_gather = SdpaAttention(torch.float32).prepare(meta).kv_gather
+    batches, long_runs = batch_short_runs(meta, kv_gather, batched=True)
+    assert [(b.extent, b.count) for b in batches] == [(12, 2), (32, 1), (36, 1)] and long_runs == [(3, 7)]
+    assert batches[0].tokens.tolist() == [0, 1] and batches[0].places.tolist() == [1, PIECE + 2]
+    batches, long_runs = batch_short_runs(meta, kv_gather, batched=False)
+    assert batches == [] and long_runs == [(0, 0), (1, 1), (2, 2), (3, 7)]
 
 # ----- speculation trees ------------------------------------------------------------
 #  0 - 1 - 2 - 3

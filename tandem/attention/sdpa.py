@@ -46,8 +46,24 @@ gathered once per layer). Those keys have the shape, layout and values of the
 keys a chain row at the same depth reads, so every path of a tree gets
 bitwise the logits of a chain forward of that path.
 
+Short runs share calls. A run of at most ``BATCHED_MAX_PIECES`` pieces (a
+decode row, a verified chain of up to ``PIECE + 1`` tokens) is computed with
+every other such piece of the forward that reads the same number of keys, in
+one call whose batch axis holds the pieces (``PieceBatch``): 64 decoding
+streams were 64 calls per layer, each mostly call overhead (SmolLM2, fp32,
+2-core EPYC: attention and its glue were 60% of a 485 ms step). The batch
+axis does not change a row: PyTorch's CPU kernel computes each (batch, head)
+alone with blocks set by the query and key counts, so a piece gives bitwise
+the same rows in a call of its own or beside others (``tests/test_attention_
+backends.py`` checks it against the solo call). On other devices the split
+of a kernel's work may follow the batch (FlashAttention's split-KV heuristic
+does), so there every run keeps calls of its own until measured there.
+Longer runs (prompts) stay per sequence: their pieces read a different
+number of keys each, and they gather their keys once for all of them.
+
 ``prepare`` gathers each sequence's cached K/V slots (and a tree row's own
-slots) and builds the mask once per forward; every layer reuses them.
+slots), groups the short runs' pieces and builds the mask once per forward;
+every layer reuses them.
 """
 
 from __future__ import annotations
@@ -64,6 +80,9 @@ from tandem.tree_rows import covering_paths
 # for a short one (``tandem.models.layers.RowBlocks``).
 ROWWISE_MAX_QUERY = 16
 PIECE = 4  # query rows (and the step of key counts) of one attention call; see the module doc
+# Runs of at most this many pieces share batched calls with the other pieces of their key count (module doc); a
+# longer run's pieces each gather its keys again there, so prompts go per sequence.
+BATCHED_MAX_PIECES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +102,23 @@ class TreeGather:
     paths: list[TreePath]  # together they compute every row once
 
 
+@dataclass(frozen=True, slots=True)
+class PieceBatch:
+    """Pieces of short runs (any sequences) that read the same number of keys: one SDPA call, a piece per batch
+    element."""
+
+    extent: int  # keys each piece reads: its piece's end
+    kv_slots: torch.Tensor  # [count * extent] int64: each piece's sequence's first ``extent`` flat slots, in turn
+    tokens: torch.Tensor  # [r] int64: the forward's query rows these pieces compute
+    places: torch.Tensor  # [r] int64: where each of those rows sits, piece * PIECE + its row in the piece
+    count: int  # pieces
+
+
 @dataclass(slots=True)
 class SdpaState:
     kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (past a sequence's end: slot 0, masked)
+    piece_batches: list[PieceBatch]  # the short runs' pieces, by key count (``batch_short_runs``)
+    long_runs: list[tuple[int, int]]  # (sequence, its first query row): chains computed per sequence
     # [PIECE, max_kv] additive mask: row r of piece j sees key k iff k <= j * PIECE + r, as the
     # columns [max_kv - (j + 1) * PIECE, max_kv) of this staircase
     staircase: torch.Tensor
@@ -122,7 +155,8 @@ class SdpaAttention:
             for b, (ctx, parents) in enumerate(zip(meta.context_lens, meta.tree_parents))
             if parents is not None
         }
-        return SdpaState(kv_gather, staircase, tree_gathers)
+        piece_batches, long_runs = batch_short_runs(meta, kv_gather, batched=device.type == "cpu")
+        return SdpaState(kv_gather, piece_batches, long_runs, staircase, tree_gathers)
 
     def forward(
         self,
@@ -136,21 +170,99 @@ class SdpaAttention:
         flat_k = key_cache.view(-1, *key_cache.shape[-2:])  # [slots, Hkv, D]
         flat_v = value_cache.view(-1, *value_cache.shape[-2:])
         staircase = _grouped_staircase(state, query.shape[1] // flat_k.shape[1])  # [PIECE * G, max_kv]
-        pieces: list[torch.Tensor] = []  # [rows, H, D] each, in token order
+        if not state.piece_batches and not state.tree_gathers:  # long runs alone (prompts): their pieces in order
+            pieces = [p for b, token in state.long_runs
+                      for p in self._long_run(query, b, token, meta, state, flat_k, flat_v, staircase, scale)]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        out = torch.empty_like(query)  # [num_tokens, H, D]: every row is written by one of the three below
+        for batch in state.piece_batches:
+            out.index_copy_(0, batch.tokens, _attend_batch(query, batch, flat_k, flat_v, staircase, scale))
+        for b, token in state.long_runs:
+            rows = self._long_run(query, b, token, meta, state, flat_k, flat_v, staircase, scale)
+            out[token : token + meta.query_lens[b]] = rows[0] if len(rows) == 1 else torch.cat(rows)
         token = 0
-        for b, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
-            rows = query[token : token + qlen]  # [q, H, D]
+        for b, qlen in enumerate(meta.query_lens):
             tree = state.tree_gathers.get(b)
             if tree is not None:
-                pieces.extend(_attend_tree(rows, tree, flat_k, flat_v, staircase, scale))
-                token += qlen
-                continue
-            gather = state.kv_gather[b, : _pieces_end(ctx + qlen)]
-            keys = flat_k.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, extent, D]
-            values = flat_v.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, extent, D]
-            pieces.extend(_attend_pieces(rows, ctx, keys, values, staircase, scale))
+                out[token : token + qlen] = _attend_tree(query[token : token + qlen], tree, flat_k, flat_v,
+                                                         staircase, scale)[0]
             token += qlen
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return out
+
+    @staticmethod
+    def _long_run(
+        query: torch.Tensor, b: int, token: int, meta: AttentionMetadata, state: SdpaState,
+        flat_k: torch.Tensor, flat_v: torch.Tensor, staircase: torch.Tensor, scale: float,
+    ) -> list[torch.Tensor]:  # [rows of a piece, H, D] each, in order
+        """Sequence ``b``'s chain run, its keys gathered once for all its pieces."""
+        ctx, qlen = meta.context_lens[b], meta.query_lens[b]
+        gather = state.kv_gather[b, : _pieces_end(ctx + qlen)]
+        keys = flat_k.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, extent, D]
+        values = flat_v.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, extent, D]
+        return _attend_pieces(query[token : token + qlen], ctx, keys, values, staircase, scale)
+
+
+def batch_short_runs(
+    meta: AttentionMetadata, kv_gather: torch.Tensor, batched: bool,
+) -> tuple[list[PieceBatch], list[tuple[int, int]]]:
+    """The forward's chain runs split in two: the pieces of its short runs (at most ``BATCHED_MAX_PIECES``),
+    grouped by the keys they read, and the long runs, as (sequence, first query row). With ``batched`` False
+    every chain run is a long run (a call per piece of its own)."""
+    groups: dict[int, tuple[list[int], list[int], list[int]]] = {}  # extent -> (sequences, tokens, places)
+    long_runs: list[tuple[int, int]] = []
+    token = 0
+    for b, (ctx, qlen, parents) in enumerate(zip(meta.context_lens, meta.query_lens, meta.tree_parents)):
+        num_pieces = (_pieces_end(ctx + qlen) - ctx // PIECE * PIECE) // PIECE
+        if parents is None and (not batched or num_pieces > BATCHED_MAX_PIECES):
+            long_runs.append((b, token))
+        elif parents is None:
+            start, end = ctx, ctx + qlen
+            while start < end:
+                base = start // PIECE * PIECE
+                stop = min(end, base + PIECE)
+                sequences, tokens, places = groups.setdefault(base + PIECE, ([], [], []))
+                first_place = len(sequences) * PIECE - base
+                sequences.append(b)
+                tokens.extend(range(token + start - ctx, token + stop - ctx))
+                places.extend(range(first_place + start, first_place + stop))
+                start = stop
+        token += qlen
+    device = kv_gather.device
+    batches = [
+        PieceBatch(extent, kv_gather[sequences, :extent].reshape(-1),
+                   torch.tensor(tokens, dtype=torch.int64, device=device),
+                   torch.tensor(places, dtype=torch.int64, device=device), len(sequences))
+        for extent, (sequences, tokens, places) in groups.items()
+    ]
+    return batches, long_runs
+
+
+def _attend_batch(
+    query: torch.Tensor,  # [num_tokens, H, D], the forward's queries
+    batch: PieceBatch,
+    flat_k: torch.Tensor,  # [slots, Hkv, D]
+    flat_v: torch.Tensor,  # [slots, Hkv, D]
+    staircase: torch.Tensor,  # [PIECE * G, max_kv]: ``_grouped_staircase``
+    scale: float,
+) -> torch.Tensor:  # [r, H, D], the rows of ``batch.tokens`` in that order
+    """``batch``'s pieces in one call: each is the call ``_attend_pieces`` makes for it, as one batch element
+    (the same query rows, keys, mask and inner strides), so its rows are bitwise that call's (module doc)."""
+    count, extent = batch.count, batch.extent
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = flat_k.shape[1]
+    group = num_heads // num_kv_heads
+    keys = flat_k.index_select(0, batch.kv_slots).view(count, extent, num_kv_heads, head_dim).transpose(1, 2)
+    values = flat_v.index_select(0, batch.kv_slots).view(count, extent, num_kv_heads, head_dim).transpose(1, 2)
+    piece_rows = query.new_zeros(count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D], zero rows unused
+    piece_rows.index_copy_(0, batch.places, query.index_select(0, batch.tokens))
+    # [count, PIECE, Hkv, G, D] -> [count, Hkv, PIECE * G, D]: KV head h's rows r * G + g, as in _attend_pieces
+    grouped = piece_rows.view(count, PIECE, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
+        count, num_kv_heads, PIECE * group, head_dim)
+    mask = staircase[:, staircase.shape[1] - extent:]  # [PIECE * G, extent]
+    attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    pieces = attended.view(count, num_kv_heads, PIECE, group, head_dim).transpose(1, 2).reshape(
+        count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D]
+    return pieces.index_select(0, batch.places)
 
 
 def _pieces_end(length: int) -> int:
