@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from tandem.attention import sdpa
 from tandem.attention.base import AttentionMetadata
 from tandem.attention.flash import FlashAttention
 from tandem.attention.reference import ReferenceAttention
@@ -229,10 +230,11 @@ def test_short_runs_of_many_sequences_share_calls_and_keep_their_prompt_rows(dty
     heads, kv_heads, dim, block = 9, 3, 64, 4
     g = torch.Generator().manual_seed(3)
     cache = PagedKVCache(1, 256, block, kv_heads, dim, dtype)
-    # (context, new tokens): four decode rows in the piece ending at 44, two in the one ending at 48, a chain of
-    # 5 over both, a chain of 2 inside one, and a long prompt run (ten pieces, a call per piece of its own)
+    # (context, new tokens): decode rows in pieces ending at 44, 48, 64 (their calls read 64 keys: KEY_STEP 32)
+    # and 68 (96 keys), chains of 5 across two pieces, a chain of 2 inside one, and a long prompt run (ten pieces,
+    # a call per piece of its own)
     runs = {"d40": (40, 1), "d41": (41, 1), "d42": (42, 1), "d43": (43, 1), "d44": (44, 1), "d46": (46, 1),
-            "v42": (42, 5), "v45": (45, 2), "prompt": (3, 37)}
+            "v42": (42, 5), "v45": (45, 2), "d62": (62, 1), "d64": (64, 1), "v62": (62, 5), "prompt": (3, 37)}
     lens = {s: c + q for s, (c, q) in runs.items()} | {"tree": 30 + len(TREE)}
     slots = cache.append_slots(lens)
     for seq, n in lens.items():
@@ -254,9 +256,10 @@ def test_short_runs_of_many_sequences_share_calls_and_keep_their_prompt_rows(dty
 
     batch = [(s, c, q) for s, (c, q) in runs.items()] + [("tree", 30, len(TREE))]
     state = backend.prepare(metadata(batch))
-    pieces_per_call = sorted(b.count for b in state.piece_batches)
-    assert pieces_per_call == [4, 5], "ending at 44: d40-d43, v42's first piece; at 48: d44, d46, v42's second, v45"
-    assert state.long_runs == [(8, 13)] and set(state.tree_gathers) == {9}
+    calls = {b.keys: sorted(b.ends) for b in state.piece_batches}
+    # 64 keys: d40-d43, v42's first piece, d44, d46, v42's second, v45, d62, v62's first; 96 keys: d64, v62's second
+    assert calls == {64: [44] * 5 + [48] * 4 + [64] * 2, 96: [68, 68]}
+    assert state.long_runs == [(11, 20)] and set(state.tree_gathers) == {12}
     mixed = attend(batch)
     token = 0
     for seq, context, new in batch:
@@ -267,15 +270,22 @@ def test_short_runs_of_many_sequences_share_calls_and_keep_their_prompt_rows(dty
     assert torch.equal(mixed[-len(TREE):], attend([("tree", 30, len(TREE))]))
 
 
-def test_short_runs_are_batched_on_a_cpu_only():
-    """Elsewhere a kernel's split of its work may follow the batch (sdpa.py's module doc): every run alone there."""
-    cache, meta, _ = random_batch([9, 10, 30, 0], [1, 1, 5, 40], 4)
+def test_short_runs_share_calls_on_a_cpu_with_other_sequences_only_and_calls_gather_a_bounded_count(monkeypatch):
+    """Elsewhere a kernel's split of its work may follow the batch (sdpa.py's module doc): every run alone there.
+    A run that shares no key count with another sequence goes alone too (no index copies for a lone stream)."""
+    cache, meta, _ = random_batch([9, 10, 30, 0, 70], [1, 1, 5, 40, 1], 4)
     kv_gather = SdpaAttention(torch.float32).prepare(meta).kv_gather
     batches, long_runs = batch_short_runs(meta, kv_gather, batched=True)
-    assert [(b.extent, b.count) for b in batches] == [(12, 2), (32, 1), (36, 1)] and long_runs == [(3, 7)]
-    assert batches[0].tokens.tolist() == [0, 1] and batches[0].places.tolist() == [1, PIECE + 2]
+    # Keys read in steps of KEY_STEP (32): pieces ending at 12, 12 and 32 share a call, the one ending at 36 (the
+    # second piece of sequence 2's run) reads 64; sequence 4's row, ending at 72 (96 keys), shares with nobody.
+    assert [(b.keys, b.ends) for b in batches] == [(32, [12, 12, 32]), (64, [36])]
+    assert long_runs == [(3, 7), (4, 47)]
+    assert batches[0].tokens.tolist() == [0, 1, 2, 3] and batches[0].places.tolist() == [1, PIECE + 2, 10, 11]
     batches, long_runs = batch_short_runs(meta, kv_gather, batched=False)
-    assert batches == [] and long_runs == [(0, 0), (1, 1), (2, 2), (3, 7)]
+    assert batches == [] and long_runs == [(0, 0), (1, 1), (2, 2), (3, 7), (4, 47)]
+    monkeypatch.setattr(sdpa, "MAX_GATHERED_KEYS", 64)  # two pieces of 32 keys a call
+    batches, _ = batch_short_runs(meta, kv_gather, batched=True)
+    assert [(b.keys, b.ends) for b in batches] == [(32, [12, 12]), (32, [32]), (64, [36])]
 
 # ----- speculation trees ------------------------------------------------------------
 #  0 - 1 - 2 - 3

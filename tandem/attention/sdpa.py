@@ -12,8 +12,9 @@ turn reads the answer it sends back (docs/DESIGN.md, "Prefix caching").
 How: positions ``[j * PIECE, (j + 1) * PIECE)`` are one piece, and a row is
 always computed in its piece's call: ``PIECE`` query rows per query head, the
 G heads of a KV head stacked as its rows (rows the call does not compute are
-zero queries, their output dropped), over ``(j + 1) * PIECE`` keys (those past
-a row's position masked by a staircase, whatever their slots hold). SDPA
+zero queries, their output dropped), over the keys up to the piece's end,
+``(j + 1) * PIECE``, rounded up to a multiple of ``KEY_STEP`` (those past a
+row's position masked by a staircase, whatever their slots hold). SDPA
 blocks its work by the query and key counts of a call, so a row's result
 depends on them; with the counts fixed by its position alone, the row is the
 same in every case above.
@@ -49,17 +50,22 @@ bitwise the logits of a chain forward of that path.
 Short runs share calls. A run of at most ``BATCHED_MAX_PIECES`` pieces (a
 decode row, a verified chain of up to ``PIECE + 1`` tokens) is computed with
 every other such piece of the forward that reads the same number of keys, in
-one call whose batch axis holds the pieces (``PieceBatch``): 64 decoding
-streams were 64 calls per layer, each mostly call overhead (SmolLM2, fp32,
-2-core EPYC: attention and its glue were 60% of a 485 ms step). The batch
-axis does not change a row: PyTorch's CPU kernel computes each (batch, head)
-alone with blocks set by the query and key counts, so a piece gives bitwise
-the same rows in a call of its own or beside others (``tests/test_attention_
-backends.py`` checks it against the solo call). On other devices the split
-of a kernel's work may follow the batch (FlashAttention's split-KV heuristic
-does), so there every run keeps calls of its own until measured there.
-Longer runs (prompts) stay per sequence: their pieces read a different
-number of keys each, and they gather their keys once for all of them.
+one call whose batch axis holds the pieces, each with its own staircase
+(``PieceBatch``): 64 decoding streams were 64 calls per layer, each mostly
+call overhead (SmolLM2, fp32, 2-core EPYC: attention and its glue were 60% of
+a 485 ms step). The batch axis does not change a row: PyTorch's CPU kernel
+computes each (batch, head) alone with blocks set by the query and key
+counts, so a piece gives bitwise the same rows in a call of its own or beside
+others (``tests/test_attention_backends.py`` checks it against each
+sequence's prompt rows). That is what ``KEY_STEP`` is for: with key counts in
+steps of a piece, streams whose contexts differ (all of them, in a server)
+would rarely share a count; in steps of 32 keys, every stream within the same
+32 positions does, for a few masked keys more per call (SmolLM2's shapes: 0.16
+us a key against about 25 us a call, fp32, 2 cores). On other devices the
+split of a kernel's work may follow the batch (FlashAttention's split-KV
+heuristic does), so there every run keeps calls of its own until measured
+there. Longer runs (prompts) stay per sequence: they gather their keys once
+for all their pieces.
 
 ``prepare`` gathers each sequence's cached K/V slots (and a tree row's own
 slots), groups the short runs' pieces and builds the mask once per forward;
@@ -83,6 +89,12 @@ PIECE = 4  # query rows (and the step of key counts) of one attention call; see 
 # Runs of at most this many pieces share batched calls with the other pieces of their key count (module doc); a
 # longer run's pieces each gather its keys again there, so prompts go per sequence.
 BATCHED_MAX_PIECES = 2
+# A call reads keys in multiples of this (module doc): the pieces of streams within KEY_STEP positions of each
+# other share a call. A multiple of PIECE.
+KEY_STEP = 32
+# Most keys one batched call gathers (its pieces x the keys each reads): past it a call's gather ran at a third
+# of the speed per key (15.7 MB of fp32 SmolLM2 keys, 2-core EPYC), so a group of more pieces takes more calls.
+MAX_GATHERED_KEYS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +119,9 @@ class PieceBatch:
     """Pieces of short runs (any sequences) that read the same number of keys: one SDPA call, a piece per batch
     element."""
 
-    extent: int  # keys each piece reads: its piece's end
-    kv_slots: torch.Tensor  # [count * extent] int64: each piece's sequence's first ``extent`` flat slots, in turn
+    keys: int  # keys each piece's call reads (``_keys_read``)
+    kv_slots: torch.Tensor  # [count * keys] int64: each piece's sequence's first ``keys`` flat slots, in turn
+    ends: list[int]  # [count] each piece's end (the staircase a piece reads is by its end)
     tokens: torch.Tensor  # [r] int64: the forward's query rows these pieces compute
     places: torch.Tensor  # [r] int64: where each of those rows sits, piece * PIECE + its row in the piece
     count: int  # pieces
@@ -119,12 +132,12 @@ class SdpaState:
     kv_gather: torch.Tensor  # [num_seqs, max_kv] int64 flat cache slots (past a sequence's end: slot 0, masked)
     piece_batches: list[PieceBatch]  # the short runs' pieces, by key count (``batch_short_runs``)
     long_runs: list[tuple[int, int]]  # (sequence, its first query row): chains computed per sequence
-    # [PIECE, max_kv] additive mask: row r of piece j sees key k iff k <= j * PIECE + r, as the
-    # columns [max_kv - (j + 1) * PIECE, max_kv) of this staircase
+    # [PIECE, max_kv + KEY_STEP] additive mask: row r of the piece ending at e sees key k iff k <= e - PIECE + r,
+    # as the columns [max_kv - e, max_kv - e + _keys_read(e)) of this staircase (``_piece_mask``)
     staircase: torch.Tensor
     # tree sequence index -> the flat slots its rows attend over (``tree_row_gathers``)
     tree_gathers: dict[int, TreeGather]
-    # query heads per KV head -> [PIECE * G, max_kv] the staircase's rows each repeated G times
+    # query heads per KV head -> [PIECE * G, max_kv + KEY_STEP] the staircase's rows each repeated G times
     # (``_attend_pieces``' grouped query rows), made by the first layer that needs it
     grouped_staircases: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -138,16 +151,18 @@ class SdpaAttention:
     def prepare(self, meta: AttentionMetadata) -> SdpaState:
         device = meta.slot_mapping.device
         bs = meta.block_size
-        # Every row reads the keys up to the end of its piece (module doc).
-        max_kv = max(_pieces_end(c + q) for c, q in zip(meta.context_lens, meta.query_lens))
+        # Every row reads the keys up to the end of its piece, rounded up to a KEY_STEP (module doc).
+        max_kv = max(_keys_read(_pieces_end(c + q)) for c, q in zip(meta.context_lens, meta.query_lens))
         positions = torch.arange(max_kv, device=device)  # [max_kv]
         blocks = meta.block_tables.to(torch.int64)  # [num_seqs, max_blocks]
         block_idx = torch.clamp(positions // bs, max=blocks.shape[1] - 1)  # [max_kv]
         slots = blocks[:, block_idx] * bs + positions % bs  # [num_seqs, max_kv]
         valid = positions[None, :] < meta.seq_lens_k.to(device=device, dtype=torch.int64)[:, None]
         kv_gather = torch.where(valid, slots, torch.zeros_like(slots))
-        # Row r, key column c: visible iff c <= max_kv - PIECE + r (a piece's own diagonal block last).
-        visible = positions[None, :] <= torch.arange(PIECE, device=device)[:, None] + (max_kv - PIECE)
+        # Row r, key column c: visible iff c <= max_kv - PIECE + r (a piece's own diagonal block last); KEY_STEP
+        # columns more, all masked, for the keys a call reads past its piece's end.
+        columns = torch.arange(max_kv + KEY_STEP, device=device)  # [max_kv + KEY_STEP]
+        visible = columns[None, :] <= torch.arange(PIECE, device=device)[:, None] + (max_kv - PIECE)
         staircase = torch.zeros(visible.shape, dtype=self.dtype, device=device)
         staircase.masked_fill_(~visible, torch.finfo(self.dtype).min)
         tree_gathers = {
@@ -169,7 +184,7 @@ class SdpaAttention:
     ) -> torch.Tensor:  # [num_tokens, H, D]
         flat_k = key_cache.view(-1, *key_cache.shape[-2:])  # [slots, Hkv, D]
         flat_v = value_cache.view(-1, *value_cache.shape[-2:])
-        staircase = _grouped_staircase(state, query.shape[1] // flat_k.shape[1])  # [PIECE * G, max_kv]
+        staircase = _grouped_staircase(state, query.shape[1] // flat_k.shape[1])  # [PIECE * G, max_kv + KEY_STEP]
         if not state.piece_batches and not state.tree_gathers:  # long runs alone (prompts): their pieces in order
             pieces = [p for b, token in state.long_runs
                       for p in self._long_run(query, b, token, meta, state, flat_k, flat_v, staircase, scale)]
@@ -196,43 +211,65 @@ class SdpaAttention:
     ) -> list[torch.Tensor]:  # [rows of a piece, H, D] each, in order
         """Sequence ``b``'s chain run, its keys gathered once for all its pieces."""
         ctx, qlen = meta.context_lens[b], meta.query_lens[b]
-        gather = state.kv_gather[b, : _pieces_end(ctx + qlen)]
-        keys = flat_k.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, extent, D]
-        values = flat_v.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, extent, D]
+        gather = state.kv_gather[b, : _keys_read(_pieces_end(ctx + qlen))]
+        keys = flat_k.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, keys, D]
+        values = flat_v.index_select(0, gather).transpose(0, 1)[None]  # [1, Hkv, keys, D]
         return _attend_pieces(query[token : token + qlen], ctx, keys, values, staircase, scale)
 
 
 def batch_short_runs(
     meta: AttentionMetadata, kv_gather: torch.Tensor, batched: bool,
 ) -> tuple[list[PieceBatch], list[tuple[int, int]]]:
-    """The forward's chain runs split in two: the pieces of its short runs (at most ``BATCHED_MAX_PIECES``),
-    grouped by the keys they read, and the long runs, as (sequence, first query row). With ``batched`` False
-    every chain run is a long run (a call per piece of its own)."""
-    groups: dict[int, tuple[list[int], list[int], list[int]]] = {}  # extent -> (sequences, tokens, places)
-    long_runs: list[tuple[int, int]] = []
+    """The forward's chain runs split in two: the pieces of its short runs (at most ``BATCHED_MAX_PIECES``) of
+    sequences that share a key count with another sequence, grouped by that count; and the other runs, as
+    (sequence, first query row), each computed on its own (one gather for all its pieces and no index copies: a
+    lone decode row costs what it did). With ``batched`` False every chain run is computed on its own."""
+    # sequence -> its pieces: (keys read, the piece's end, its first query row, rows, the first's place in the piece)
+    short: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    run_starts: dict[int, int] = {}  # chain sequence -> its first query row
     token = 0
     for b, (ctx, qlen, parents) in enumerate(zip(meta.context_lens, meta.query_lens, meta.tree_parents)):
         num_pieces = (_pieces_end(ctx + qlen) - ctx // PIECE * PIECE) // PIECE
-        if parents is None and (not batched or num_pieces > BATCHED_MAX_PIECES):
-            long_runs.append((b, token))
-        elif parents is None:
+        if parents is None:
+            run_starts[b] = token
+        if parents is None and batched and num_pieces <= BATCHED_MAX_PIECES:
             start, end = ctx, ctx + qlen
             while start < end:
                 base = start // PIECE * PIECE
                 stop = min(end, base + PIECE)
-                sequences, tokens, places = groups.setdefault(base + PIECE, ([], [], []))
-                first_place = len(sequences) * PIECE - base
-                sequences.append(b)
-                tokens.extend(range(token + start - ctx, token + stop - ctx))
-                places.extend(range(first_place + start, first_place + stop))
+                short.setdefault(b, []).append(
+                    (_keys_read(base + PIECE), base + PIECE, token + start - ctx, stop - start, start - base))
                 start = stop
         token += qlen
+    readers: dict[int, set[int]] = {}  # keys read -> the sequences with a piece that reads that many
+    for b, pieces in short.items():
+        for keys, *_ in pieces:
+            readers.setdefault(keys, set()).add(b)
+    # keys read -> its calls, each (sequences, piece ends, tokens, places)
+    groups: dict[int, list[tuple[list[int], list[int], list[int], list[int]]]] = {}
+    batched_runs = set()
+    for b, pieces in short.items():
+        if all(len(readers[keys]) == 1 for keys, *_ in pieces):
+            continue  # nobody to share a call with
+        batched_runs.add(b)
+        for keys, piece_end, first, rows, offset in pieces:
+            calls = groups.setdefault(keys, [])
+            if not calls or len(calls[-1][0]) * keys >= MAX_GATHERED_KEYS:
+                calls.append(([], [], [], []))
+            sequences, ends, tokens, places = calls[-1]
+            first_place = len(sequences) * PIECE + offset
+            sequences.append(b)
+            ends.append(piece_end)
+            tokens.extend(range(first, first + rows))
+            places.extend(range(first_place, first_place + rows))
+    long_runs = [(b, start) for b, start in run_starts.items() if b not in batched_runs]
     device = kv_gather.device
     batches = [
-        PieceBatch(extent, kv_gather[sequences, :extent].reshape(-1),
+        PieceBatch(keys, kv_gather[sequences, :keys].reshape(-1), ends,
                    torch.tensor(tokens, dtype=torch.int64, device=device),
                    torch.tensor(places, dtype=torch.int64, device=device), len(sequences))
-        for extent, (sequences, tokens, places) in groups.items()
+        for keys, calls in groups.items()
+        for sequences, ends, tokens, places in calls
     ]
     return batches, long_runs
 
@@ -242,12 +279,12 @@ def _attend_batch(
     batch: PieceBatch,
     flat_k: torch.Tensor,  # [slots, Hkv, D]
     flat_v: torch.Tensor,  # [slots, Hkv, D]
-    staircase: torch.Tensor,  # [PIECE * G, max_kv]: ``_grouped_staircase``
+    staircase: torch.Tensor,  # [PIECE * G, max_kv + KEY_STEP]: ``_grouped_staircase``
     scale: float,
 ) -> torch.Tensor:  # [r, H, D], the rows of ``batch.tokens`` in that order
     """``batch``'s pieces in one call: each is the call ``_attend_pieces`` makes for it, as one batch element
     (the same query rows, keys, mask and inner strides), so its rows are bitwise that call's (module doc)."""
-    count, extent = batch.count, batch.extent
+    count, extent = batch.count, batch.keys
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = flat_k.shape[1]
     group = num_heads // num_kv_heads
@@ -258,7 +295,10 @@ def _attend_batch(
     # [count, PIECE, Hkv, G, D] -> [count, Hkv, PIECE * G, D]: KV head h's rows r * G + g, as in _attend_pieces
     grouped = piece_rows.view(count, PIECE, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
         count, num_kv_heads, PIECE * group, head_dim)
-    mask = staircase[:, staircase.shape[1] - extent:]  # [PIECE * G, extent]
+    if all(end == batch.ends[0] for end in batch.ends):
+        mask = _piece_mask(staircase, batch.ends[0])  # [PIECE * G, keys], the same for every piece
+    else:  # [count, 1, PIECE * G, keys]: each piece's own
+        mask = torch.stack([_piece_mask(staircase, end) for end in batch.ends])[:, None]
     attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     pieces = attended.view(count, num_kv_heads, PIECE, group, head_dim).transpose(1, 2).reshape(
         count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D]
@@ -270,7 +310,19 @@ def _pieces_end(length: int) -> int:
     return -(-length // PIECE) * PIECE
 
 
-def _grouped_staircase(state: SdpaState, group: int) -> torch.Tensor:  # [PIECE * G, max_kv]
+def _keys_read(end: int) -> int:
+    """Keys the call of a piece ending at ``end`` reads: ``end`` rounded up to a multiple of ``KEY_STEP``."""
+    return -(-end // KEY_STEP) * KEY_STEP
+
+
+def _piece_mask(staircase: torch.Tensor, end: int) -> torch.Tensor:  # [PIECE * G, _keys_read(end)]
+    """The mask of the piece ending at ``end`` (from the grouped ``staircase`` ``[PIECE * G, max_kv + KEY_STEP]``):
+    row r * G + g sees the keys up to ``end - PIECE + r``."""
+    start = staircase.shape[1] - KEY_STEP - end
+    return staircase[:, start : start + _keys_read(end)]
+
+
+def _grouped_staircase(state: SdpaState, group: int) -> torch.Tensor:  # [PIECE * G, max_kv + KEY_STEP]
     """The staircase with each row repeated once per query head of a KV head (G = ``group``; made once
     per forward)."""
     grouped = state.grouped_staircases.get(group)
@@ -282,9 +334,9 @@ def _grouped_staircase(state: SdpaState, group: int) -> torch.Tensor:  # [PIECE 
 def _attend_pieces(
     rows: torch.Tensor,  # [q, H, D], the run's queries, at positions ctx .. ctx + q - 1
     ctx: int,
-    keys: torch.Tensor,  # [1, Hkv, extent, D], the sequence's keys (past its end: masked slots)
-    values: torch.Tensor,  # [1, Hkv, extent, D]
-    staircase: torch.Tensor,  # [PIECE * G, max_kv]: ``_grouped_staircase``
+    keys: torch.Tensor,  # [1, Hkv, >= keys read by the last piece, D], the sequence's keys (past its end: masked)
+    values: torch.Tensor,  # [1, Hkv, >= keys read by the last piece, D]
+    staircase: torch.Tensor,  # [PIECE * G, max_kv + KEY_STEP]: ``_grouped_staircase``
     scale: float,
 ) -> list[torch.Tensor]:  # [rows of a piece, H, D] each, in order
     """The run in fixed pieces (module doc): piece j is PIECE query rows over (j + 1) * PIECE keys.
@@ -298,7 +350,6 @@ def _attend_pieces(
     out, start, end = [], ctx, ctx + rows.shape[0]
     num_heads, num_kv_heads, head_dim = rows.shape[1], keys.shape[1], rows.shape[2]
     group = num_heads // num_kv_heads
-    width = staircase.shape[1]
     while start < end:
         base = start // PIECE * PIECE
         stop = min(end, base + PIECE)
@@ -307,10 +358,10 @@ def _attend_pieces(
         # [PIECE, Hkv, G, D] -> [1, Hkv, PIECE * G, D]
         query = piece_rows.view(PIECE, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
             1, num_kv_heads, PIECE * group, head_dim)
-        extent = base + PIECE
-        mask = staircase[:, width - extent:]  # [PIECE * G, extent]: row r * G + g sees keys <= base + r
+        read = _keys_read(base + PIECE)
+        mask = _piece_mask(staircase, base + PIECE)  # [PIECE * G, read]: row r * G + g sees keys <= base + r
         attended = F.scaled_dot_product_attention(
-            query, keys[:, :, :extent], values[:, :, :extent], attn_mask=mask, scale=scale,
+            query, keys[:, :, :read], values[:, :, :read], attn_mask=mask, scale=scale,
         )  # [1, Hkv, PIECE * G, D]
         piece = attended[0].view(num_kv_heads, PIECE, group, head_dim).transpose(0, 1).reshape(
             PIECE, num_heads, head_dim)  # [PIECE, H, D]
@@ -336,7 +387,7 @@ def _attend_tree(
     chain's calls rather than one piece per row (EAGLE-2's 12-node shape: 6 paths, 8-9 calls).
     The context is gathered once into the head of a buffer and each path writes its slots after
     it: gathering the whole context per row made the gathers a fifth of a 12-node verify of
-    Qwen2.5-Coder-1.5B at a context of 1,000 (2-core EPYC). The buffer ``[ctx + deepest + PIECE,
+    Qwen2.5-Coder-1.5B at a context of 1,000 (2-core EPYC). The buffer ``[keys its last piece reads,
     Hkv, D]`` sliced and transposed has the inner strides of a chain's keys (only the stride of
     the size-1 batch axis differs, as it does between chains of different lengths), so each call
     is the chain's call, bit for bit. Keys past a path (up to its last piece's end) are masked:
@@ -346,13 +397,14 @@ def _attend_tree(
     """
     ctx = tree.context.shape[0]
     deepest = max(path.slots.shape[0] for path in tree.paths)
-    key_buffer = flat_k.new_empty(ctx + deepest + PIECE, *flat_k.shape[1:])  # [ctx + deepest + PIECE, Hkv, D]
-    value_buffer = flat_v.new_empty(ctx + deepest + PIECE, *flat_v.shape[1:])
+    length = _keys_read(_pieces_end(ctx + deepest))  # what the deepest row's call reads
+    key_buffer = flat_k.new_empty(length, *flat_k.shape[1:])  # [length, Hkv, D]
+    value_buffer = flat_v.new_empty(length, *flat_v.shape[1:])
     key_buffer[ctx:].zero_()
     value_buffer[ctx:].zero_()
     torch.index_select(flat_k, 0, tree.context, out=key_buffer[:ctx])
     torch.index_select(flat_v, 0, tree.context, out=value_buffer[:ctx])
-    keys = key_buffer.transpose(0, 1)[None]  # [1, Hkv, ctx + deepest + PIECE, D]
+    keys = key_buffer.transpose(0, 1)[None]  # [1, Hkv, length, D]
     values = value_buffer.transpose(0, 1)[None]
     out = torch.empty_like(rows)  # [q, H, D]
     for path in tree.paths:
