@@ -36,6 +36,7 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     markdown_table,
     new_figure,
+    positive_ints,
     save_figure,
     write_json,
     write_markdown,
@@ -48,22 +49,13 @@ SHAPES = {"decode": 1, "chain 5": 5}  # new tokens per sequence
 LAYOUTS = ("equal", "spread")
 
 
-def positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive whole numbers, got {text!r}")
-    return sorted(set(values))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="a catalog name or a model directory (default: %(default)s)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="auto: bf16 where the CPU multiplies it natively, else fp32 (default: %(default)s)")
-    parser.add_argument("--batches", type=positive_ints, default=[1, 4, 16, 64],
+    parser.add_argument("--batches", type=lambda text: sorted(set(positive_ints(text, "--batches"))),
+                        default=[1, 4, 16, 64],
                         help="comma-separated sequences per forward (default: 1,4,16,64)")
     parser.add_argument("--context", type=int, default=128, help="cached tokens of the shortest sequence")
     parser.add_argument("--spread", type=int, default=256, help="the spread layout's range of context lengths")
@@ -87,14 +79,16 @@ def measure(engine: Any, backends: dict[str, Any], contexts: list[int], batches:
     """Median ms of one forward per (batch, shape, backend) over sequences cached at ``contexts``; released after."""
     from tandem.engine import ForwardItem
 
+    def tokens(count: int) -> list[int]:
+        return [t % engine.config.vocab_size for t in probe_tokens(count)]
+
     seq_ids = [(NAME, i) for i in range(len(contexts))]
     for seq_id, context in zip(seq_ids, contexts):  # one prompt at a time: a 64-sequence prefill needs no big pool
-        engine.forward([ForwardItem(seq_id, probe_tokens(context), num_logits=1, prompt=True)])
+        engine.forward([ForwardItem(seq_id, tokens(context), num_logits=1, prompt=True)])
     calls, keys = [], []
     for batch in batches:
         for shape, count in SHAPES.items():
-            items = [ForwardItem(seq_id, [t % engine.config.vocab_size for t in probe_tokens(count)],
-                                 num_logits=count) for seq_id in seq_ids[:batch]]
+            items = [ForwardItem(seq_id, tokens(count), num_logits=count) for seq_id in seq_ids[:batch]]
             for label, backend in backends.items():
                 def run(items=items, backend=backend) -> None:
                     engine.backend = backend

@@ -182,6 +182,51 @@ def test_attention_ab_runs_the_baseline_backend_from_git_beside_this_one(tiny_qw
         attention_ab.baseline_backend("no-such-rev", None)
 
 
+
+def test_batched_attention_times_both_backends_per_layout_batch_and_shape(tiny_qwen2_dir, tmp_path):
+    import json
+
+    from benchmarks import batched_attention
+
+    assert batched_attention.contexts_of("equal", 3, 9, 8) == [9, 9, 9]
+    assert batched_attention.contexts_of("spread", 4, 9, 8) == [9, 11, 13, 15]
+    assert batched_attention.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--batches", "3,1",
+                                   "--context", "9", "--spread", "8", "--reps", "1", "--out", str(tmp_path),
+                                   "--name", "ba"]) == 0
+    rows = json.loads((tmp_path / "ba.json").read_text())["rows"]
+    assert [(r["layout"], r["batch"], r["shape"]) for r in rows] == [
+        (layout, batch, shape) for layout in batched_attention.LAYOUTS for batch in (1, 3)
+        for shape in batched_attention.SHAPES]
+    for row in rows:
+        assert row["baseline ms"] > 0 and row["ratio"] == row["now ms"] / row["baseline ms"]
+        tokens = row["batch"] * batched_attention.SHAPES[row["shape"]]
+        assert row["now tokens/s"] == tokens / (row["now ms"] / 1000)
+    assert (tmp_path / "ba.md").is_file() and (tmp_path / "ba.png").is_file()
+
+
+def test_concurrent_streams_checks_out_the_baseline_with_its_stubs_and_checks_its_flags():
+    import subprocess
+
+    import pytest
+
+    from benchmarks import concurrent_streams
+
+    tree = concurrent_streams.checkout(concurrent_streams.BASELINE)
+    try:
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert head == concurrent_streams.BASELINE[:7]
+        assert (tree / "tandem" / "v1" / "target_pb2.py").is_file()  # built: its workers can start
+    finally:
+        concurrent_streams.remove_checkout(tree)
+    assert not tree.exists()
+    with pytest.raises(SystemExit, match="--baseline no-such-rev"):
+        concurrent_streams.checkout("no-such-rev")
+    with pytest.raises(SystemExit, match="--methods"):
+        concurrent_streams.build_parser().parse_args(["--methods", "none,fast"])
+    with pytest.raises(SystemExit, match="--streams"):
+        concurrent_streams.build_parser().parse_args(["--streams", "0"])
+
 def test_seeded_sampling_gives_plain_output_under_exact_draws_and_reports_both_rules(tiny_qwen2_dir, tmp_path):
     import json
 
