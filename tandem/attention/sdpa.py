@@ -223,7 +223,7 @@ def batch_short_runs(
     """The forward's chain runs split in two: the pieces of its short runs (at most ``BATCHED_MAX_PIECES``) of
     sequences that share a key count with another sequence, grouped by that count; and the other runs, as
     (sequence, first query row), each computed on its own (one gather for all its pieces and no index copies: a
-    lone decode row costs what it did). With ``batched`` False every chain run is computed on its own."""
+    lone decode row pays only its masked keys). With ``batched`` False every chain run is computed on its own."""
     # sequence -> its pieces: (keys read, the piece's end, its first query row, rows, the first's place in the piece)
     short: dict[int, list[tuple[int, int, int, int, int]]] = {}
     run_starts: dict[int, int] = {}  # chain sequence -> its first query row
@@ -284,12 +284,12 @@ def _attend_batch(
 ) -> torch.Tensor:  # [r, H, D], the rows of ``batch.tokens`` in that order
     """``batch``'s pieces in one call: each is the call ``_attend_pieces`` makes for it, as one batch element
     (the same query rows, keys, mask and inner strides), so its rows are bitwise that call's (module doc)."""
-    count, extent = batch.count, batch.keys
+    count, read = batch.count, batch.keys
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = flat_k.shape[1]
     group = num_heads // num_kv_heads
-    keys = flat_k.index_select(0, batch.kv_slots).view(count, extent, num_kv_heads, head_dim).transpose(1, 2)
-    values = flat_v.index_select(0, batch.kv_slots).view(count, extent, num_kv_heads, head_dim).transpose(1, 2)
+    keys = flat_k.index_select(0, batch.kv_slots).view(count, read, num_kv_heads, head_dim).transpose(1, 2)
+    values = flat_v.index_select(0, batch.kv_slots).view(count, read, num_kv_heads, head_dim).transpose(1, 2)
     piece_rows = query.new_zeros(count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D], zero rows unused
     piece_rows.index_copy_(0, batch.places, query.index_select(0, batch.tokens))
     # [count, PIECE, Hkv, G, D] -> [count, Hkv, PIECE * G, D]: KV head h's rows r * G + g, as in _attend_pieces
@@ -339,7 +339,8 @@ def _attend_pieces(
     staircase: torch.Tensor,  # [PIECE * G, max_kv + KEY_STEP]: ``_grouped_staircase``
     scale: float,
 ) -> list[torch.Tensor]:  # [rows of a piece, H, D] each, in order
-    """The run in fixed pieces (module doc): piece j is PIECE query rows over (j + 1) * PIECE keys.
+    """The run in fixed pieces (module doc): piece j is PIECE query rows over (j + 1) * PIECE keys rounded up
+    to a multiple of KEY_STEP.
 
     The G query heads that share a KV head are that head's query rows (in KV head h's rows,
     row r * G + g is piece row r of query head h * G + g), so one call per piece reads K/V as
