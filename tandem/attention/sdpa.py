@@ -140,6 +140,8 @@ class SdpaState:
     # query heads per KV head -> [PIECE * G, max_kv + KEY_STEP] the staircase's rows each repeated G times
     # (``_attend_pieces``' grouped query rows), made by the first layer that needs it
     grouped_staircases: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (index in piece_batches, G) -> that call's mask (``_batch_mask``), made by the first layer that needs it
+    batch_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 class SdpaAttention:
@@ -184,14 +186,16 @@ class SdpaAttention:
     ) -> torch.Tensor:  # [num_tokens, H, D]
         flat_k = key_cache.view(-1, *key_cache.shape[-2:])  # [slots, Hkv, D]
         flat_v = value_cache.view(-1, *value_cache.shape[-2:])
-        staircase = _grouped_staircase(state, query.shape[1] // flat_k.shape[1])  # [PIECE * G, max_kv + KEY_STEP]
+        group = query.shape[1] // flat_k.shape[1]  # query heads per KV head
+        staircase = _grouped_staircase(state, group)  # [PIECE * G, max_kv + KEY_STEP]
         if not state.piece_batches and not state.tree_gathers:  # long runs alone (prompts): their pieces in order
             pieces = [p for b, token in state.long_runs
                       for p in self._long_run(query, b, token, meta, state, flat_k, flat_v, staircase, scale)]
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         out = torch.empty_like(query)  # [num_tokens, H, D]: every row is written by one of the three below
-        for batch in state.piece_batches:
-            out.index_copy_(0, batch.tokens, _attend_batch(query, batch, flat_k, flat_v, staircase, scale))
+        for index, batch in enumerate(state.piece_batches):
+            mask = _batch_mask(state, index, staircase, group)
+            out.index_copy_(0, batch.tokens, _attend_batch(query, batch, flat_k, flat_v, mask, scale))
         for b, token in state.long_runs:
             rows = self._long_run(query, b, token, meta, state, flat_k, flat_v, staircase, scale)
             out[token : token + meta.query_lens[b]] = rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -279,7 +283,7 @@ def _attend_batch(
     batch: PieceBatch,
     flat_k: torch.Tensor,  # [slots, Hkv, D]
     flat_v: torch.Tensor,  # [slots, Hkv, D]
-    staircase: torch.Tensor,  # [PIECE * G, max_kv + KEY_STEP]: ``_grouped_staircase``
+    mask: torch.Tensor,  # [PIECE * G, keys] or [count, 1, PIECE * G, keys]: ``_batch_mask``
     scale: float,
 ) -> torch.Tensor:  # [r, H, D], the rows of ``batch.tokens`` in that order
     """``batch``'s pieces in one call: each is the call ``_attend_pieces`` makes for it, as one batch element
@@ -295,10 +299,6 @@ def _attend_batch(
     # [count, PIECE, Hkv, G, D] -> [count, Hkv, PIECE * G, D]: KV head h's rows r * G + g, as in _attend_pieces
     grouped = piece_rows.view(count, PIECE, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
         count, num_kv_heads, PIECE * group, head_dim)
-    if all(end == batch.ends[0] for end in batch.ends):
-        mask = _piece_mask(staircase, batch.ends[0])  # [PIECE * G, keys], the same for every piece
-    else:  # [count, 1, PIECE * G, keys]: each piece's own
-        mask = torch.stack([_piece_mask(staircase, end) for end in batch.ends])[:, None]
     attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     pieces = attended.view(count, num_kv_heads, PIECE, group, head_dim).transpose(1, 2).reshape(
         count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D]
@@ -308,6 +308,20 @@ def _attend_batch(
 def _pieces_end(length: int) -> int:
     """Keys the last piece of a run ending at ``length`` reads: ``length`` rounded up to a whole piece."""
     return -(-length // PIECE) * PIECE
+
+
+def _batch_mask(state: SdpaState, index: int, staircase: torch.Tensor, group: int) -> torch.Tensor:
+    """The mask of ``state.piece_batches[index]``'s call: ``[PIECE * G, keys]`` when its pieces end together, else
+    ``[count, 1, PIECE * G, keys]``, each piece's own; made once per forward, every layer reads the same."""
+    mask = state.batch_masks.get((index, group))
+    if mask is None:
+        ends = state.piece_batches[index].ends
+        if all(end == ends[0] for end in ends):
+            mask = _piece_mask(staircase, ends[0])
+        else:
+            mask = torch.stack([_piece_mask(staircase, end) for end in ends])[:, None]
+        state.batch_masks[(index, group)] = mask
+    return mask
 
 
 def _keys_read(end: int) -> int:
