@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -220,6 +221,41 @@ def test_sdpa_prompt_rows_are_bitwise_the_same_however_the_prompt_is_cut(dtype):
         AttentionMetadata.build([2], [3], slots[3:5], cache.block_table(["p"]), block, torch.device("cpu"),
                                 tree_parents=[[-1, -1]], prompt_runs=[True])
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_s_pieces_that_read_the_same_keys_share_a_call_and_keep_their_rows(dtype, monkeypatch):
+    """On a CPU a prompt's consecutive pieces of one key count go in one call (keys expanded along the batch
+    axis), each with its own staircase: the rows are bitwise those of a call per piece, the calls per layer one
+    per KEY_STEP of keys (SmolLM2's head layout; a run starting and ending inside a piece)."""
+    heads, kv_heads, dim, block, start, stop = 9, 3, 64, 16, 2, 147
+    g = torch.Generator().manual_seed(11)
+    cache = PagedKVCache(1, 16, block, kv_heads, dim, dtype)
+    slots = cache.append_slots({"p": stop})["p"]
+    kv = torch.randn(2, stop, kv_heads, dim, generator=g).to(dtype)
+    cache.write(0, slots, kv[0], kv[1])
+    queries = torch.randn(stop - start, heads, dim, generator=g).to(dtype)
+    backend = SdpaAttention(dtype)
+    meta = AttentionMetadata.build([stop - start], [start], slots[start:stop], cache.block_table(["p"]), block,
+                                   torch.device("cpu"), prompt_runs=[True])
+    calls = []  # (pieces in the call, keys each reads)
+    attend = sdpa.F.scaled_dot_product_attention
+
+    def counted(query, key, value, **kwargs):
+        calls.append((query.shape[0], key.shape[2]))
+        return attend(query, key, value, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", counted)
+    state = backend.prepare(meta)
+    assert state.batched  # a CPU
+    shared = backend.forward(queries, cache.key[0], cache.value[0], meta, state, dim**-0.5)
+    # pieces ending at 4..148 (37): eight per KEY_STEP (32 keys), the last five reading 160
+    assert calls == [(8, 32), (8, 64), (8, 96), (8, 128), (5, 160)]
+    calls.clear()
+    alone = backend.forward(queries, cache.key[0], cache.value[0], meta,
+                            dataclasses.replace(backend.prepare(meta), batched=False), dim**-0.5)
+    assert len(calls) == 37 and {pieces for pieces, _ in calls} == {1}
+    assert torch.equal(shared, alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

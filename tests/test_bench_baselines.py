@@ -204,6 +204,30 @@ def test_batched_attention_times_both_backends_per_layout_batch_and_shape(tiny_q
     assert (tmp_path / "ba.md").is_file() and (tmp_path / "ba.png").is_file()
 
 
+def test_prompt_attention_times_both_backends_per_shape_and_compares_their_logits(tiny_qwen2_dir, tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks import prompt_attention
+
+    assert prompt_attention.shapes_of([9, 40], 8, 20) == {"prompt 9": (0, 9), "prompt 40": (0, 40),
+                                                          "chunk 8 after 20": (20, 8)}
+    assert prompt_attention.shapes_of([9], 0, 20) == {"prompt 9": (0, 9)}
+    assert prompt_attention.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--lengths", "40,9",
+                                  "--chunk", "8", "--chunk-after", "20", "--reps", "1", "--out", str(tmp_path),
+                                  "--name", "pa"]) == 0
+    rows = json.loads((tmp_path / "pa.json").read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["prompt 9", "prompt 40", "chunk 8 after 20"]
+    for row, new in zip(rows, (9, 40, 8)):
+        assert row["baseline ms"] > 0 and row["ratio"] == row["now ms"] / row["baseline ms"]
+        assert row["now tokens/s"] == new / (row["now ms"] / 1000)
+        assert row["same logits"] is True
+    assert (tmp_path / "pa.md").is_file() and (tmp_path / "pa.png").is_file()
+    with pytest.raises(SystemExit, match="--chunk"):
+        prompt_attention.main(["--model", str(tiny_qwen2_dir), "--chunk", "-1"])
+
+
 def test_concurrent_streams_checks_out_the_baseline_with_its_stubs_and_checks_its_flags():
     import subprocess
 
