@@ -343,6 +343,16 @@ def _piece_mask(staircase: torch.Tensor, end: int) -> torch.Tensor:  # [PIECE * 
     return staircase[:, start : start + _keys_read(end)]
 
 
+def _last_pieces_masks(staircase: torch.Tensor, end: int, count: int) -> torch.Tensor:
+    """The masks of the ``count`` pieces ending at ``end``, ``end - PIECE``, ... (all reading ``_keys_read(end)``
+    keys), last piece first: ``[count, 1, PIECE * G, keys]``, a view of the grouped ``staircase``. A piece's mask
+    starts PIECE columns left of the next piece's (``_piece_mask``), so last first they are windows PIECE columns
+    apart, which strides can express (first first would need a negative stride)."""
+    read = _keys_read(end)
+    first = (staircase.shape[1] - KEY_STEP - end) // PIECE  # the window of the piece ending at ``end``
+    return staircase.unfold(1, read, PIECE)[:, first : first + count].transpose(0, 1)[:, None]
+
+
 def _grouped_staircase(state: SdpaState, group: int) -> torch.Tensor:  # [PIECE * G, max_kv + KEY_STEP]
     """The staircase with each row repeated once per query head of a KV head (G = ``group``; made once
     per forward)."""
@@ -386,20 +396,22 @@ def _attend_pieces(
         pieces_end = min(_pieces_end(end), read) if batched else base + PIECE
         count = (pieces_end - base) // PIECE
         stop = min(end, pieces_end)
-        piece_rows = rows.new_zeros(count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D], zero rows unused
-        piece_rows[start - base:stop - base] = rows[start - ctx:stop - ctx]
+        piece_rows = rows.new_zeros(count, PIECE, num_heads, head_dim)  # zero rows unused
+        piece_rows.view(count * PIECE, num_heads, head_dim)[start - base:stop - base] = rows[start - ctx:stop - ctx]
+        if count == 1:  # [PIECE * G, read]: row r * G + g sees keys <= base + r
+            mask = _piece_mask(staircase, base + PIECE)
+        else:  # batch element i is piece count - 1 - i: then its masks are a view (``_last_pieces_masks``)
+            piece_rows = piece_rows.flip(0)
+            mask = _last_pieces_masks(staircase, pieces_end, count)
         # [count, PIECE, Hkv, G, D] -> [count, Hkv, PIECE * G, D]
         query = piece_rows.view(count, PIECE, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
             count, num_kv_heads, PIECE * group, head_dim)
-        if count == 1:  # [PIECE * G, read]: row r * G + g sees keys <= base + r
-            mask = _piece_mask(staircase, base + PIECE)
-        else:  # [count, 1, PIECE * G, read], piece i's staircase ending at base + (i + 1) * PIECE
-            mask = torch.stack([_piece_mask(staircase, piece_end)
-                                for piece_end in range(base + PIECE, pieces_end + 1, PIECE)])[:, None]
         attended = F.scaled_dot_product_attention(
             query, keys[:, :, :read].expand(count, -1, -1, -1), values[:, :, :read].expand(count, -1, -1, -1),
             attn_mask=mask, scale=scale,
         )  # [count, Hkv, PIECE * G, D]
+        if count > 1:
+            attended = attended.flip(0)  # pieces in order again
         pieces = attended.view(count, num_kv_heads, PIECE, group, head_dim).transpose(1, 2).reshape(
             count * PIECE, num_heads, head_dim)  # [count * PIECE, H, D]
         out.append(pieces[start - base:stop - base])
