@@ -21,9 +21,10 @@ same in every case above.
 
 - A chain run (a prompt, a chunk of one, what the prefix cache left of one; a
   decode step; a verified chain) is cut into the pieces it overlaps: one call
-  per piece, so a run costs one causal call plus at most one piece of padding
-  at each end. ``PIECE`` is small (4) so that a chunk of a few tokens beside
-  running streams pays little for it: at a context of 3,800, 4 prompt tokens
+  per piece (on a CPU its pieces of one key count share a call, below), so a
+  run costs one causal call plus at most one piece of padding at each end.
+  ``PIECE`` is small (4) so that a chunk of a few tokens beside running
+  streams pays little for it: at a context of 3,800, 4 prompt tokens
   beside 4 decode rows of Qwen2.5-Coder-1.5B (bf16, 2-core Xeon) add about
   100 ms to the step with pieces of 4, 120 ms with 8, 160 ms with 16, while a
   whole 2,000-token prefill takes 29-31 s with any of them (two runs).
