@@ -427,3 +427,38 @@ def test_structured_output_bench_settings_and_schema():
     with pytest.raises(SystemExit, match="--settings"):
         names_from("yaml", structured_output.SETTINGS, "--settings")
     check_response_format(SamplingParams(json_schema=json.dumps(structured_output.SCHEMA)))  # it compiles
+
+
+def test_row_buckets_walks_each_rule_and_prices_a_prefill_under_both(tiny_qwen2_dir, monkeypatch, tmp_path):
+    import argparse
+
+    import pytest
+
+    from benchmarks import row_buckets
+    from tandem.models import packed
+
+    bucketed = packed.padded_rows
+    with row_buckets.row_rule("exact") as rule:
+        assert packed.padded_rows is rule is row_buckets.exact_rows and rule((0, 2), 37) == 37
+    assert packed.padded_rows is bucketed and bucketed((0, 2), 37) == 38
+
+    monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)  # pack the tiny model's layers, as a real model's are
+    args = argparse.Namespace(model=str(tiny_qwen2_dir), dtype="float32", cache_dir=None)
+    engine = row_buckets.load_engine(args, prompt_tokens=40)
+    layers = row_buckets.decoder_layer_shapes(engine.model)
+    assert layers and all(layer.packed_weight is not None for layer in layers)
+    assert len({(layer.out_features, layer.in_features) for layer in layers}) == len(layers)
+    walks = {rule: row_buckets.walk(layers, 200, rule, engine.backend.dtype) for rule in row_buckets.RULES}
+    assert walks["exact"]["kernels per shape"] >= 200 - 8  # above the measured padding, one kernel per count
+    assert walks["bucketed"]["kernels per shape"] <= 31 + 16 + 16 + 9  # 2..32, then 16 per octave up to 200
+    assert all(w["first pass s"] > 0 and w["second pass s"] > 0 and w["RSS after MB"] > 0 for w in walks.values())
+
+    prefills = row_buckets.prefill_costs(engine, [9, 37], reps=1)
+    assert [(r["prompt tokens"], r["rows computed"]) for r in prefills] == [(9, 9), (37, 38)]
+    assert all(r["same logits"] is True and r["ratio"] == r["bucketed ms"] / r["exact ms"] for r in prefills)
+    assert not engine.kv_cache.has_sequence((row_buckets.NAME, 37))
+
+    with pytest.raises(SystemExit, match="--max-rows"):
+        row_buckets.main(["--model", str(tiny_qwen2_dir), "--max-rows", "1"])
+    with pytest.raises(SystemExit, match="exact walk failed"):  # the child loads the tiny model unpacked
+        row_buckets.main(["--model", str(tiny_qwen2_dir), "--max-rows", "40", "--out", str(tmp_path)])

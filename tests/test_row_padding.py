@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from tandem.models.row_padding import (
+    BUCKETED_FROM,
+    BUCKETS_PER_OCTAVE,
     DEFAULT_PADDING,
     MAX_PADDED_ROWS,
     PaddingTuner,
+    bucket_rows,
     choose_padding,
     median_times_ms,
     padded_rows,
@@ -78,3 +81,46 @@ def test_a_lone_row_through_any_padding_equals_the_same_row_inside_a_batch(dtype
             for rows, batch in in_batches.items():
                 assert torch.equal(alone[0], batch[0]), (pad_to, rows)
             assert torch.equal(layer(x[:3]), in_batches[9][:3]), pad_to
+
+
+def test_calls_above_32_rows_compute_one_of_16_sizes_per_octave_and_at_most_a_sixteenth_more():
+    computed = [padded_rows(DEFAULT_PADDING, rows) for rows in range(1, 4097)]
+    assert computed[:BUCKETED_FROM] == [2, *range(2, BUCKETED_FROM + 1)]  # small counts as they were
+    assert all(rows <= size < rows * (1 + 1 / BUCKETS_PER_OCTAVE) for rows, size in enumerate(computed, 1)
+               if rows > 1)  # a lone row computes two
+    assert computed == sorted(computed)  # more rows never compute fewer
+    for low in (32, 64, 128, 256, 512, 1024, 2048):  # each octave (low, 2 * low]: 16 sizes, its top one included
+        sizes = {size for rows, size in enumerate(computed, 1) if low < rows <= 2 * low}
+        assert len(sizes) == BUCKETS_PER_OCTAVE and max(sizes) == 2 * low, low
+    assert len(set(computed)) == BUCKETED_FROM - 1 + 7 * BUCKETS_PER_OCTAVE  # 1..4,096 rows: 143 kernels, not 4,096
+
+
+@pytest.mark.parametrize("rows", [33, 101, 700])
+def test_a_bucketed_call_computes_its_bucket_and_returns_its_own_rows_bitwise(rows):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tandem.models.packed import pack_weight, packed_linear, packing_supported
+
+    if not packing_supported():
+        pytest.skip("this PyTorch cannot pack weights for oneDNN")
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(640, 576), torch.randn(640)  # fp32: packed on every CPU
+    packed = pack_weight(weight)
+    x = torch.randn(rows, 576)  # [rows, in]
+
+    class KernelRows(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.mkldnn._linear_pointwise:
+                self.rows.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), KernelRows() as kernel:
+        out = packed_linear(x, packed, bias)  # [rows, out]
+    assert kernel.rows == [bucket_rows(rows)] and bucket_rows(rows) > rows
+    with torch.inference_mode():
+        exact = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # the old call: rows rows
+    assert out.shape == (rows, 640) and torch.equal(out, exact)

@@ -32,7 +32,9 @@ alone, and batching changes nothing. Another instruction set may pick other kern
 
 Memory: the packed copy replaces the dense weight (same bytes). A head tied to the
 embedding keeps the embedding dense for lookups, so a tied head costs one extra
-copy of the embedding matrix (Qwen2.5-Coder-1.5B: 0.93 GB in fp32).
+copy of the embedding matrix (Qwen2.5-Coder-1.5B: 0.93 GB in fp32). oneDNN also keeps a kernel
+per row count a packed weight meets, so calls above 32 rows compute one of a few sizes per octave
+(``tandem.models.row_padding``).
 """
 
 from __future__ import annotations
