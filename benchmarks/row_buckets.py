@@ -52,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     write_markdown,
 )
 from benchmarks.runners import engine_config, probe_tokens, resolve_model_dir  # noqa: E402
+from tandem.models.row_padding import padded_rows  # noqa: E402
 
 NAME = "row_buckets"
 RULES = ("exact", "bucketed")
@@ -67,13 +68,12 @@ def row_rule(rule: str) -> Iterator[Callable[[tuple[int, ...], int], int]]:
     """Packed layers compute rows by ``rule`` inside the block; yields the rule's function."""
     from tandem.models import packed
 
-    bucketed = packed.padded_rows
-    chosen = {"exact": exact_rows, "bucketed": bucketed}[rule]
+    chosen = {"exact": exact_rows, "bucketed": padded_rows}[rule]
     packed.padded_rows = chosen
     try:
         yield chosen
     finally:
-        packed.padded_rows = bucketed
+        packed.padded_rows = padded_rows
 
 
 def resident_mb() -> float:
@@ -107,8 +107,9 @@ def walk(layers: list[Any], max_rows: int, rule: str, dtype: Any) -> dict[str, A
                 for layer in layers:
                     layer(torch.zeros(rows, layer.in_features, dtype=dtype))  # [rows, in]
             passes.append(time.perf_counter() - start)
+    after = resident_mb()
     return {"rule": rule, "layer shapes": len(layers), "kernels per shape": len(kernels),
-            "RSS before MB": before, "RSS after MB": resident_mb(), "RSS growth MB": resident_mb() - before,
+            "RSS before MB": before, "RSS after MB": after, "RSS growth MB": after - before,
             "first pass s": passes[0], "second pass s": passes[1]}
 
 
@@ -165,9 +166,8 @@ def prefill_costs(engine: Any, lengths: list[int], reps: int) -> list[dict[str, 
     rows = []
     for length in lengths:
         exact, bucketed = ms[(length, "exact")], ms[(length, "bucketed")]
-        with row_rule("bucketed") as computed_rows:
-            computed = computed_rows((), length)
-        rows.append({"prompt tokens": length, "rows computed": computed, "exact ms": exact, "bucketed ms": bucketed,
+        rows.append({"prompt tokens": length, "rows computed": padded_rows((), length), "exact ms": exact,
+                     "bucketed ms": bucketed,
                      "ratio": bucketed / exact,
                      "same logits": bool(torch.equal(logits[(length, "exact")], logits[(length, "bucketed")]))})
     return rows
