@@ -15,11 +15,11 @@ keep its first T: the result is unchanged, only the kernel differs. ``measure_pa
 Calls of more than ``BUCKETED_FROM`` rows compute the next of ``BUCKETS_PER_OCTAVE`` sizes per
 doubling (at most 1/16 more rows), for memory: oneDNN builds and keeps a kernel for every row count
 a packed weight is called with, and a serving worker meets every count from one to its token
-budget (streams x tokens per round, prompt chunks). Called once with every count from 2 to 2,048,
-SmolLM2's four layer shapes (bf16, AMD EPYC Zen 4) took a process from 236 to 3,068 MB, and a
-second pass over the counts rebuilt kernels (oneDNN's cache holds 1,024); through the 127 sizes
-these buckets leave, 235 to 638 MB, and the second pass took 39 s against 49 s although it computed
-up to 6% more rows (``benchmarks/row_buckets.py``).
+budget (streams x tokens per round, prompt chunks). Called twice with every count from 2 to 2,048,
+SmolLM2's four layer shapes (bf16, AMD EPYC Zen 4) added 1,690 MB to a worker-sized process (2,265
+in another run), and the second pass rebuilt kernels (oneDNN's cache holds 1,024); through the 127
+sizes these buckets leave, 379 MB, and the second pass took 37.7 s against 49.1 s although it
+computed up to 6% more rows. A prefill pays about the rows it adds (``benchmarks/row_buckets.py``).
 """
 
 from __future__ import annotations
