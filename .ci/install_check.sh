@@ -79,7 +79,8 @@ grep -q -- "--tokenizer" "$work/help.txt" || { cat "$work/help.txt"; fail "--hel
 ready_port() {
     local log=$1 pid=$2
     for _ in $(seq 1 600); do
-        port=$(sed -n 's/.*TANDEM_READY role=[a-z]* port=\([0-9]*\).*/\1/p' "$log" | head -1)
+        # (the log appears once the background process's shell has opened it: until then, nothing to read)
+        port=$(sed -n 's/.*TANDEM_READY role=[a-z]* port=\([0-9]*\).*/\1/p' "$log" 2>/dev/null | head -1)
         if [ -n "$port" ]; then echo "$port"; return 0; fi
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.5
