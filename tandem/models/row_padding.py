@@ -14,7 +14,8 @@ keep its first T: the result is unchanged, only the kernel differs. ``measure_pa
 
 Calls of more than ``BUCKETED_FROM`` rows compute the next of ``BUCKETS_PER_OCTAVE`` sizes per
 doubling (at most 1/16 more rows), for memory: oneDNN builds and keeps a kernel for every row count
-a packed weight is called with, and a serving worker meets every count from one to its token
+a packed weight is called with, the buffers of so many sizes leave freed memory that glibc keeps
+(most of the growth on Qwen2.5-1.5B's shapes), and a serving worker meets every count from one to its token
 budget (streams x tokens per round, prompt chunks). Called twice with every count from 2 to 2,048,
 SmolLM2's four layer shapes (bf16, AMD EPYC Zen 4) added 1,690 MB to a worker-sized process (2,265
 in another run), and the second pass rebuilt kernels (oneDNN's cache holds 1,024); through the 127
