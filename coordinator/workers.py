@@ -65,9 +65,12 @@ RELEASE_TIMEOUT_S = 5.0  # a release is best effort, and runs even after the cli
 # it a chunk per step beside the streams it serves.
 PROMPT_TIME_MARGIN = 4.0
 REPLACEMENT_POLL_S = 0.5  # while a request waits for a healthy replica to move to
-# A call that outlasts its hang timeout while its worker keeps computing waits at most this many more timeouts: a
-# backstop against a call a working worker never answers (the client's deadline, where it set one, bounds it first).
+# A call that outlasts its hang timeout while its worker keeps computing waits at most this many more timeouts in all:
+# a backstop against a call a working worker never answers (the client's deadline, where it set one, bounds it first).
 MAX_BUSY_WAITS = 16
+# While a call waits on a computing worker, it looks again (an Info) this fraction of its own hang timeout after the
+# batch running there would pass its own price: the slack keeps a look from landing on that instant.
+LOOK_SLACK_FRACTION = 1 / 16
 HEARTBEAT_FRACTION = 1 / 3  # an Info poll at least this often per worker lease: two may be lost in a row
 
 
@@ -126,17 +129,21 @@ class WorkerClient:
             timeout += PROMPT_TIME_MARGIN * prompt_tokens * per_token
         return timeout
 
-    async def computing(self) -> bool:
-        """Whether this worker answers Info and its model thread is between batches or in one that has run no longer
-        than its own hang timeout (``hang_timeout`` of its priced tokens): a worker that computes, not a hung one.
-        False for a worker too old to say (no ``step_running_s``). The calls that outlast their timeouts together (a
-        burst's) share one Info."""
+    async def batch_time_left(self) -> float | None:
+        """Whether this worker computes, not hangs, and for how long it may go on: the seconds its model thread's
+        current batch may still run before it passes its own hang timeout (``hang_timeout`` of the batch's priced
+        tokens; between batches, the whole of it). None when it hangs: its Info does not answer, its batch has run
+        past that timeout, or it is too old to say (no ``step_running_s``). The calls that outlast their timeouts
+        together (a burst's) share one Info."""
         if self._asking is None or self._asking.done():
             self._asking = asyncio.ensure_future(self.refresh())
         if await asyncio.shield(self._asking) != grpc.StatusCode.OK or self.info is None:
-            return False
+            return None
         info = self.info
-        return info.HasField("step_running_s") and info.step_running_s <= self.hang_timeout(info.step_tokens)
+        if not info.HasField("step_running_s"):
+            return None
+        left = self.hang_timeout(info.step_tokens) - info.step_running_s
+        return left if left >= 0 else None
 
     async def refresh(self) -> grpc.StatusCode:
         """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
@@ -252,33 +259,40 @@ class RequestChannel:
         return left
 
     async def _call(self, method: str, request: Any, prompt_tokens: int = 0) -> Any:
-        """One call bounded by the request's deadline. Each time it outlasts its hang timeout (``hang_timeout``), the
-        worker is asked whether it is computing (``WorkerClient.computing``): one that is, in a batch that has not run
-        past its own price, is busy with other calls ahead of this one (a burst of long prompts), and the call waits
-        on. One that does not answer, or whose batch has, is hung: it is marked unhealthy and the call reported as
-        unavailable, so that the request moves and new requests skip it until its Info answers again. Before workers
-        said what they compute, a healthy target under a burst of eight 1,500-token prompts was taken for hung seven
-        times, and each of those requests read its prompt again."""
+        """One call bounded by the request's deadline. When it outlasts its hang timeout (``hang_timeout``), the
+        worker is asked whether it is computing (``WorkerClient.batch_time_left``): one that is, in a batch that has
+        not run past its own price, is busy with other calls ahead of this one (a burst of long prompts), and the call
+        waits on, looking again just after that batch would pass its price. One that does not answer, or whose batch
+        has, is hung: it is marked unhealthy and the call reported as unavailable, so that the request moves and new
+        requests skip it until its Info answers again. Before workers said what they compute, a healthy target under a
+        burst of eight 1,500-token prompts was taken for hung seven times, and each of those requests read its prompt
+        again."""
         hang = self.hang_timeout(prompt_tokens)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + (MAX_BUSY_WAITS + 1) * hang
         call = asyncio.ensure_future(self.client.call(method, request, self._time_left()))
         try:
-            for _ in range(MAX_BUSY_WAITS + 1):
-                done, _pending = await asyncio.wait({call}, timeout=hang)
+            wait = hang
+            while True:
+                done, _pending = await asyncio.wait({call}, timeout=wait)
                 if done:
                     return call.result()  # the client's own deadline is raised as it is: nothing to move for
-                computing = await self.client.computing()
+                if loop.time() >= give_up_at:
+                    log.warning("a %s call on %s waited %.0f s while its worker kept computing; taking it for hung",
+                                method, self.client.address, (MAX_BUSY_WAITS + 1) * hang)
+                    break
+                left = await self.client.batch_time_left()
                 if call.done():
                     return call.result()  # it answered while the worker was asked
-                if computing:
-                    self.client.busy_waits += 1
-                    continue
-                log.warning("a %s call on %s passed its hang timeout (%.0f s) and the worker is not computing (its "
-                            "Info did not answer, or its batch ran past its own price): taking it for hung",
-                            method, self.client.address, hang)
-                break
-            else:
-                log.warning("a %s call on %s waited %.0f s while its worker kept computing; taking it for hung",
-                            method, self.client.address, (MAX_BUSY_WAITS + 1) * hang)
+                if left is None:
+                    log.warning("a %s call on %s passed its hang timeout (%.0f s) and the worker is not computing "
+                                "(its Info did not answer, or its batch ran past its own price): taking it for hung",
+                                method, self.client.address, hang)
+                    break
+                self.client.busy_waits += 1
+                # The next look is just after the batch running now would pass its price. A whole hang timeout
+                # later, as before, let a worker that hung just after a look pass for computing for two timeouts.
+                wait = min(hang, left + hang * LOOK_SLACK_FRACTION, give_up_at - loop.time())
         finally:
             if not call.done():
                 call.cancel()  # cancels the RPC on the worker: its batcher drops the call between steps

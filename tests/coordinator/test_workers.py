@@ -134,9 +134,12 @@ class TimedClient(WorkerClient):
         self.batch_running_s, self.batch_tokens = batch_running_s, batch_tokens
         self.asked = 0  # times it was asked whether it computes
         self.busy_waits = 0
+        self.hangs_at: float | None = None  # its model thread stops in a batch this long after its first call
+        self.started = 0.0
 
     async def call(self, method, request, timeout, deadline_expected=False):
         self.timeouts[method] = timeout
+        self.started = self.started or asyncio.get_running_loop().time()
         seconds = self.seconds[method] * MS
         if timeout is not None and seconds > timeout:
             await asyncio.sleep(timeout)
@@ -146,9 +149,15 @@ class TimedClient(WorkerClient):
                    "Propose": draft_pb2.ProposeResponse()}
         return replies[method]
 
-    async def computing(self) -> bool:  # WorkerClient.computing's rule, over the Info described
+    async def batch_time_left(self) -> float | None:  # WorkerClient.batch_time_left's rule, over the Info described
         self.asked += 1
-        return self.batch_running_s is not None and self.batch_running_s * MS <= self.hang_timeout(self.batch_tokens)
+        running = self.batch_running_s
+        if self.hangs_at is not None:  # short batches until then, and then one that never ends
+            since = asyncio.get_running_loop().time() - self.started - self.hangs_at * MS
+            running = max(0.0, since / MS)
+        if running is None or running * MS > self.hang_timeout(self.batch_tokens):
+            return None
+        return self.hang_timeout(self.batch_tokens) - running * MS
 
     def fitted_cost(self):
         return self.fit
@@ -218,14 +227,44 @@ def test_a_call_queued_behind_a_busy_workers_batches_waits_and_a_silent_or_stuck
     from coordinator.workers import MAX_BUSY_WAITS
 
     never = TimedClient({"Verify": 1e9})
-    with pytest.raises(errors.WorkerUnavailableError):
-        asyncio.run(verify(never))
-    assert not never.healthy and never.asked == MAX_BUSY_WAITS + 1
+    waited = asyncio.run(timed(verify(never)))
+    assert isinstance(waited[1], errors.WorkerUnavailableError)
+    assert not never.healthy and never.asked == MAX_BUSY_WAITS
+    assert waited[0] == pytest.approx((MAX_BUSY_WAITS + 1) * 60.0 * MS, rel=0.15)
     # the client's deadline ends the wait first, and is the client's, not the worker's, fault
     patient_until = TimedClient({"Verify": 1e9})
     with pytest.raises(errors.WorkerDeadlineError):
         asyncio.run(verify(patient_until, deadline_s=150.0))
     assert patient_until.healthy and patient_until.asked == 2
+
+
+async def timed(call) -> tuple[float, Exception | None]:
+    """Seconds ``call`` took (loop time), and what it raised."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        await call
+    except Exception as exc:  # noqa: BLE001 (the caller asserts what it was)
+        return loop.time() - start, exc
+    return loop.time() - start, None
+
+
+def test_a_worker_that_hangs_just_after_a_look_is_hung_once_that_batch_passes_its_price_not_a_timeout_later():
+    """A call outlasts its 60 s hang timeout; the worker's Info says a batch has run 55 s of the 60 s its price allows,
+    and that batch never ends. The next look used to come a whole timeout later (120 s); it comes just after the batch
+    passes its price."""
+    async def verify(client):
+        return await RequestChannel(client, None).verify("s", 10, [1, 2], [])
+
+    hung = TimedClient({"Verify": 1e9})
+    hung.hangs_at = 5.0  # its model thread stops 5 s after the call starts
+    seconds, raised = asyncio.run(timed(verify(hung)))
+    assert isinstance(raised, errors.WorkerUnavailableError) and not hung.healthy
+    assert hung.asked == 2 and hung.busy_waits == 1  # computing at 60 s (5 s left), hung at the next look
+    assert 65.0 * MS <= seconds < 75.0 * MS  # 60 + 5 + 60/16 s, where a look a timeout later took 120 s
+    # a worker whose batches stay within their price is still waited on, one look per timeout
+    busy = TimedClient({"Verify": 130.0})
+    assert asyncio.run(timed(verify(busy)))[1] is None and busy.asked == 2 and busy.healthy
 
 
 def test_a_worker_is_computing_when_its_info_says_a_young_batch_runs_and_not_when_it_cannot_say():
@@ -244,22 +283,24 @@ def test_a_worker_is_computing_when_its_info_says_a_young_batch_runs_and_not_whe
         worker = client("a", 100)  # call timeout 60 s
         worker.closed, worker.owner, worker._asking, worker.prompt_blocks = False, "", None, None
         worker.stub = Stub(reply)
-        answers = await asyncio.gather(*(worker.computing() for _ in range(callers)))
+        answers = await asyncio.gather(*(worker.batch_time_left() for _ in range(callers)))
+        answers = [None if left is None else round(left, 6) for left in answers]
         return answers, worker.stub.calls
 
     def info(running_s=None, tokens=0):
         return common_pb2.WorkerInfo(step_running_s=running_s, step_tokens=tokens, forward_base_s=0.3,
                                      prompt_token_s=0.03)
 
-    assert asyncio.run(computing(info(0.0))) == ([True], 1)  # between batches
-    assert asyncio.run(computing(info(12.0, tokens=8))) == ([True], 1)
-    assert asyncio.run(computing(info(75.0, tokens=8))) == ([False], 1)  # 8 tokens may take 60 s + 4 x their price
-    assert asyncio.run(computing(info(75.0, tokens=2000))) == ([True], 1)  # 2,000 may take 60 s + 240 s
-    assert asyncio.run(computing(info(301.0, tokens=2000))) == ([False], 1)
-    assert asyncio.run(computing(common_pb2.WorkerInfo())) == ([False], 1)  # a worker too old to say
-    assert asyncio.run(computing(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Info"))) == ([False], 1)
+    # the seconds its current batch may still run before it passes its own price; None: hung
+    assert asyncio.run(computing(info(0.0))) == ([60.0], 1)  # between batches
+    assert asyncio.run(computing(info(12.0, tokens=8))) == ([60.0 + 4 * 8 * 0.03 - 12.0], 1)
+    assert asyncio.run(computing(info(75.0, tokens=8))) == ([None], 1)  # 8 tokens may take 60 s + 4 x their price
+    assert asyncio.run(computing(info(75.0, tokens=2000))) == ([225.0], 1)  # 2,000 may take 60 s + 240 s
+    assert asyncio.run(computing(info(301.0, tokens=2000))) == ([None], 1)
+    assert asyncio.run(computing(common_pb2.WorkerInfo())) == ([None], 1)  # a worker too old to say
+    assert asyncio.run(computing(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Info"))) == ([None], 1)
     # the calls that outlast their timeouts together ask once
-    assert asyncio.run(computing(info(1.0), callers=5)) == ([True] * 5, 1)
+    assert asyncio.run(computing(info(1.0), callers=5)) == ([59.0] * 5, 1)
 
 
 def test_a_draft_reading_a_prompt_gets_the_time_its_price_says():
