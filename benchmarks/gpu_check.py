@@ -23,6 +23,10 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
   starts, and its logits equal the one-process engine's.
 - ``attention``: the backend ``auto`` picks (flash-attn when installed, SDPA otherwise)
   against SDPA.
+- ``step-graphs``: decode and verify steps replayed as captured CUDA graphs
+  (``--cuda-graphs``, tandem/step_graphs.py) against the eager engine, float32: greedy
+  target-only and self-drafted output token for token, and each graph replayed. On a CPU the
+  capture is the eager stand-in (``EagerRecorder``): the buffers, padding and scratch block alone.
 
 Measurements (figures, never pass/fail):
 - ``forward-cost``: seconds of a forward of 1, 2, 4, ..., 64 new tokens over a cached
@@ -30,6 +34,8 @@ Measurements (figures, never pass/fail):
 - ``decode``: tokens/s of plain greedy decoding, ours against transformers' ``generate``;
 - ``self-speculation``: the speedup of speculation with the target as its own draft
   (acceptance near 1 whatever the random weights), fixed k.
+- ``graphs``: on CUDA, tokens/s of greedy decoding (1 and 8 requests) and of self-speculation
+  with CUDA graphs off and on, side by side.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` (a table) to ``--out``. Needs, beyond
 PyTorch (bring them as wheels; ``pip download`` them where there is network):
@@ -69,6 +75,7 @@ from tandem.engine import ForwardItem, ModelEngine  # noqa: E402
 from tandem.inprocess import GenerationRequest, SpeculativeGenerator  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.spec.options import SpecOptions  # noqa: E402
+from tandem.step_graphs import EagerRecorder  # noqa: E402
 from target_worker.engine import PrefillCall, TargetEngine  # noqa: E402
 
 # |ours - transformers| <= tolerance * max |transformers' logit|: float32 differs by the order of
@@ -347,6 +354,42 @@ def attention(model_dir: Path, plan: Plan) -> dict[str, Any]:
     return {"backend": auto.backend.name, "max_relative_logit_error": error}
 
 
+def graphed(model_dir: Path, plan: Plan, dtype: str) -> ModelEngine:
+    """An engine whose decode and verify steps run as captured graphs (on a CPU, the eager stand-in for capture)."""
+    if torch.device(plan.device).type == "cuda":
+        return load(model_dir, plan.device, dtype, cuda_graphs=True)
+    engine = load(model_dir, plan.device, dtype)
+    engine.use_step_graphs(EagerRecorder())
+    return engine
+
+
+def self_drafted(target: ModelEngine, k: int = 4) -> SpeculativeGenerator:
+    """Speculation with the target as its own draft (the same weights, a KV pool of its own), fixed k."""
+    own_draft = ModelEngine.with_new_cache(target.model, target.kv_cache.num_blocks, target.kv_cache.block_size,
+                                           target.backend.name)
+    return SpeculativeGenerator(target, own_draft, SpecOptions("draft", k, adaptive_k=False))
+
+
+def step_graphs(model_dir: Path, plan: Plan) -> dict[str, Any]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(max(3, plan.greedy_prompts), 20, vocab, seed=8)
+    requests = [GenerationRequest(p, plan.new_tokens, k_max=0) for p in prompts]
+    outputs, replays = {}, 0
+    for label in ("eager", "graphs"):
+        engine = graphed(model_dir, plan, "float32") if label == "graphs" else load(model_dir, plan.device, "float32")
+        plain = [r.token_ids for r in SpeculativeGenerator(engine).generate(requests)]  # batched decode steps
+        drafted = [r.token_ids for r in self_drafted(engine).generate(requests[:1])]  # verify steps of 5 tokens
+        outputs[label] = (plain, drafted)
+        if engine.graphs is not None:
+            replays, captured = engine.graphs.replays, engine.graphs.captured
+        del engine
+        free_memory(plan.device)
+    assert outputs["graphs"][0] == outputs["eager"][0], "greedy decoding through graphs differs from eager"
+    assert outputs["graphs"][1] == outputs["eager"][1], "self-speculation through graphs differs from eager"
+    assert replays >= plan.new_tokens, f"only {replays} steps ran as graphs"
+    return {"graph_replays": replays, "graphs_captured": captured, "tokens": len(prompts) * plan.new_tokens}
+
+
 # ----- measurements ----------------------------------------------------------------------------
 
 def forward_cost(model_dir: Path, plan: Plan) -> dict[str, float]:
@@ -398,14 +441,10 @@ def decode_speed(model_dir: Path, plan: Plan) -> dict[str, float]:
 def self_speculation(model_dir: Path, plan: Plan) -> dict[str, float]:
     target = load(model_dir, plan.device, plan.serving_dtype)
     target.warmup()
-    own_draft = ModelEngine.with_new_cache(target.model, target.kv_cache.num_blocks, target.kv_cache.block_size,
-                                           target.backend.name)  # the same weights, a KV pool of its own
     prompt = random_prompts(1, 16, target.config.vocab_size, seed=6)[0]
     request = GenerationRequest(prompt, plan.new_tokens * 2)
     speeds, acceptance = {}, 0.0
-    for name, generator in (("target_only", SpeculativeGenerator(target)),
-                            ("self_draft_k4", SpeculativeGenerator(target, own_draft,
-                                                                   SpecOptions("draft", 4, adaptive_k=False)))):
+    for name, generator in (("target_only", SpeculativeGenerator(target)), ("self_draft_k4", self_drafted(target))):
         generator.generate([request])  # warm
         synchronize(plan.device)
         started = time.perf_counter()
@@ -416,6 +455,35 @@ def self_speculation(model_dir: Path, plan: Plan) -> dict[str, float]:
             acceptance = result.stats.accepted / result.stats.drafted
     return {**{f"{k}_tok_s": round(v, 2) for k, v in speeds.items()},
             "speedup": round(speeds["self_draft_k4"] / speeds["target_only"], 3), "acceptance": round(acceptance, 3)}
+
+
+def graph_speed(model_dir: Path, plan: Plan) -> dict[str, float]:
+    """Tokens/s with CUDA graphs off and on: greedy decoding of 1 and of 8 requests, and self-speculation."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(8, 16, vocab, seed=9)
+    figures: dict[str, float] = {}
+    for label in ("off", "on"):
+        engine = graphed(model_dir, plan, plan.serving_dtype) if label == "on" else load(
+            model_dir, plan.device, plan.serving_dtype)
+        engine.warmup()
+        runs = {"decode_1": (SpeculativeGenerator(engine), prompts[:1]),
+                "decode_8": (SpeculativeGenerator(engine), prompts),
+                "self_draft_k4": (self_drafted(engine), prompts[:1])}
+        for name, (generator, batch) in runs.items():
+            requests = [GenerationRequest(p, plan.new_tokens, k_max=0 if name.startswith("decode") else None)
+                        for p in batch]
+            generator.generate(requests)  # warm: every shape met here is captured now
+            synchronize(plan.device)
+            started = time.perf_counter()
+            results = generator.generate(requests)
+            synchronize(plan.device)
+            figures[f"{name}_{label}_tok_s"] = round(sum(len(r.token_ids) for r in results)
+                                                     / (time.perf_counter() - started), 2)
+        del runs, engine
+        free_memory(plan.device)
+    for name in ("decode_1", "decode_8", "self_draft_k4"):
+        figures[f"{name}_speedup"] = round(figures[f"{name}_on_tok_s"] / figures[f"{name}_off_tok_s"], 3)
+    return figures
 
 
 # ----- the run ---------------------------------------------------------------------------------
@@ -477,9 +545,14 @@ def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset(),
         report.check("tensor-parallel", "tiny, 1 rank", lambda: tensor_parallel(model("tiny"), plan))
     if wanted("attention"):
         report.check("attention", plan.target, lambda: attention(model(plan.target), plan))
+    if wanted("step-graphs"):
+        report.check("step-graphs", plan.draft, lambda: step_graphs(model(plan.draft), plan))
     measured = [s for s in plan.models if s.startswith("qwen")] or list(plan.models)
-    for name, measure in (("forward-cost", forward_cost), ("decode", decode_speed),
-                          ("self-speculation", self_speculation)):
+    measures: list[tuple[str, Callable[[Path, Plan], dict[str, Any]]]] = [
+        ("forward-cost", forward_cost), ("decode", decode_speed), ("self-speculation", self_speculation)]
+    if torch.device(plan.device).type == "cuda":  # a CPU replays the eager stand-in: nothing to time
+        measures.append(("graphs", graph_speed))
+    for name, measure in measures:
         if wanted(name):
             for shape in measured:
                 report.check(f"measure {name}", shape,
@@ -503,7 +576,7 @@ def tables(report: Report, device: dict[str, Any]) -> str:
                 for shape, figures in costs.items()]
         parts += ["", "Forward cost over a cached prefix:", "",
                   markdown_table(rows, ["model", *(f"{n} tok (ms)" for n in FORWARD_SIZES)])]
-    for name in ("decode", "self-speculation"):
+    for name in ("decode", "self-speculation", "graphs"):
         figures = report.measurements.get(name, {})
         if figures:
             rows = [{"model": shape, **f} for shape, f in figures.items()]

@@ -204,6 +204,8 @@ class EngineConfig:
     # Keep the KV of committed full blocks after their sequence ends and reuse it for prompts that
     # start the same way (tandem/block_pool.py); off: every prompt is computed from its first token.
     prefix_caching: bool = True
+    # Decode and verify steps of small batches replayed as captured CUDA graphs (tandem/step_graphs.py): CUDA only.
+    cuda_graphs: bool = False
     resolved_dtype: torch.dtype = field(init=False)
     pack_weights: bool = field(init=False)  # packed_weights resolved for this dtype and device
 
@@ -237,6 +239,12 @@ class EngineConfig:
             self.quantization = "none" if self.resolved_dtype == torch.float32 else "int8"
         self.pack_weights = self._resolve_packing(device)
         self._check_tensor_parallel(device)
+        if self.cuda_graphs and device.type != "cuda":
+            raise InvalidRequestError(f"cuda graphs need a CUDA device, and this worker runs on {self.device}: "
+                                      "leave --cuda-graphs off (a CPU step has no kernel launches to save)")
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("cuda graphs are not captured across tensor-parallel ranks yet: "
+                                      "use --cuda-graphs with --tensor-parallel-size 1")
 
     @property
     def cache_salt(self) -> bytes:

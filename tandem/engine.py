@@ -41,6 +41,7 @@ from tandem.models.quantize import Int8Linear, shrink_for_drafting
 from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import local_kv_heads
 from tandem.models.transformer import HiddenStates
+from tandem.step_graphs import CudaGraphRecorder, GraphRecorder, StepGraphs
 from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
 
 
@@ -187,6 +188,7 @@ class ModelEngine:
         # On a CPU, a second thread computing beside the one that loaded the model slows every pass: warn once.
         self.home_thread = HomeThread(f"the {model.config.model_type} engine") if self.device.type == "cpu" else None
         self.rows_fixed_by_position = _rows_fixed_by_position(model, backend)
+        self.graphs: StepGraphs | None = None  # decode and verify steps as CUDA graphs (``use_step_graphs``)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> ModelEngine:
@@ -196,8 +198,17 @@ class ModelEngine:
         shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)  # a no-op unless the config asks for it
         if cfg.pack_weights:  # after shrinking: int8 layers are not packed, a cut head is packed as cut
             pack_linear_weights(model, PaddingTuner())  # small calls: the row count measured cheapest
-        return cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend,
-                                  prefix_caching=cfg.prefix_caching, salt=cfg.cache_salt)
+        engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend,
+                                    prefix_caching=cfg.prefix_caching, salt=cfg.cache_salt)
+        if cfg.cuda_graphs:
+            engine.use_step_graphs(CudaGraphRecorder(device))
+        return engine
+
+    def use_step_graphs(self, recorder: GraphRecorder) -> StepGraphs:
+        """From now on, decode and verify steps of small batches run as graphs ``recorder`` captures
+        (``tandem.step_graphs``); every other batch eagerly, as before."""
+        self.graphs = StepGraphs(self, recorder)
+        return self.graphs
 
     @classmethod
     def with_new_cache(
@@ -388,6 +399,10 @@ class ModelEngine:
         """The model over one batch whose KV slots are already allocated; no bookkeeping."""
         if self.home_thread is not None:
             self.home_thread.check()
+        shape = self.graphs.shape_for(batch) if self.graphs is not None and features is None else None
+        if shape is not None:
+            final = self.graphs.run(batch, shape)  # type: ignore[union-attr]  # [T, hidden]
+            return self.model.logits(final[batch.logit_rows.to(self.device)]), None
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,
             self.kv_cache.block_size, self.device, tree_parents_of(batch.parents, batch.query_lens),

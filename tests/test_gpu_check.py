@@ -9,7 +9,7 @@ import pytest
 from benchmarks import gpu_check
 
 CHECKS = {"engine-vs-transformers", "speculative-greedy", "heads", "lossless", "processes", "tensor-parallel",
-          "attention"}
+          "attention", "step-graphs"}
 MEASUREMENTS = {"forward-cost", "decode", "self-speculation"}
 
 
@@ -25,6 +25,8 @@ def test_the_gpu_check_passes_on_cpu_with_tiny_shapes(tmp_path):
     assert engine["prompt_score_max_error_fp32"] <= gpu_check.PROMPT_SCORE_TOLERANCE  # the echo path, checked
     tp = next(c for c in report["checks"] if c["check"] == "tensor-parallel")
     assert tp["backend"] == "gloo"
+    graphs = next(c for c in report["checks"] if c["check"] == "step-graphs")
+    assert graphs["graph_replays"] >= 12 and graphs["graphs_captured"] >= 2  # decode steps and 5-token verifies
     assert "| engine-vs-transformers | tiny | True |" in (tmp_path / "gpu_check.md").read_text()
 
 

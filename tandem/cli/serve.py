@@ -58,6 +58,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
                    help=PACKED_WEIGHTS_HELP)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA only: replay decode and verify steps of up to 64 sequences (each bringing the same "
+                        "1-8 new tokens, as chains) as captured CUDA graphs, one per batch size, tokens per "
+                        "sequence and context window, captured when first met; other batches run eagerly. Off by "
+                        "default: not yet measured on a GPU (make gpu-check measures it on and off)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384,
                    help="size of the paged KV pool in tokens (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
@@ -245,7 +250,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
                           args.kv_cache_tokens, args.attention, num_threads=args.threads,
                           packed_weights=args.packed_weights, prefix_caching=not args.no_prefix_caching,
-                          **role_options)
+                          cuda_graphs=args.cuda_graphs, **role_options)
     return WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,
                         gather_fraction=args.gather_fraction, lease_s=args.sequence_lease,
                         idle_ttl_s=args.sequence_idle_ttl, heads=_heads_path(args, root),

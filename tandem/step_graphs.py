@@ -1,0 +1,216 @@
+"""CUDA graphs of decode and verify steps: a small batch's forward replayed as one launch.
+
+A decode or verify step of a small batch on a GPU is bound by kernel launches, not by the GPU: eager
+PyTorch launches a dozen kernels per layer from Python, each a few microseconds of host time, for work
+that takes the GPU about as long. gpt-fast and vLLM capture such steps as CUDA graphs and replay them.
+``StepGraphs`` does that for the batches whose shape can be fixed in advance: every sequence brings the
+same number ``q`` of new tokens as a chain (a decode step: 1; a verify step of a k-token chain: k + 1),
+none of them prompt tokens, and no hidden states are asked for. Other batches (prompts, trees, mixed q,
+heads' features) run eagerly, as before.
+
+One graph per ``GraphShape``: the batch size rounded up to a power of two (at most ``MAX_GRAPH_BATCH``),
+q (at most ``MAX_GRAPH_QUERY_LEN``), and the context window rounded up to a power-of-two number of blocks
+(at least ``MIN_WINDOW_TOKENS``). Inside, attention is ``PaddedPagedAttention``, whose shapes depend on
+those alone. A graph is captured the first time its shape is met (two forwards' time, once), and reads its
+inputs from one device buffer that each step fills with one host-to-device copy: token ids, positions, KV
+slots, lengths and block tables. The rows that pad a batch up to its graph's size write their K/V into a
+scratch block the graphs hold for the engine's life, and are never read back; the real rows' K/V land in
+their own slots exactly as an eager step writes them.
+
+The recorder is passed in: ``CudaGraphRecorder`` on a GPU; ``EagerRecorder`` (each replay runs the same
+step again, over the same buffers) lets a CPU test everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from tandem.attention.base import AttentionMetadata
+from tandem.attention.padded import PaddedPagedAttention
+
+if TYPE_CHECKING:
+    from tandem.engine import ForwardBatch, ModelEngine
+
+MAX_GRAPH_BATCH = 64  # sequences; larger batches have enough work per launch to run eagerly
+MAX_GRAPH_QUERY_LEN = 8  # new tokens per sequence: decode (1) and verify chains up to k = 7
+MIN_WINDOW_TOKENS = 256  # the smallest context window a graph reads
+MAX_GRAPHS = 256  # a bound on what capture costs in memory; shapes past it run eagerly
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    batch: int  # sequences, a power of two
+    query_len: int  # new tokens per sequence
+    window_blocks: int  # KV blocks each sequence's attention reads, a power of two
+
+
+class GraphRecorder(Protocol):
+    def record(self, step: Callable[[], None]) -> Callable[[], None]:
+        """Capture ``step`` and return what replays it."""
+
+
+class CudaGraphRecorder:
+    """Captures on a CUDA device; every graph allocates from one shared memory pool (they replay one at a
+    time, and their outputs are copied into buffers of their own, outside the pool)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: tuple[int, int] | None = None
+
+    def record(self, step: Callable[[], None]) -> Callable[[], None]:
+        # One eager run on a side stream first, as PyTorch's capture docs ask: lazy initialisation (cuBLAS
+        # workspaces, the caching allocator's first blocks) must not happen inside a capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        self.pool = graph.pool()
+        return graph.replay
+
+
+class EagerRecorder:
+    """A CPU's stand-in for capture: a replay runs the step again over the same buffers. What a CUDA graph
+    adds beyond this (no host work on replay) cannot be tested without a GPU."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+
+    def record(self, step: Callable[[], None]) -> Callable[[], None]:
+        step()
+        self.recorded += 1
+        return step
+
+
+@dataclass(slots=True)
+class _Graph:
+    """One captured shape: its input buffer (views into ``inputs``), its output, and its replay."""
+
+    inputs: torch.Tensor  # [B*q*3 + B + B*M] int64 on the device: one host-to-device copy per step
+    input_ids: torch.Tensor  # [B*q]
+    positions: torch.Tensor  # [B*q]
+    slot_mapping: torch.Tensor  # [B*q]
+    seq_lens: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, M]
+    out: torch.Tensor  # [B*q, hidden]: the final hidden states
+    replay: Callable[[], None] = lambda: None
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class StepGraphs:
+    """The captured steps of one ``ModelEngine`` (its model, KV pool and layers)."""
+
+    def __init__(self, engine: ModelEngine, recorder: GraphRecorder) -> None:
+        self.engine = engine
+        self.recorder = recorder
+        self.attention = PaddedPagedAttention()
+        cache = engine.kv_cache
+        self.block_size = cache.block_size
+        # Held for the engine's life: the padding rows' K/V go here. Every slot of it is scratch.
+        self.scratch_block = cache.pool.allocate()
+        self.min_window_blocks = max(1, -(-MIN_WINDOW_TOKENS // self.block_size))
+        self.max_window_blocks = _next_power_of_two(cache.num_blocks)
+        self._graphs: dict[GraphShape, _Graph] = {}
+        self.replays = 0  # steps that ran as a graph (the gpu-check reports it)
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def shape_for(self, batch: ForwardBatch) -> GraphShape | None:
+        """The graph a batch runs as, or None: it runs eagerly (see the module doc for which batches fit)."""
+        query_lens = batch.query_lens
+        q, sequences = query_lens[0], len(query_lens)
+        if sequences > MAX_GRAPH_BATCH or q > MAX_GRAPH_QUERY_LEN or any(n != q for n in query_lens):
+            return None
+        if any(batch.prompt_runs) or not _is_chain(batch.parents, q):
+            return None
+        longest = max(batch.context_lens) + q
+        window = max(self.min_window_blocks, _next_power_of_two(-(-longest // self.block_size)))
+        if window > self.max_window_blocks:
+            return None
+        shape = GraphShape(_next_power_of_two(sequences), q, window)
+        if shape not in self._graphs and len(self._graphs) >= MAX_GRAPHS:
+            return None
+        return shape
+
+    def run(self, batch: ForwardBatch, shape: GraphShape) -> torch.Tensor:  # -> [T, hidden], this batch's rows
+        """The batch's final hidden states, through its shape's graph (captured now if it is new)."""
+        graph = self._graphs.get(shape) or self._capture(shape)
+        graph.inputs.copy_(self._host_inputs(batch, shape), non_blocking=False)
+        graph.replay()
+        self.replays += 1
+        return graph.out[: len(batch.input_ids)]
+
+    def _host_inputs(self, batch: ForwardBatch, shape: GraphShape) -> torch.Tensor:  # -> [inputs] int64 on the host
+        """A step's inputs laid out as its graph's buffer: the batch's rows, then the padding rows'."""
+        b, q, m = shape.batch, shape.query_len, shape.window_blocks
+        sequences, tokens = len(batch.query_lens), len(batch.input_ids)
+        # [q]: every padding row writes into the scratch block, wrapping round it when q is more than a block
+        # holds (several rows on one slot: whichever lands last, nobody reads it)
+        scratch_slots = self.scratch_block * self.block_size + torch.arange(q, dtype=torch.int64) % self.block_size
+        input_ids = torch.zeros(b * q, dtype=torch.int64)
+        input_ids[:tokens] = batch.input_ids
+        positions = torch.zeros(b * q, dtype=torch.int64)
+        positions[:tokens] = batch.positions
+        slots = scratch_slots.repeat(b)  # [B*q]
+        slots[:tokens] = batch.slot_mapping
+        seq_lens = torch.full((b,), q, dtype=torch.int64)
+        seq_lens[:sequences] = torch.tensor([c + q for c in batch.context_lens], dtype=torch.int64)
+        tables = torch.full((b, m), self.scratch_block, dtype=torch.int64)
+        width = min(m, batch.block_tables.shape[1])
+        tables[:sequences, :width] = batch.block_tables[:, :width]
+        return torch.cat((input_ids, positions, slots, seq_lens, tables.reshape(-1)))
+
+    def _capture(self, shape: GraphShape) -> _Graph:
+        engine = self.engine
+        b, q, m = shape.batch, shape.query_len, shape.window_blocks
+        tokens = b * q
+        inputs = torch.zeros(3 * tokens + b + b * m, dtype=torch.int64, device=engine.device)
+        input_ids, positions, slots, seq_lens, tables = inputs.split([tokens, tokens, tokens, b, b * m])
+        tables = tables.view(b, m)
+        graph = _Graph(inputs, input_ids, positions, slots, seq_lens, tables,
+                       torch.empty(tokens, engine.config.hidden_size, dtype=engine.dtype, device=engine.device))
+        # Until the first real step fills it, the buffer describes padding only: capture writes scratch K/V.
+        inputs.copy_(self._host_inputs(_empty_batch(), shape))
+        meta = AttentionMetadata(
+            query_lens=[q] * b, context_lens=[0] * b, cu_seqlens_q=seq_lens, cu_seqlens_k=seq_lens,  # (unread)
+            seq_lens_k=seq_lens, slot_mapping=slots, block_tables=tables, block_size=self.block_size,
+            tree_parents=[None] * b, prompt_runs=[False] * b,
+        )
+
+        def step() -> None:
+            hidden = engine.model.hidden_states(input_ids, positions, engine.kv_cache, meta, self.attention,
+                                                engine.num_layers)
+            graph.out.copy_(hidden.final)
+
+        with torch.inference_mode():
+            graph.replay = self.recorder.record(step)
+        self._graphs[shape] = graph
+        return graph
+
+
+def _is_chain(parents: torch.Tensor, query_len: int) -> bool:
+    """Whether ``ForwardBatch.parents`` ``[T]`` describes chains of ``query_len`` rows each (row i's parent i - 1)."""
+    chain = torch.arange(query_len, dtype=parents.dtype) - 1  # [q]
+    return bool((parents.view(-1, query_len) == chain).all())
+
+
+def _empty_batch() -> ForwardBatch:
+    """A batch of no sequences: the buffer of a graph about to be captured is all padding."""
+    from tandem.engine import ForwardBatch
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    return ForwardBatch(input_ids=empty, positions=empty, slot_mapping=empty,
+                        block_tables=torch.zeros(0, 0, dtype=torch.int32), query_lens=[], context_lens=[],
+                        logit_rows=empty, parents=empty, prompt_runs=[])

@@ -1,0 +1,138 @@
+"""Decode and verify steps through ``StepGraphs``: what a CUDA graph replays, tested on a CPU with the eager
+stand-in for capture (``EagerRecorder``: the same static buffers, padding and scratch block, replayed by running
+the step again). The capture itself needs a GPU: the gpu-check measures it there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import ForwardItem, ModelEngine
+from tandem.errors import InvalidRequestError
+from tandem.step_graphs import MAX_GRAPH_BATCH, EagerRecorder, GraphShape
+
+PROMPTS = [[5, 9, 13, 2, 7, 1, 4], [3, 3, 8], [11, 6, 2, 9, 9, 14, 1, 5, 7, 3, 12, 2, 6], [1, 2]]
+
+
+def engines(model_dir, block_size=4):
+    """Two engines over the same weights: one eager, one with step graphs."""
+    cfg = EngineConfig(model_dir, dtype="float32", block_size=block_size, kv_cache_tokens=1024, prefix_caching=False)
+    eager, graphed = ModelEngine.load(cfg), ModelEngine.load(cfg)
+    recorder = EagerRecorder()
+    graphed.use_step_graphs(recorder)
+    return eager, graphed, recorder
+
+
+def kv_of(engine, seq_id):
+    """The K and V a sequence holds, [layers, len, Hkv, D] each."""
+    cache = engine.kv_cache
+    slots = cache.slots(seq_id, list(range(cache.length(seq_id))))
+    key = cache.key.view(cache.key.shape[0], -1, *cache.key.shape[-2:])[:, slots]
+    value = cache.value.view(cache.value.shape[0], -1, *cache.value.shape[-2:])[:, slots]
+    return key, value
+
+
+def test_decode_and_verify_steps_through_graphs_give_the_eager_logits_and_kv(tiny_qwen2_dir):
+    eager, graphed, recorder = engines(tiny_qwen2_dir)
+    for engine in (eager, graphed):
+        for i, prompt in enumerate(PROMPTS):
+            engine.forward([ForwardItem(i, prompt, prompt=True)])  # prompts run eagerly
+    assert graphed.graphs.replays == 0
+    steps = [
+        [ForwardItem(i, [4 + i]) for i in range(3)],  # decode, 3 sequences: the 4-sequence graph
+        [ForwardItem(i, [7 + i]) for i in range(3)],  # the same shape: replayed, not captured again
+        [ForwardItem(i, [1, 2, 3, 4, 5], num_logits=5) for i in (0, 2)],  # verify of a 4-token chain
+        [ForwardItem(3, [6])],  # one sequence alone
+        [ForwardItem(i, [9, 8], num_logits=2) for i in range(4)],
+    ]
+    for items in steps:
+        want = eager.forward(items)
+        got = graphed.forward(items)
+        for w, g in zip(want, got):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    assert graphed.graphs.replays == len(steps)
+    assert recorder.recorded == graphed.graphs.captured == 4  # (4, 1), (2, 5), (1, 1), (4, 2): the window of one
+    for i in range(len(PROMPTS)):
+        for g, w in zip(kv_of(graphed, i), kv_of(eager, i)):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    # and what a graph computes next agrees too: a greedy continuation, step by step
+    for _ in range(6):
+        tokens = [int(logits[-1].argmax()) for logits in eager.forward([ForwardItem(i, [5]) for i in range(4)])]
+        assert tokens == [int(logits[-1].argmax()) for logits in graphed.forward([ForwardItem(i, [5])
+                                                                                   for i in range(4)])]
+
+
+def test_padding_rows_write_only_the_scratch_block(tiny_qwen2_dir):
+    """The rows that pad a batch to its graph's size write K/V, and must write it where no sequence reads."""
+    _, graphed, _ = engines(tiny_qwen2_dir)
+    for i, prompt in enumerate(PROMPTS):
+        graphed.forward([ForwardItem(i, prompt, prompt=True)])
+    scratch = graphed.graphs.scratch_block
+    cache = graphed.kv_cache
+    before_key, before_value = cache.key.clone(), cache.value.clone()
+    graphed.forward([ForwardItem(0, [4, 4, 4], num_logits=3)])  # 1 sequence of 3 tokens: no padding rows
+    # 3 sequences of 5 tokens in a 4-sequence graph: a padding row of 5 tokens, more than the scratch block's 4 slots
+    graphed.forward([ForwardItem(i, [4] * 5, num_logits=5) for i in range(3)])
+    changed = ((cache.key != before_key) | (cache.value != before_value)).flatten(3).any(-1).any(0)  # [blocks, slot]
+    written = {(int(b), int(s)) for b, s in changed.nonzero()}
+    own = {0: 8, 1: 5, 2: 5}  # tokens each sequence was given
+    expected = {divmod(int(slot), cache.block_size) for seq, n in own.items()
+                for slot in cache.slots(seq, list(range(cache.length(seq) - n, cache.length(seq))))}
+    assert expected <= written  # the batches' own K/V
+    assert {block for block, _ in written - expected} == {scratch}  # padding rows (and captures): scratch only
+    assert cache.pool.refcount(scratch) == 1  # held for the engine's life: never handed to a sequence
+
+
+def test_batches_a_graph_cannot_describe_run_eagerly(tiny_qwen2_dir):
+    _, graphed, recorder = engines(tiny_qwen2_dir)
+    for i, prompt in enumerate(PROMPTS):
+        graphed.forward([ForwardItem(i, prompt, prompt=True)])
+    eager_batches = [
+        [ForwardItem(0, [1, 2]), ForwardItem(1, [3])],  # sequences bringing different numbers of tokens
+        [ForwardItem(0, [1, 2, 3], parents=[-1, 0, 0], num_logits=3)],  # a speculation tree
+        [ForwardItem(1, [1, 2], prompt=True)],  # prompt tokens
+        [ForwardItem(2, list(range(1, 10)), num_logits=9)],  # more new tokens than a graph holds (8)
+    ]
+    for items in eager_batches:
+        graphed.forward(items)
+    assert graphed.graphs.replays == 0 and recorder.recorded == 0
+    # a context longer than the KV pool's power-of-two window would need, or more sequences than a graph holds
+    graphs = graphed.graphs
+    assert graphs.max_window_blocks == 256 and graphs.min_window_blocks == 64  # 1,024 tokens of 4; 256 tokens
+    assert MAX_GRAPH_BATCH == 64
+
+
+def test_the_window_grows_in_powers_of_two_of_blocks_from_256_tokens(tiny_qwen2_dir):
+    _, graphed, _ = engines(tiny_qwen2_dir, block_size=16)
+    graphed.forward([ForwardItem("long", [1 + t % 90 for t in range(299)], prompt=True)])  # 299 tokens: 19 blocks
+    items = [ForwardItem("long", [5])]
+    batch_shape = graphed.graphs.shape_for(graphed_batch(graphed, items))
+    assert batch_shape == GraphShape(batch=1, query_len=1, window_blocks=32)  # 300 tokens: 19 blocks, window 32
+
+
+def graphed_batch(engine, items):
+    """The ``ForwardBatch`` ``engine.forward(items)`` would compute (its slots allocated, then rolled back)."""
+    lengths = [engine.seq_len(it.seq_id) for it in items]
+    slots = engine.kv_cache.append_slots({it.seq_id: len(it.token_ids) for it in items})
+    try:
+        from tandem.engine import ForwardBatch
+
+        return ForwardBatch(
+            input_ids=torch.tensor([t for it in items for t in it.token_ids]),
+            positions=torch.cat([it.positions(c) for it, c in zip(items, lengths)]),
+            slot_mapping=torch.cat([slots[it.seq_id] for it in items]),
+            block_tables=engine.kv_cache.block_table([it.seq_id for it in items]),
+            query_lens=[len(it.token_ids) for it in items], context_lens=lengths,
+            logit_rows=torch.tensor([0]), parents=torch.tensor([p for it in items for p in it.row_parents()]),
+            prompt_runs=[it.prompt for it in items])
+    finally:
+        for it, length in zip(items, lengths):
+            engine.kv_cache.rollback(it.seq_id, length)
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(tiny_qwen2_dir):
+    with pytest.raises(InvalidRequestError, match="cuda graphs need a CUDA device"):
+        EngineConfig(tiny_qwen2_dir, cuda_graphs=True)
+    assert ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32")).graphs is None  # off by default
