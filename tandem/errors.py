@@ -40,6 +40,10 @@ class UnknownSequenceError(TandemError, KeyError):
         return str(self.args[0]) if self.args else "unknown sequence"
 
 
+class ListenError(TandemError):
+    """A server cannot listen where it was told to (the port is in use, or the host is not this machine's)."""
+
+
 class UnauthenticatedError(TandemError):
     """A call to the public API without a valid bearer token (maps to UNAUTHENTICATED)."""
 

@@ -81,6 +81,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None:
+            if not -(2**63) <= self.seed < 2**64:
+                raise InvalidRequestError(f"seed must be a 64-bit integer (signed or not), got {self.seed}")
+            # One seed, one stream, on every path: the wire carries a uint64, so a negative seed (OpenAI's are
+            # int64) is the same seed as its wrap, in process too.
+            object.__setattr__(self, "seed", self.seed % 2**64)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in 0..{MAX_LOGPROBS} alternatives, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:

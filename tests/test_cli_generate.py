@@ -122,6 +122,15 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--tools", "tools.json"], "--tools: only with --addr"),
     (["--tool-choice", "required"], "--tool-choice and --single-call need --tools"),
     (["--single-call"], "--tool-choice and --single-call need --tools"),
+    (["--stop", " 6"], "--stop: only with --addr"),  # in process they were ignored, silently
+    (["--timeout", "5"], "--timeout: only with --addr"),
+    (["--no-pipelining"], "--no-pipelining: only with --addr"),
+    (["--seed", str(2**64)], "seed must be a 64-bit integer"),
+    # with --addr, refused before connecting (nothing listens on port 1): 0 used to mean "unset" on the wire, and
+    # a request of 0 tokens got 256
+    (["--addr", "127.0.0.1:1", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["--addr", "127.0.0.1:1", "--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--addr", "127.0.0.1:1", "--seed", str(-(2**63) - 1)], "seed must be a 64-bit integer"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store
@@ -184,3 +193,25 @@ def test_draft_with_another_tokenizer_is_refused_before_weights_load(smollm2_dir
     code = main(["generate", "hi", "--target", str(smollm2_dir), "--draft", str(draft), "--method", "draft"])
     assert code == 2
     assert "tokenizer" in capsys.readouterr().err
+
+
+def test_a_bare_host_in_addr_gets_the_coordinators_port_not_grpcs_443():
+    from tandem.cli.generate import coordinator_address
+
+    assert coordinator_address("localhost") == "localhost:50051"
+    assert coordinator_address("10.0.0.7:9000") == "10.0.0.7:9000"
+    assert coordinator_address("[::1]") == "[::1]:50051"
+    assert coordinator_address("[::1]:9000") == "[::1]:9000"
+    assert coordinator_address("unix:/tmp/tandem.sock") == "unix:/tmp/tandem.sock"
+    assert coordinator_address("dns:///coordinator.svc:50051") == "dns:///coordinator.svc:50051"
+
+
+def test_a_negative_seed_is_one_64_bit_seed_on_every_path():
+    """`--seed -5 --addr` crashed encoding the request (the wire's seed is a uint64); HTTP wrapped it. A seed now
+    wraps in SamplingParams itself, so in process, over gRPC and over HTTP -5 is the same seed."""
+    from tandem.client import build_request
+    from tandem.sampling_params import SamplingParams
+
+    negative = SamplingParams(temperature=0.5, seed=-5)
+    assert negative.seed == 2**64 - 5 == SamplingParams(temperature=0.5, seed=2**64 - 5).seed
+    assert build_request("hi", sampling=negative).sampling.seed == 2**64 - 5

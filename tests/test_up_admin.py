@@ -205,3 +205,41 @@ def test_tandem_up_passes_the_rank_timeout_to_every_target_worker_it_starts():
 def test_tandem_up_refuses_a_rank_timeout_that_is_not_a_positive_number_before_starting_anything(value):
     with pytest.raises(InvalidRequestError, match=f"--rank-timeout must be a positive number of seconds, got {value}"):
         up_spec("--tensor-parallel-size", "2", "--rank-timeout", value)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_tandem_up_refuses_a_port_something_listens_on_before_loading_anything(flag, capsys):
+    """A second `tandem up` on a port in use started its workers, then shared the port with the first (gRPC binds
+    with SO_REUSEPORT) or died with a traceback at the end."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = ["--port", str(port), "--http-port", "0"] if flag == "--port" else ["--port", "0", "--http-port",
+                                                                                     str(port)]
+        # (no such model: a check that came after preparing the models would fail on the model instead)
+        assert main(["up", "--target", "no-such-model", "--draft", "none", *ports]) == 2
+    assert f"tandem: error: {flag} {port}: Address already in use" in capsys.readouterr().err
+
+
+def test_a_grpc_server_refuses_a_port_another_server_listens_on():
+    """Without SO_REUSEPORT off, the second server started and the kernel split connections between the two."""
+    import asyncio
+
+    from tandem.config import ServerOptions
+    from tandem.errors import ListenError
+    from tandem.rpc.server import ManagedServer
+
+    async def both():
+        first = ManagedServer("coordinator", ServerOptions(host="127.0.0.1", port=0))
+        port = await first.start()
+        second = ManagedServer("coordinator", ServerOptions(host="127.0.0.1", port=port))
+        try:
+            with pytest.raises(ListenError, match=f"coordinator: cannot listen on 127.0.0.1:{port} \\(--port\\)"):
+                await second.start()
+        finally:
+            await second.server.stop(None)
+            await first.server.stop(None)
+    asyncio.run(both())

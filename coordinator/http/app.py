@@ -44,6 +44,7 @@ from coordinator.http.responses_output import ResponseShapes, ResponseStream
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
 from coordinator.service import GenerationService
 from tandem.config import CoordinatorConfig
+from tandem.errors import ListenError
 from tandem.rpc.tls import ServerTLS
 from tandem.v1 import generation_pb2
 
@@ -89,8 +90,8 @@ class HttpApi:
             await site.start()
         except OSError as exc:
             await self.runner.cleanup()
-            raise OSError(f"HTTP API: cannot listen on {host}:{self.cfg.http_port} (--http-port): "
-                          f"{exc.strerror or exc}") from None
+            raise ListenError(f"HTTP API: cannot listen on {host}:{self.cfg.http_port} (--http-port): "
+                              f"{exc.strerror or exc}") from None
         self.port = self.runner.addresses[0][1]
         log.info("HTTP API (OpenAI-compatible) listening on port %d%s", self.port, " (TLS)" if tls else "")
         return self.port

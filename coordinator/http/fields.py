@@ -80,5 +80,9 @@ def is_int(value: Any) -> bool:
 
 
 def kind_of(value: Any) -> str:
+    """What a JSON value is, as an error names it ("an empty list" for [], so that "got a list" is never said of
+    the value a "non-empty list" was asked for)."""
+    if value == [] or value == "":
+        return "an empty list" if isinstance(value, list) else "an empty string"
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from tandem.v1 import generation_pb2
 
 DEFAULT_TARGET = "qwen-coder-1.5b"
+DEFAULT_COORDINATOR_PORT = 50051  # `tandem up` and `tandem serve coordinator` listen there unless told otherwise
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -133,12 +135,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a system turn before the prompt (implies --chat): instructions, or reference text that "
                         "every request repeats (workers cache it: a repeat reads only what follows it)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
-    p.add_argument("--addr", default=None, metavar="HOST:PORT",
-                   help="send the request to a running coordinator instead of loading models here")
+    p.add_argument("--addr", default=None, metavar="HOST[:PORT]",
+                   help="send the request to a running coordinator instead of loading models here (port: "
+                        f"{DEFAULT_COORDINATOR_PORT} when left out)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable; with --addr)")
     p.add_argument("--no-pipelining", action="store_true", help="with --addr: no pipelined drafting")
-    p.add_argument("--timeout", type=float, default=600.0, help="with --addr: request deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"with --addr: request deadline in seconds (default: {DEFAULT_TIMEOUT_S:g})")
     add_tool_flags(p)
     add_client_flags(p)
     add_sampling_flags(p)
@@ -204,8 +208,34 @@ def chat_turns(system: str, prompt: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
 
 
+def check_request_flags(args: argparse.Namespace) -> None:
+    """What both paths refuse alike, before anything connects or loads."""
+    if args.max_new_tokens <= 0:  # (on the wire 0 means "unset": the server would give the default)
+        raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.addr:
+        if args.timeout is not None and not args.timeout > 0:  # NaN too
+            raise InvalidRequestError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        return
+    remote_only = {"--stop": bool(args.stop), "--timeout": args.timeout is not None,
+                   "--no-pipelining": args.no_pipelining}
+    for flag, given in remote_only.items():
+        if given:
+            raise InvalidRequestError(f"{flag}: only with --addr (a coordinator applies it); in process it would "
+                                      "be ignored")
+
+
+def coordinator_address(addr: str) -> str:
+    """``--addr`` as gRPC takes it: a bare host gets the coordinator's default port (gRPC's own would be 443)."""
+    if "://" in addr or addr.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return addr  # a gRPC target name: as given
+    if addr.startswith("["):  # [v6] or [v6]:port
+        return f"{addr}:{DEFAULT_COORDINATOR_PORT}" if addr.endswith("]") else addr
+    return f"{addr}:{DEFAULT_COORDINATOR_PORT}" if ":" not in addr else addr
+
+
 def run(args: argparse.Namespace) -> int:
     tools = tool_options_from_args(args)  # (refused in process, before any model loads)
+    check_request_flags(args)
     if args.addr:
         return run_remote(args, tools)
     from tandem.inprocess import GenerationRequest
@@ -260,7 +290,8 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
     calls: list[dict[str, object]] = []
     last = None
     tls, token = client_options(args)
-    with TandemClient(args.addr, timeout_s=args.timeout, tls=tls, token=token) as client:
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    with TandemClient(coordinator_address(args.addr), timeout_s=timeout, tls=tls, token=token) as client:
         try:
             for chunk in client.stream(request):
                 tokens.extend(chunk.token_ids)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -189,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
         policy = RestartPolicy(args.max_restarts, args.restart_window)
     except ValueError as exc:  # the spec's own checks too
         raise InvalidRequestError(str(exc)) from None
+    require_free_port("--port", spec.port)
+    if "--http-port" in spec.coordinator_args:
+        require_free_port("--http-port", int(spec.coordinator_args[spec.coordinator_args.index("--http-port") + 1]))
     for model in filter(None, (spec.target, spec.draft)):  # prepare once here, not in every replica at once
         resolve_or_prepare(model, root)
     cluster = LocalCluster(spec)
@@ -218,6 +222,20 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         supervisor.join(timeout_s=30)
     return 1 if supervisor.gave_up else 0
+
+
+def require_free_port(flag: str, port: int) -> None:
+    """Refuse a port something already listens on, before any model loads (0: any free port, always fine).
+    Another `tandem up` on the same port would otherwise start its workers first and fail at the end."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a port in TIME_WAIT is free
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            raise InvalidRequestError(f"{flag} {port}: {exc.strerror or exc} (another `tandem up` or server "
+                                      f"listens there?); choose another port, or 0 for any free one") from None
 
 
 def _http_base(coordinator: Service, spec: ClusterSpec) -> str:

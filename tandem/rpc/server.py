@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from tandem.config import ServerOptions
-from tandem.errors import ShuttingDownError
+from tandem.errors import ListenError, ShuttingDownError
 from tandem.rpc.refusal import refusing
 from tandem.rpc.status import ErrorMappingInterceptor
 
@@ -55,7 +55,10 @@ class ManagedServer:
         self.registry = CollectorRegistry()  # one per server: no process-global metrics
         # gRPC itself refuses a larger message with RESOURCE_EXHAUSTED before any handler runs.
         grpc_options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                        ("grpc.max_receive_message_length", max_receive_bytes)]
+                        ("grpc.max_receive_message_length", max_receive_bytes),
+                        # gRPC binds with SO_REUSEPORT by default: a second server on a port in use then starts,
+                        # and the kernel shares connections between the two (a second `tandem up` on :50051 did).
+                        ("grpc.so_reuseport", 0)]
         # The start-up gate innermost: a caller without a valid token hears that first.
         self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors, _StartingGate(self)],
                                       options=grpc_options)
@@ -86,10 +89,14 @@ class ManagedServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.options.host}:{self.options.port}"
         tls = self.options.tls
-        self.port = (self.server.add_secure_port(address, tls.credentials()) if tls
-                     else self.server.add_insecure_port(address))
+        try:
+            self.port = (self.server.add_secure_port(address, tls.credentials()) if tls
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # grpc.aio: "Failed to bind to address ..."
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{self.role}: cannot bind {self.options.host}:{self.options.port}")
+            raise ListenError(f"{self.role}: cannot listen on {self.options.host}:{self.options.port} (--port): the "
+                              "port is in use (another server?), or the host is not this machine's")
         await self.server.start()
         if self.options.metrics_port is not None:
             http_server, _ = start_http_server(self.options.metrics_port, registry=self.registry)

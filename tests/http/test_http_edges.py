@@ -148,3 +148,13 @@ def test_the_coordinators_draft_stops_switch_reaches_every_requests_options(toke
     flags = [] if draft_stops else ["--no-draft-stops"]
     assert ("--no-draft-stops" in cluster_spec(build_parser().parse_args(["up", "--target", "t", *flags]))
             .coordinator_args) is not draft_stops  # tandem up passes it on
+
+
+def test_an_empty_messages_list_is_called_empty_not_a_list():
+    """"a non-empty list ..., got a list" named the wrong fault."""
+    from coordinator.http.schema import parse_messages
+
+    with pytest.raises(Exception, match=r"messages: a non-empty list of \{role, content\} objects, got an empty list"):
+        parse_messages([])
+    with pytest.raises(Exception, match="got an object"):
+        parse_messages({"role": "user"})
