@@ -243,3 +243,29 @@ def test_a_grpc_server_refuses_a_port_another_server_listens_on():
             await second.server.stop(None)
             await first.server.stop(None)
     asyncio.run(both())
+
+
+def test_tandem_up_keeps_its_coordinator_on_this_machine_unless_told_otherwise():
+    """It printed 127.0.0.1 addresses while its coordinator, HTTP API and metrics listened on every interface,
+    with no token: reachable from the network by anyone."""
+    def host(*flags):
+        args = list(up_spec(*flags).coordinator_args)
+        return args[args.index("--host") + 1]
+
+    assert host() == "127.0.0.1"
+    assert host("--host", "0.0.0.0") == "0.0.0.0"
+
+
+def test_a_servers_metrics_listen_on_its_own_host():
+    import asyncio
+
+    from tandem.config import ServerOptions
+    from tandem.rpc.server import ManagedServer
+
+    async def start():
+        server = ManagedServer("target", ServerOptions(host="127.0.0.1", port=0, metrics_port=0))
+        await server.start()
+        await server.server.stop(None)
+        return server.metrics_host
+
+    assert asyncio.run(start()) == "127.0.0.1"

@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "may use method medusa or eagle, and auto chooses them (with hybrid rounds, by the draft "
                         "workers, while they measure slower)")
     p.add_argument("--port", type=int, default=50051, help="coordinator gRPC port (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where the coordinator's gRPC and HTTP APIs and its metrics listen (default: %(default)s, "
+                        "this machine only; 0.0.0.0 for every interface: then protect it with --auth-token-file "
+                        "and TLS). Workers always listen on 127.0.0.1")
     p.add_argument("--http-port", type=int, default=None, metavar="PORT",
                    help=f"the coordinator's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT}; any free port "
                         "when --port is 0); --no-http turns it off")
@@ -120,9 +124,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds over which --max-restarts counts (default: %(default)s)")
     add_server_tls_flags(p)
     add_coordinator_flags(p)
-    for action in p._actions:  # tandem scale and the console name workers by address: always on here
-        if action.dest == "expose_worker_addresses":
-            action.help = "always on under `tandem up` (replies and Info name workers by address)"
+    for action in p._actions:  # tandem scale and the console name workers by address: always on here,
+        if action.dest == "expose_worker_addresses":  # so not offered (still taken, for scripts that pass it)
+            action.help = argparse.SUPPRESS
     p.add_argument("--log-dir", type=Path, default=None, help="where each process writes its log")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.set_defaults(func=run)
@@ -151,7 +155,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     target_args = ("--heads", str(args.heads)) if args.heads else ()
     if args.rank_timeout is not None:
         target_args += ("--rank-timeout", repr(args.rank_timeout))
-    coordinator_args = ["--redis-url", args.redis_url] if args.redis_url else []
+    coordinator_args = ["--host", args.host]
+    coordinator_args += ["--redis-url", args.redis_url] if args.redis_url else []
     if not args.no_http:
         http_port = args.http_port if args.http_port is not None else (DEFAULT_HTTP_PORT if args.port else 0)
         coordinator_args += ["--http-port", str(http_port)]

@@ -68,6 +68,7 @@ class ManagedServer:
         self.draining = False
         self.port = 0
         self.metrics_port: int | None = None
+        self.metrics_host: str | None = None
         self.more_ports: dict[str, int] = {}  # named in the TANDEM_READY line after the others (http_port=...)
 
     def add_service(self, add_to_server: Callable[[object, grpc.aio.Server], None], servicer: object,
@@ -99,8 +100,11 @@ class ManagedServer:
                               "port is in use (another server?), or the host is not this machine's")
         await self.server.start()
         if self.options.metrics_port is not None:
-            http_server, _ = start_http_server(self.options.metrics_port, registry=self.registry)
+            # on the API's host: a server bound to 127.0.0.1 (`tandem up`'s) keeps its metrics local too
+            http_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host,
+                                               registry=self.registry)
             self.metrics_port = http_server.server_port
+            self.metrics_host = http_server.server_address[0]
         return self.port
 
     async def set_serving(self) -> None:
