@@ -136,3 +136,20 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(tiny_qwen2_dir):
     with pytest.raises(InvalidRequestError, match="cuda graphs need a CUDA device"):
         EngineConfig(tiny_qwen2_dir, cuda_graphs=True)
     assert ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32")).graphs is None  # off by default
+
+
+def test_a_captured_step_never_reads_the_device_from_the_host(tiny_qwen2_dir):
+    """A CUDA graph replays kernels only: a step that reads a tensor's value on the host (``.item()``, ``.tolist()``,
+    a Python ``if`` on a tensor) cannot be captured. With the model and its KV on the meta device, which holds no
+    values, any such read fails loudly, so this test is the capture's stand-in for that rule on a CPU."""
+    cpu = ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", block_size=4, kv_cache_tokens=1024))
+    engine = ModelEngine.with_new_cache(cpu.model.to("meta"), cpu.kv_cache.num_blocks, 4, "sdpa")
+    assert engine.kv_cache.key.device.type == "meta"
+    recorder = EagerRecorder()
+    engine.use_step_graphs(recorder)
+    for items in ([ForwardItem(i, [5]) for i in range(3)],  # decode steps of new sequences: 3 in a graph of 4
+                  [ForwardItem(i, [1, 2, 3, 4, 5], num_logits=5) for i in range(3)],  # a verify step's shape
+                  [ForwardItem(i, [7]) for i in range(3)]):
+        logits = engine.forward(items)
+        assert all(part.device.type == "meta" for part in logits)
+    assert engine.graphs.replays == 3 and recorder.recorded == 2
