@@ -184,7 +184,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
                           "stopping.max_new_tokens": "max_tokens" if max_completion is None else
                           "max_completion_tokens"})
     wanted, top = body.boolean("logprobs"), body.integer("top_logprobs", 0, INT32_MAX)
-    if top is not None and not wanted:
+    if top and not wanted:  # (0 asks for nothing: taken, as other neutral values are)
         raise bad_field("top_logprobs", "needs logprobs: true")
     if wanted:
         parsed.logprobs = request.sampling.logprobs = top or 0

@@ -394,8 +394,10 @@ def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):
         async with http_coordinator(tokenizer) as running:
             code, body = await post(running.url + "/chat/completions", {
                 **CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": None, "tools": [],
-                "response_format": {"type": "text"}, "n": 1, "stream": False, "user": "u-1", "seed": None})
+                "response_format": {"type": "text"}, "n": 1, "stream": False, "user": "u-1", "seed": None,
+                "logprobs": False, "top_logprobs": 0})
             assert code == 200, body
+            assert body["choices"][0]["logprobs"] is None
     run(go())
 
 
