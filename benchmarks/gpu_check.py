@@ -381,11 +381,12 @@ def step_graphs(model_dir: Path, plan: Plan) -> dict[str, Any]:
         drafted = [r.token_ids for r in self_drafted(engine).generate(requests[:1])]  # verify steps of 5 tokens
         outputs[label] = (plain, drafted)
         if engine.graphs is not None:
-            replays, captured = engine.graphs.replays, engine.graphs.captured
+            replays, captured, disabled = engine.graphs.replays, engine.graphs.captured, engine.graphs.disabled
         del engine
         free_memory(plan.device)
     assert outputs["graphs"][0] == outputs["eager"][0], "greedy decoding through graphs differs from eager"
     assert outputs["graphs"][1] == outputs["eager"][1], "self-speculation through graphs differs from eager"
+    assert disabled is None, f"a capture failed, and graphs turned off: {disabled}"
     assert replays >= plan.new_tokens, f"only {replays} steps ran as graphs"
     return {"graph_replays": replays, "graphs_captured": captured, "tokens": len(prompts) * plan.new_tokens}
 

@@ -207,6 +207,8 @@ class ModelEngine:
     def use_step_graphs(self, recorder: GraphRecorder) -> StepGraphs:
         """From now on, decode and verify steps of small batches run as graphs ``recorder`` captures
         (``tandem.step_graphs``); every other batch eagerly, as before."""
+        if self.graphs is not None:  # replaced: its scratch block goes back to the pool
+            self.kv_cache.pool.release(self.graphs.scratch_block)
         self.graphs = StepGraphs(self, recorder)
         return self.graphs
 
@@ -400,8 +402,8 @@ class ModelEngine:
         if self.home_thread is not None:
             self.home_thread.check()
         shape = self.graphs.shape_for(batch) if self.graphs is not None and features is None else None
-        if shape is not None:
-            final = self.graphs.run(batch, shape)  # type: ignore[union-attr]  # [T, hidden]
+        final = self.graphs.run(batch, shape) if shape is not None else None  # type: ignore[union-attr]
+        if final is not None:  # [T, hidden]
             return self.model.logits(final[batch.logit_rows.to(self.device)]), None
         meta = AttentionMetadata.build(
             batch.query_lens, batch.context_lens, batch.slot_mapping, batch.block_tables,

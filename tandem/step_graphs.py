@@ -23,6 +23,7 @@ step again, over the same buffers) lets a CPU test everything but the capture it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -34,6 +35,8 @@ from tandem.attention.padded import PaddedPagedAttention
 
 if TYPE_CHECKING:
     from tandem.engine import ForwardBatch, ModelEngine
+
+log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 64  # sequences; larger batches have enough work per launch to run eagerly
 MAX_GRAPH_QUERY_LEN = 8  # new tokens per sequence: decode (1) and verify chains up to k = 7
@@ -122,6 +125,7 @@ class StepGraphs:
         self.max_window_blocks = _next_power_of_two(cache.num_blocks)
         self._graphs: dict[GraphShape, _Graph] = {}
         self.replays = 0  # steps that ran as a graph (the gpu-check reports it)
+        self.disabled: str | None = None  # why graphs are off after a failed capture; None: on
 
     @property
     def captured(self) -> int:
@@ -129,6 +133,8 @@ class StepGraphs:
 
     def shape_for(self, batch: ForwardBatch) -> GraphShape | None:
         """The graph a batch runs as, or None: it runs eagerly (see the module doc for which batches fit)."""
+        if self.disabled is not None:
+            return None
         query_lens = batch.query_lens
         q, sequences = query_lens[0], len(query_lens)
         if sequences > MAX_GRAPH_BATCH or q > MAX_GRAPH_QUERY_LEN or any(n != q for n in query_lens):
@@ -144,9 +150,18 @@ class StepGraphs:
             return None
         return shape
 
-    def run(self, batch: ForwardBatch, shape: GraphShape) -> torch.Tensor:  # -> [T, hidden], this batch's rows
-        """The batch's final hidden states, through its shape's graph (captured now if it is new)."""
-        graph = self._graphs.get(shape) or self._capture(shape)
+    def run(self, batch: ForwardBatch, shape: GraphShape) -> torch.Tensor | None:  # -> [T, hidden], the batch's rows
+        """The batch's final hidden states, through its shape's graph (captured now if it is new); None if the capture
+        failed: the caller computes the batch eagerly, and no graph is tried again (``disabled`` says why)."""
+        graph = self._graphs.get(shape)
+        if graph is None:
+            try:
+                graph = self._capture(shape)
+            except Exception as exc:  # noqa: BLE001 - a step the GPU cannot capture still runs, eagerly
+                self.disabled = f"{type(exc).__name__}: {exc}"
+                log.warning("capturing a CUDA graph of %s failed (%s); every step runs eagerly from now on", shape,
+                            self.disabled)
+                return None
         graph.inputs.copy_(self._host_inputs(batch, shape), non_blocking=False)
         graph.replay()
         self.replays += 1

@@ -153,3 +153,24 @@ def test_a_captured_step_never_reads_the_device_from_the_host(tiny_qwen2_dir):
         logits = engine.forward(items)
         assert all(part.device.type == "meta" for part in logits)
     assert engine.graphs.replays == 3 and recorder.recorded == 2
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_graphs_turn_off(tiny_qwen2_dir, caplog):
+    """Graphs have not yet met a real GPU: a capture that fails there must cost speed, not requests."""
+    eager, graphed, _ = engines(tiny_qwen2_dir)
+
+    class Refusing:
+        def record(self, step):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    free = graphed.kv_cache.num_free_blocks
+    graphed.use_step_graphs(Refusing())
+    assert graphed.kv_cache.num_free_blocks == free  # the replaced graphs' scratch block went back
+    items = [ForwardItem(i, [3, 5]) for i in range(2)]
+    for engine in (eager, graphed):
+        engine.forward([ForwardItem(i, PROMPTS[i], prompt=True) for i in range(2)])
+    torch.testing.assert_close(graphed.forward(items)[0], eager.forward(items)[0])
+    assert graphed.graphs.disabled == "RuntimeError: operation not permitted when stream is capturing"
+    assert "every step runs eagerly from now on" in caplog.text
+    assert graphed.graphs.captured == 0 and graphed.graphs.replays == 0
+    assert graphed.forward([ForwardItem(0, [4])])[0].shape == (1, graphed.config.vocab_size)  # still serving
