@@ -269,3 +269,13 @@ def test_a_servers_metrics_listen_on_its_own_host():
         return server.metrics_host
 
     assert asyncio.run(start()) == "127.0.0.1"
+
+
+def test_tandem_up_runs_its_workers_on_the_device_asked_for():
+    """A GPU user's `tandem up` ran every worker on the CPU: there was no way to ask for CUDA."""
+    args = list(up_spec("--device", "cuda", "--cuda-graphs").worker_args)
+    assert args[args.index("--device") + 1] == "cuda" and "--cuda-graphs" in args
+    args = list(up_spec().worker_args)
+    assert args[args.index("--device") + 1] == "cpu" and "--cuda-graphs" not in args
+    with pytest.raises(InvalidRequestError, match="--cuda-graphs needs --device cuda"):
+        up_spec("--cuda-graphs")

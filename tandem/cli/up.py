@@ -82,6 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-replicas", type=int, default=1, help="draft worker processes (default: 1)")
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="dtype of the target workers; drafts have --draft-dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of every worker, e.g. cuda (default: %(default)s; with "
+                        "--tensor-parallel-size N on CUDA, rank r uses cuda:r)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --device cuda: workers replay decode and verify steps as CUDA graphs (see `tandem "
+                        "serve target --help`)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -150,6 +156,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if tls and tls.mutual and not (worker_tls and worker_tls.cert):
         raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
                                   "require the coordinator's client certificate")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        raise InvalidRequestError(f"--cuda-graphs needs --device cuda, and the workers would run on {args.device}")
     if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
         raise InvalidRequestError(f"--rank-timeout must be a positive number of seconds, got {args.rank_timeout}")
     target_args = ("--heads", str(args.heads)) if args.heads else ()
@@ -178,7 +186,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
         target_args=target_args,
         # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
-        worker_args=("--host", "127.0.0.1", *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
+        worker_args=("--host", "127.0.0.1", "--device", args.device, *(("--cuda-graphs",) if args.cuda_graphs else ()),
+                     *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                      *(("--no-cache-generated",) if args.no_cache_generated else ()),
                      *(() if args.prefill_chunk_tokens is None else
                        ("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)))),
