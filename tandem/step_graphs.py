@@ -11,7 +11,8 @@ heads' features) run eagerly, as before.
 One graph per ``GraphShape``: the batch size rounded up to a power of two (at most ``MAX_GRAPH_BATCH``),
 q (at most ``MAX_GRAPH_QUERY_LEN``), and the context window rounded up to a power-of-two number of blocks
 (at least ``MIN_WINDOW_TOKENS``). Inside, attention is ``PaddedPagedAttention``, whose shapes depend on
-those alone. A graph is captured the first time its shape is met (two forwards' time, once), and reads its
+those alone (or, where flash-attn is installed, its paged kernel, which reads each sequence's length on the
+device). A graph is captured the first time its shape is met (two forwards' time, once), and reads its
 inputs from one device buffer that each step fills with one host-to-device copy: token ids, positions, KV
 slots, lengths and block tables. The rows that pad a batch up to its graph's size write their K/V into a
 scratch block the graphs hold for the engine's life, and are never read back; the real rows' K/V land in
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from tandem.attention.base import AttentionMetadata
+from tandem.attention.flash import FlashAttention, FlashKVCacheGraphAttention
 from tandem.attention.padded import PaddedPagedAttention
 
 if TYPE_CHECKING:
@@ -116,7 +118,7 @@ class StepGraphs:
     def __init__(self, engine: ModelEngine, recorder: GraphRecorder) -> None:
         self.engine = engine
         self.recorder = recorder
-        self.attention = PaddedPagedAttention()
+        self.attention = graph_attention(engine.backend)
         cache = engine.kv_cache
         self.block_size = cache.block_size
         # Held for the engine's life: the padding rows' K/V go here. Every slot of it is scratch.
@@ -213,6 +215,14 @@ class StepGraphs:
             graph.replay = self.recorder.record(step)
         self._graphs[shape] = graph
         return graph
+
+
+def graph_attention(backend: object) -> PaddedPagedAttention | FlashKVCacheGraphAttention:
+    """flash-attn's paged kernel where the engine has it (it reads only each sequence's own keys), else the padded
+    attention (each sequence's whole window, masked)."""
+    if isinstance(backend, FlashAttention):
+        return FlashKVCacheGraphAttention(backend.flash)
+    return PaddedPagedAttention()
 
 
 def _is_chain(parents: torch.Tensor, query_len: int) -> bool:

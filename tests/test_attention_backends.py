@@ -102,14 +102,17 @@ class FlashStandIn:
 
     def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_seqlens=None, block_table=None,
                                 softmax_scale=None, causal=False, **unused):
+        """q ``[B, q, H, D]``: each sequence's last q cached tokens are its new ones (the causal mask aligned
+        bottom-right, as the kernel's is)."""
         self.calls.append("kvcache")
-        assert causal and not unused and q.dim() == 4 and q.shape[1] == 1
-        assert cache_seqlens.dtype == torch.int32
+        assert causal and not unused and q.dim() == 4
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
         self._check_cache(k_cache, v_cache, block_table)
+        batch, query_len = q.shape[:2]
         seq_lens = cache_seqlens.tolist()
-        out = self._reference(q[:, 0], k_cache, v_cache, [s - 1 for s in seq_lens], [1] * len(seq_lens),
-                              block_table, softmax_scale)
-        return out[:, None]
+        out = self._reference(q.reshape(batch * query_len, *q.shape[2:]), k_cache, v_cache,
+                              [s - query_len for s in seq_lens], [query_len] * batch, block_table, softmax_scale)
+        return out.view(q.shape)
 
 
 @pytest.mark.parametrize("context_lens,query_lens", CASES)

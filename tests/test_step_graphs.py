@@ -174,3 +174,25 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_graphs_turn_off(tiny_qw
     assert "every step runs eagerly from now on" in caplog.text
     assert graphed.graphs.captured == 0 and graphed.graphs.replays == 0
     assert graphed.forward([ForwardItem(0, [4])])[0].shape == (1, graphed.config.vocab_size)  # still serving
+
+
+def test_where_flash_attn_is_installed_graphs_use_its_paged_kernel(tiny_qwen2_dir):
+    """flash-attn reads each sequence's own length on the device: inside a graph it reads only the keys a sequence
+    has, where the padded attention reads its whole window. The stand-in checks the kernel's argument contract."""
+    from tandem.attention.flash import FlashAttention, FlashKVCacheGraphAttention
+    from tests.test_attention_backends import FlashStandIn
+
+    cfg = EngineConfig(tiny_qwen2_dir, dtype="float32", block_size=256, kv_cache_tokens=4096, prefix_caching=False)
+    eager, graphed = ModelEngine.load(cfg), ModelEngine.load(cfg)
+    flash = FlashStandIn()
+    graphed.backend = FlashAttention(256, flash_module=flash, dtype=torch.float32)
+    graphs = graphed.use_step_graphs(EagerRecorder())
+    assert isinstance(graphs.attention, FlashKVCacheGraphAttention)
+    for engine in (eager, graphed):
+        engine.forward([ForwardItem(i, prompt, prompt=True) for i, prompt in enumerate(PROMPTS)])
+    flash.calls.clear()
+    for items in ([ForwardItem(i, [4 + i]) for i in range(3)],
+                  [ForwardItem(i, [1, 2, 3, 4, 5], num_logits=5) for i in (0, 2, 3)]):
+        for want, got in zip(eager.forward(items), graphed.forward(items)):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert graphs.replays == 2 and set(flash.calls) == {"kvcache"}

@@ -96,3 +96,38 @@ class FlashAttention:
             causal=True,
             block_table=meta.block_tables,
         )  # [num_tokens, H, D]
+
+
+class FlashKVCacheGraphAttention:
+    """flash-attn's paged kernel for batches where every sequence brings the same ``q`` new tokens as a chain, its
+    shapes fixed by the batch's shape alone: what a captured CUDA graph replays (``tandem.step_graphs``) where
+    flash-attn is installed. It reads each sequence's own length on the device (``cache_seqlens``), so unlike
+    ``PaddedPagedAttention`` it reads only the keys a sequence has, whatever window its graph was captured for."""
+
+    name = "flash-graph"
+
+    def __init__(self, flash_module: ModuleType | Any) -> None:
+        self.flash = flash_module
+
+    def prepare(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # [B] int32, [B, M] int32
+        """The kernel's int32 lengths and block tables (a graph's buffers hold int64), made once per forward."""
+        if meta.has_tree:
+            raise ValueError("graph attention computes chains only, and this batch holds a speculation tree")
+        return meta.seq_lens_k.to(torch.int32), meta.block_tables.to(torch.int32)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D], T = B * q, sequence-major
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        state: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        seq_lens, tables = state
+        batch = tables.shape[0]
+        out = self.flash.flash_attn_with_kvcache(
+            query.view(batch, query.shape[0] // batch, *query.shape[1:]),  # [B, q, H, D]
+            key_cache, value_cache, cache_seqlens=seq_lens, block_table=tables, softmax_scale=scale, causal=True,
+        )  # [B, q, H, D]
+        return out.reshape(query.shape)
