@@ -247,6 +247,8 @@ class ModelEngine:
         weights from the cost per token; without decode-sized samples, the first prompt's
         prefill would pass for the price of a decode step and adaptive k would never draft.
         """
+        if self.graphs is not None:  # first: the passes below then time replays, and requests never wait on these
+            self.graphs.capture_ahead()
         scratch = "__warmup__"
         for tokens in ([1] * 32, [1], [1], [1] * 8, [1]):
             self.forward([ForwardItem(scratch, tokens)])
@@ -339,12 +341,15 @@ class ModelEngine:
         slots = self.kv_cache.append_slots({it.seq_id: len(it.token_ids) for it in items})
         tokens = sum(len(it.token_ids) for it in items)
         self.rows_in_forward = tokens
+        captured = self.graphs.captured if self.graphs is not None else 0
         started = time.perf_counter()
         try:
             out = self._run(items, context_lens, slots, spec)
             seconds = time.perf_counter() - started
             prompt = sum(len(it.token_ids) for it in items if it.prompt)
-            if prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
+            if self.graphs is not None and self.graphs.captured != captured:
+                pass  # a pass that captured a graph is no price of the step: the fit would learn the capture
+            elif prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
                 self.prompt_cost.observe(prompt, seconds - self.cost_fit.seconds(tokens - prompt))
             else:
                 self.cost_fit.observe(tokens, seconds)

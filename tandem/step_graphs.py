@@ -12,7 +12,8 @@ One graph per ``GraphShape``: the batch size rounded up to a power of two (at mo
 q (at most ``MAX_GRAPH_QUERY_LEN``), and the context window rounded up to a power-of-two number of blocks
 (at least ``MIN_WINDOW_TOKENS``). Inside, attention is ``PaddedPagedAttention``, whose shapes depend on
 those alone (or, where flash-attn is installed, its paged kernel, which reads each sequence's length on the
-device). A graph is captured the first time its shape is met (two forwards' time, once), and reads its
+device). The common shapes are captured at warm-up (``capture_ahead``), any other the first time it is met
+(two forwards' time, once; that pass is not timed into the engine's cost fit). A graph reads its
 inputs from one device buffer that each step fills with one host-to-device copy: token ids, positions, KV
 slots, lengths and block tables. The rows that pad a batch up to its graph's size write their K/V into a
 scratch block the graphs hold for the engine's life, and are never read back; the real rows' K/V land in
@@ -44,6 +45,10 @@ MAX_GRAPH_BATCH = 64  # sequences; larger batches have enough work per launch to
 MAX_GRAPH_QUERY_LEN = 8  # new tokens per sequence: decode (1) and verify chains up to k = 7
 MIN_WINDOW_TOKENS = 256  # the smallest context window a graph reads
 MAX_GRAPHS = 256  # a bound on what capture costs in memory; shapes past it run eagerly
+# Captured at warm-up (``capture_ahead``), so that serving seldom stops to capture: every batch size and tokens per
+# sequence a graph takes, in windows up to this many tokens (one window where flash-attn reads lengths itself).
+AHEAD_QUERY_LENS = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
+AHEAD_WINDOW_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,9 @@ class StepGraphs:
         self.scratch_block = cache.pool.allocate()
         self.min_window_blocks = max(1, -(-MIN_WINDOW_TOKENS // self.block_size))
         self.max_window_blocks = _next_power_of_two(cache.num_blocks)
+        if isinstance(self.attention, FlashKVCacheGraphAttention):
+            # flash reads each sequence's own length: one window, the widest, serves every context
+            self.min_window_blocks = self.max_window_blocks
         self._graphs: dict[GraphShape, _Graph] = {}
         self.replays = 0  # steps that ran as a graph (the gpu-check reports it)
         self.disabled: str | None = None  # why graphs are off after a failed capture; None: on
@@ -152,18 +160,37 @@ class StepGraphs:
             return None
         return shape
 
+    def capture_ahead(self) -> int:
+        """Capture the common shapes now (``AHEAD_QUERY_LENS`` x every batch size x windows up to
+        ``AHEAD_WINDOW_TOKENS``): at warm-up, before any request waits on a capture. Returns how many it captured."""
+        before = len(self._graphs)
+        windows = [self.min_window_blocks]
+        while windows[-1] * 2 <= self.max_window_blocks and windows[-1] * 2 * self.block_size <= AHEAD_WINDOW_TOKENS:
+            windows.append(windows[-1] * 2)
+        for shape in (GraphShape(1 << i, q, window) for window in windows for q in AHEAD_QUERY_LENS
+                      for i in range(MAX_GRAPH_BATCH.bit_length())):
+            if self.disabled is not None or len(self._graphs) >= MAX_GRAPHS:
+                break
+            if shape not in self._graphs:
+                self._try_capture(shape)
+        return len(self._graphs) - before
+
+    def _try_capture(self, shape: GraphShape) -> _Graph | None:
+        """``_capture``, or None with graphs turned off for good if it fails (a step the GPU cannot capture)."""
+        try:
+            return self._capture(shape)
+        except Exception as exc:  # noqa: BLE001 - a step the GPU cannot capture still runs, eagerly
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            log.warning("capturing a CUDA graph of %s failed (%s); every step runs eagerly from now on", shape,
+                        self.disabled)
+            return None
+
     def run(self, batch: ForwardBatch, shape: GraphShape) -> torch.Tensor | None:  # -> [T, hidden], the batch's rows
         """The batch's final hidden states, through its shape's graph (captured now if it is new); None if the capture
         failed: the caller computes the batch eagerly, and no graph is tried again (``disabled`` says why)."""
-        graph = self._graphs.get(shape)
+        graph = self._graphs.get(shape) or self._try_capture(shape)
         if graph is None:
-            try:
-                graph = self._capture(shape)
-            except Exception as exc:  # noqa: BLE001 - a step the GPU cannot capture still runs, eagerly
-                self.disabled = f"{type(exc).__name__}: {exc}"
-                log.warning("capturing a CUDA graph of %s failed (%s); every step runs eagerly from now on", shape,
-                            self.disabled)
-                return None
+            return None
         graph.inputs.copy_(self._host_inputs(batch, shape), non_blocking=False)
         graph.replay()
         self.replays += 1

@@ -196,3 +196,22 @@ def test_where_flash_attn_is_installed_graphs_use_its_paged_kernel(tiny_qwen2_di
         for want, got in zip(eager.forward(items), graphed.forward(items)):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert graphs.replays == 2 and set(flash.calls) == {"kvcache"}
+
+
+def test_warm_up_captures_the_common_shapes_first_and_times_replays_not_captures(tiny_qwen2_dir):
+    """A capture mid-serving stalls every stream for two forwards, and a pass that captured is no price of a step:
+    the cost fit (what adaptive k plans with) must not learn it."""
+    from tandem.step_graphs import AHEAD_QUERY_LENS
+
+    _, graphed, recorder = engines(tiny_qwen2_dir)  # blocks of 4 in a pool of 1,024 tokens
+    graphed.warmup()
+    windows = 3  # 256, 512 and 1,024 tokens: the pool holds no more
+    assert recorder.recorded == graphed.graphs.captured == windows * len(AHEAD_QUERY_LENS) * 7  # batch 1..64
+    assert graphed.graphs.replays >= 3  # warm-up's own decode and verify passes replayed what was captured
+    # without warm-up, the first pass of a shape captures it, and is not observed; the next, replayed, is
+    _, cold, recorder = engines(tiny_qwen2_dir)
+    assert not cold.cost_fit.ready
+    cold.forward([ForwardItem("new", [1] * 6, num_logits=6)])
+    assert recorder.recorded == 1 and not cold.cost_fit.ready  # captured: not observed
+    cold.forward([ForwardItem("new", [1] * 6, num_logits=6)])
+    assert recorder.recorded == 1 and cold.cost_fit.ready  # replayed: observed
