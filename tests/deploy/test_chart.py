@@ -484,3 +484,13 @@ def test_every_value_is_in_the_schema_and_the_readme_table():
     readme = (CHART.parent / "README.md").read_text()
     missing = [p for p in _documented_paths(values, schema) if f"| `{p}` |" not in readme]
     assert not missing, f"helm/README.md's values table lacks {missing}"
+
+
+def test_cuda_graphs_are_each_fleets_choice_and_need_a_cuda_device():
+    assert all("--cuda-graphs" not in container(render(), f)["args"] for f in FLEETS)  # off by default
+    objects = render(None, "target.cudaGraphs=true")
+    assert "--cuda-graphs" in container(objects, "target")["args"]
+    assert "--cuda-graphs" not in container(objects, "draft")["args"]
+    assert "--cuda-graphs" in container(render(None, "draft.cudaGraphs=true"), "draft")["args"]
+    assert "draft.cudaGraphs needs draft.device: cuda" in render_error("draft.cudaGraphs=true", "draft.device=cpu",
+                                                                         "draft.gpus=0")
