@@ -215,3 +215,12 @@ def test_a_negative_seed_is_one_64_bit_seed_on_every_path():
     negative = SamplingParams(temperature=0.5, seed=-5)
     assert negative.seed == 2**64 - 5 == SamplingParams(temperature=0.5, seed=2**64 - 5).seed
     assert build_request("hi", sampling=negative).sampling.seed == 2**64 - 5
+
+
+def test_an_empty_prompt_is_refused_before_any_model_loads(capsys, monkeypatch):
+    """In process it was refused only after the models had loaded (seconds to minutes)."""
+    from tandem import model_store
+
+    monkeypatch.setattr(model_store, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
+    assert main(["generate", "", "--target", "/nonexistent"]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err

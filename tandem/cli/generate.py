@@ -210,6 +210,8 @@ def chat_turns(system: str, prompt: str) -> list[dict[str, str]]:
 
 def check_request_flags(args: argparse.Namespace) -> None:
     """What both paths refuse alike, before anything connects or loads."""
+    if not args.prompt:
+        raise InvalidRequestError("the prompt is empty: give the text to continue")
     if args.max_new_tokens <= 0:  # (on the wire 0 means "unset": the server would give the default)
         raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.addr:

@@ -211,7 +211,11 @@ def run(args: argparse.Namespace) -> int:
         resolve_or_prepare(model, root)
     cluster = LocalCluster(spec)
     print(f"starting Tandem (logs in {cluster.log_dir})...", file=sys.stderr)
-    address = cluster.start()
+    try:
+        address = cluster.start()
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr)  # (start has stopped what it started)
+        raise
     lock, stop = threading.Lock(), threading.Event()  # one change of the fleet at a time: scaling or a restart
     admin = AdminServer(cluster, args.admin_port, max_replicas=args.max_replicas, lock=lock)
     admin.start(state_file(root, cluster.coordinator.port))
