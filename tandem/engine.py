@@ -348,8 +348,8 @@ class ModelEngine:
             seconds = time.perf_counter() - started
             prompt = sum(len(it.token_ids) for it in items if it.prompt)
             if self.graphs is not None and self.graphs.captured != captured:
-                pass  # a pass that captured a graph is no price of the step: the fit would learn the capture
-            elif prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
+                return out  # this pass captured a graph: its time prices the capture, not the step
+            if prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
                 self.prompt_cost.observe(prompt, seconds - self.cost_fit.seconds(tokens - prompt))
             else:
                 self.cost_fit.observe(tokens, seconds)
