@@ -165,9 +165,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         target_args += ("--rank-timeout", repr(args.rank_timeout))
     coordinator_args = ["--host", args.host]
     coordinator_args += ["--redis-url", args.redis_url] if args.redis_url else []
-    if not args.no_http:
-        http_port = args.http_port if args.http_port is not None else (DEFAULT_HTTP_PORT if args.port else 0)
-        coordinator_args += ["--http-port", str(http_port)]
+    if (http := http_port(args)) is not None:
+        coordinator_args += ["--http-port", str(http)]
     coordinator_args += ["--placement", args.placement]
     if args.chat_template:
         read_chat_template(args.chat_template)  # refused here, named, before any process starts
@@ -205,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the spec's own checks too
         raise InvalidRequestError(str(exc)) from None
     require_free_port("--port", spec.port)
-    if "--http-port" in spec.coordinator_args:
-        require_free_port("--http-port", int(spec.coordinator_args[spec.coordinator_args.index("--http-port") + 1]))
+    if (http := http_port(args)) is not None:
+        require_free_port("--http-port", http)
     for model in filter(None, (spec.target, spec.draft)):  # prepare once here, not in every replica at once
         resolve_or_prepare(model, root)
     cluster = LocalCluster(spec)
@@ -240,6 +239,13 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         supervisor.join(timeout_s=30)
     return 1 if supervisor.gave_up else 0
+
+
+def http_port(args: argparse.Namespace) -> int | None:
+    """The coordinator's HTTP port (0: any free one, as its gRPC port asks for; None: --no-http)."""
+    if args.no_http:
+        return None
+    return args.http_port if args.http_port is not None else (DEFAULT_HTTP_PORT if args.port else 0)
 
 
 def require_free_port(flag: str, port: int) -> None:
