@@ -261,9 +261,11 @@ def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
 
 
 def tandem_stats(stats: generation_pb2.GenerationStats | None) -> dict[str, Any] | None:
-    """Tandem's extension field: a choice's speculation statistics (``acceptance``: accepted / drafted)."""
+    """Tandem's extension field: a choice's speculation statistics (``acceptance``: accepted / drafted, ``null``
+    when nothing was drafted: a ``none`` request, or one whose every round verified the target's own token alone,
+    has no rate to report, and 0.0 would read as a draft that was always wrong)."""
     if stats is None:
         return None
     out = json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    out["acceptance"] = stats.acceptance_rate
+    out["acceptance"] = stats.acceptance_rate if stats.drafted else None
     return out

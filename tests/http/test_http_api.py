@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from coordinator.http.responses import tandem_stats
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 from tests.coordinator.inprocess import tiny_tokenizer
 from tests.http.harness import LOGPROB, MODEL, TOKENS, http_coordinator
@@ -67,6 +68,16 @@ def test_chat_completion_through_the_openai_client(tokenizer):
                 await asyncio.sleep(0.01)
             assert not running.target.live  # every sequence released
     run(go())
+
+
+def test_acceptance_is_null_when_nothing_was_drafted():
+    """A ``none`` request drafts nothing: its acceptance is unknown, not 0.0 (a draft that was always wrong)."""
+    plain = tandem_stats(generation_pb2.GenerationStats(generated_tokens=5, rounds=5, method="none"))
+    assert plain["acceptance"] is None and plain["drafted"] == 0
+    drafted = tandem_stats(generation_pb2.GenerationStats(drafted=4, accepted=1, acceptance_rate=0.25))
+    assert drafted["acceptance"] == 0.25
+    rejected = tandem_stats(generation_pb2.GenerationStats(drafted=4, accepted=0, acceptance_rate=0.0))
+    assert rejected["acceptance"] == 0.0
 
 
 def test_usage_counts_the_prompt_tokens_the_target_found_cached(tokenizer):
