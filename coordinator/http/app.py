@@ -38,6 +38,7 @@ from aiohttp import web
 from coordinator.access import AccessControl
 from coordinator.http import tokenize
 from coordinator.http.errors import ApiError, bad_field, from_domain
+from coordinator.http.protocol_log import protocol_logger
 from coordinator.http.responses import Choice, Shapes, TokenTexts, share_prompt_scores
 from coordinator.http.responses_input import parse_responses
 from coordinator.http.responses_output import ResponseShapes, ResponseStream
@@ -80,7 +81,7 @@ class HttpApi:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         # handler_cancellation: a client that disconnects cancels its handler, hence its requests and their KV.
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=protocol_logger(),
                                     shutdown_timeout=self.cfg.server.drain_grace_s)
         await self.runner.setup()
         tls = self.cfg.server.tls

@@ -4,11 +4,13 @@ budget, and its port through the configuration, the READY line and `tandem up`."
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 
 import aiohttp
 import pytest
 
+from coordinator.http.protocol_log import MalformedRequestsOnOneLine
 from tandem.cluster import READY
 from tandem.config import CoordinatorConfig, ServerOptions
 from tandem.errors import InvalidRequestError
@@ -158,3 +160,38 @@ def test_an_empty_messages_list_is_called_empty_not_a_list():
         parse_messages([])
     with pytest.raises(Exception, match="got an object"):
         parse_messages({"role": "user"})
+
+
+def test_a_malformed_request_is_a_400_and_one_warning_line_not_a_traceback(tokenizer, caplog):
+    """aiohttp logs a request it cannot parse with a traceback at ERROR; the coordinator's log keeps one
+    warning line naming what was wrong, and the server goes on answering."""
+    async def raw(port: int, data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(data)
+        await writer.drain()
+        head = await reader.read(200)
+        writer.close()
+        return head
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            port = int(running.url.rsplit(":", 1)[1].split("/")[0])
+            with caplog.at_level(logging.DEBUG, logger="coordinator.http.protocol"):
+                head = await raw(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+                await asyncio.sleep(0.05)  # the handler logs after it answers
+            assert head.split(b"\r\n")[0].endswith(b" 400 Bad Request")
+            async with aiohttp.ClientSession() as session, session.get(running.url + "/models") as reply:
+                assert reply.status == 200  # still serving
+        records = [r for r in caplog.records if r.name == "coordinator.http.protocol"]
+        assert records, "aiohttp logged nothing for the malformed request"
+        assert all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
+        message = records[0].getMessage()
+        assert "malformed request refused with 400: Invalid header token" in message and "\n" not in message
+    asyncio.run(go())
+
+
+def test_other_exceptions_keep_their_traceback_at_error():
+    record = logging.LogRecord("coordinator.http.protocol", logging.ERROR, __file__, 1, "Error handling request",
+                               None, (RuntimeError, RuntimeError("boom"), None))
+    assert MalformedRequestsOnOneLine().filter(record)
+    assert record.levelno == logging.ERROR and record.exc_info is not None
