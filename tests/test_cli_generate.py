@@ -131,6 +131,11 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--addr", "127.0.0.1:1", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--addr", "127.0.0.1:1", "--timeout", "0"], "--timeout must be a positive number of seconds"),
     (["--addr", "127.0.0.1:1", "--seed", str(-(2**63) - 1)], "seed must be a 64-bit integer"),
+    # in-process flags with --addr were ignored, silently: the coordinator's workers decide them
+    (["--addr", "127.0.0.1:1", "--target", "/nonexistent"], "--target: in process only"),
+    (["--addr", "127.0.0.1:1", "--target", "x", "--dtype", "float32", "--ngram-max", "6"],
+     "--target, --ngram-max, --dtype: in process only"),
+    (["--addr", "127.0.0.1:1", "--method", "early-exit"], "--method early-exit: in process only"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store
@@ -139,7 +144,8 @@ def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypa
         raise AssertionError("a model was resolved before the flags were validated")
 
     monkeypatch.setattr(model_store, "resolve_model", no_model_work)
-    assert main(["generate", "hi", "--target", "/nonexistent", *flags]) == 2
+    where = [] if "--addr" in flags else ["--target", "/nonexistent"]  # (--target is in process only)
+    assert main(["generate", "hi", *where, *flags]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -224,3 +230,12 @@ def test_an_empty_prompt_is_refused_before_any_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(model_store, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
     assert main(["generate", "", "--target", "/nonexistent"]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_the_flags_a_request_carries_pass_with_addr_and_reach_the_request(capsys):
+    """--method, -k, --fixed-k, --heads-nodes and --tree travel in SpeculationOptions: not refused with --addr (the
+    call then fails to connect: nothing listens on port 1)."""
+    code = main(["generate", "hi", "--addr", "127.0.0.1:1", "--method", "ngram", "-k", "3", "--fixed-k",
+                 "--heads-nodes", "4", "--tree", "off", "--timeout", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "in process only" not in err and "UNAVAILABLE" in err

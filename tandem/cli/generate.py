@@ -58,7 +58,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per round (default: %(default)s); 0 disables speculation")
     p.add_argument("--no-draft-stops", action="store_true",
                    help="the draft model drafts every token of a round's k instead of stopping where it is unsure "
-                        "(in process; with --addr, the coordinator's --no-draft-stops decides)")
+                        "(in process; a coordinator's own --no-draft-stops decides for its requests)")
     p.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens instead of adapting k per request and stopping a round's draft "
                         "where it is unsure (heads: ask them every round)")
@@ -137,7 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
     p.add_argument("--addr", default=None, metavar="HOST[:PORT]",
                    help="send the request to a running coordinator instead of loading models here (port: "
-                        f"{DEFAULT_COORDINATOR_PORT} when left out)")
+                        f"{DEFAULT_COORDINATOR_PORT} when left out); of the model flags, only --method, -k, --fixed-k, "
+                        "--heads-nodes and --tree travel with the request, and the others are refused")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable; with --addr)")
     p.add_argument("--no-pipelining", action="store_true", help="with --addr: no pipelined drafting")
@@ -217,6 +218,13 @@ def check_request_flags(args: argparse.Namespace) -> None:
     if args.addr:
         if args.timeout is not None and not args.timeout > 0:  # NaN too
             raise InvalidRequestError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        if args.method == "early-exit":
+            raise InvalidRequestError("--method early-exit: in process only (a coordinator has no early-exit "
+                                      "rounds); leave out --addr, or choose another method")
+        ignored = in_process_flags_given(args)
+        if ignored:
+            raise InvalidRequestError(f"{', '.join(ignored)}: in process only (with --addr the coordinator's workers "
+                                      "decide models, dtype, device and drafting); leave them out, or --addr")
         return
     remote_only = {"--stop": bool(args.stop), "--timeout": args.timeout is not None,
                    "--no-pipelining": args.no_pipelining}
@@ -224,6 +232,18 @@ def check_request_flags(args: argparse.Namespace) -> None:
         if given:
             raise InvalidRequestError(f"{flag}: only with --addr (a coordinator applies it); in process it would "
                                       "be ignored")
+
+
+# The model flags a request carries to a coordinator (SpeculationOptions); every other one is the in-process pipeline's.
+REQUEST_MODEL_FLAGS = frozenset({"method", "k", "fixed_k", "heads_nodes", "tree"})
+
+
+def in_process_flags_given(args: argparse.Namespace) -> list[str]:
+    """The in-process model flags set to something other than their default: with --addr they would be ignored."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_model_flags(probe)
+    return [action.option_strings[-1] for action in probe._actions
+            if action.dest not in REQUEST_MODEL_FLAGS and getattr(args, action.dest, action.default) != action.default]
 
 
 def coordinator_address(addr: str) -> str:
