@@ -26,7 +26,7 @@ from coordinator.prefix_routing import routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
-from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_ids
+from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_ids, token_count_text
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
@@ -302,8 +302,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(f"stopping.max_new_tokens: {max_new} is more than this server allows ({limit})")
         if len(prompt_ids) + max_new > self.max_context:
             raise InvalidRequestError(
-                f"stopping.max_new_tokens: prompt ({len(prompt_ids)} tokens) + {max_new} new tokens exceeds "
-                f"the model's context of {self.max_context}")
+                f"stopping.max_new_tokens: prompt ({token_count_text(len(prompt_ids))}) + "
+                f"{token_count_text(max_new, 'new ')} exceeds the model's context of {self.max_context}")
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
         check_response_format(sampling)  # a schema the workers could not compile is the client's error, named here

@@ -77,6 +77,11 @@ class InternalError(TandemError):
     """
 
 
+def token_count_text(count: int, kind: str = "") -> str:
+    """``count`` tokens, in words an error message can hold: "1 token", "5 new tokens"."""
+    return f"{count} {kind}token{'' if count == 1 else 's'}"
+
+
 def check_token_ids(field: str, ids: Iterable[int], vocab_size: int) -> None:
     """Raise ``InvalidRequestError`` naming ``field`` if any id falls outside ``0..vocab_size - 1``."""
     bad = [t for t in ids if not 0 <= t < vocab_size]

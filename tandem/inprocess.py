@@ -27,7 +27,7 @@ from typing import Any
 from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.compute_thread import CallingThreadExecutor
 from tandem.engine import ModelEngine
-from tandem.errors import InvalidRequestError, check_token_ids
+from tandem.errors import InvalidRequestError, check_token_ids, token_count_text
 from tandem.heads.drafters import HeadDrafter
 from tandem.kv_admission import KVAdmission
 from tandem.rpc.batcher import Batcher
@@ -168,7 +168,7 @@ class SpeculativeGenerator:
         for r in requests:
             if len(r.prompt_ids) + r.max_new_tokens > self.max_len:
                 raise InvalidRequestError(
-                    f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) "
+                    f"prompt ({token_count_text(len(r.prompt_ids))}) + max_new_tokens ({r.max_new_tokens}) "
                     f"exceeds the model's context of {self.max_len}")
             check_token_ids("prompt", r.prompt_ids, self.target.vocab_size)
         states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids))

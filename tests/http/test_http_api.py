@@ -315,6 +315,16 @@ def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(t
     run(go())
 
 
+def test_the_context_error_counts_tokens_in_words(tokenizer):
+    """A one-token prompt is "1 token", not "1 tokens"; the context (64) is the service's to check."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5], "max_tokens": 64})
+            assert code == 400, body
+            assert "prompt (1 token) + 64 new tokens exceeds the model's context of 64" in body["error"]["message"]
+    run(go())
+
+
 @pytest.mark.parametrize("change,param", [
     ({"echo": 1}, "echo"), ({"best_of": 3}, "best_of"), ({"prompt": ["a", 2]}, "prompt"),
     ({"prompt": None}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, 99]}, "prompt"),
