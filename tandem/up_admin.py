@@ -35,6 +35,7 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -93,13 +94,15 @@ class AdminServer:
     """
 
     def __init__(self, cluster: LocalCluster, port: int = 0, *, secret: str | None = None,
-                 max_replicas: int = MAX_REPLICAS, lock: threading.Lock | None = None) -> None:
+                 max_replicas: int = MAX_REPLICAS, lock: threading.Lock | None = None,
+                 say: Callable[[str], None] = lambda message: None) -> None:
         if max_replicas < 1:
             raise ValueError(f"max_replicas must be at least 1, got {max_replicas}")
         self.cluster = cluster
         self.secret = secret or secrets.token_urlsafe(32)
         self.max_replicas = max_replicas
         self.lock = lock or threading.Lock()  # one change of the fleet at a time
+        self.say = say  # `tandem up` prints each change of the fleet where it printed the fleet
         admin = self
 
         class Handler(_Handler):
@@ -160,9 +163,14 @@ class AdminServer:
                 if want is None or want == have:
                     continue
                 if want > have:
-                    self.cluster.add_workers(role, want - have)
+                    self.say(f"scaling {role} replicas {have} -> {want}: starting {want - have}...")
+                    for service in self.cluster.add_workers(role, want - have):
+                        self.say(f"{service.name} ({service.address}, pid {service.process.pid}) serving")
                 else:
-                    self.cluster.remove_workers(role, have - want, drain_timeout_s)
+                    self.say(f"scaling {role} replicas {have} -> {want}: draining {have - want} "
+                             f"(up to {drain_timeout_s:g}s for their requests)...")
+                    for service in self.cluster.remove_workers(role, have - want, drain_timeout_s):
+                        self.say(f"{service.name} ({service.address}) left the fleet and stopped")
             return self.fleet()
 
 
@@ -200,6 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, InvalidRequestError, ValueError) as exc:
             return self._reply(400, {"error": str(exc)})
         except (RuntimeError, TimeoutError) as exc:  # a new worker exited or did not come up
+            self.server_admin.say(f"scaling failed: {exc}")
             return self._reply(500, {"error": str(exc)})
         self._reply(200, fleet)
 

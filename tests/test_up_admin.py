@@ -54,18 +54,32 @@ class FakeCluster:
     def workers(self, role: str) -> list[SimpleNamespace]:
         return [SimpleNamespace(address=a) for a in self.fleets[role]]
 
-    def add_workers(self, role: str, count: int) -> None:
+    def add_workers(self, role: str, count: int) -> list[SimpleNamespace]:
         self.changes.append(("add", role, count))
-        self.fleets[role] += [f"127.0.0.1:{100 + i}" for i in range(count)]
+        have = len(self.fleets[role])
+        added = [f"127.0.0.1:{100 + have + i}" for i in range(count)]
+        self.fleets[role] += added
+        return [self._service(role, address) for address in added]
 
-    def remove_workers(self, role: str, count: int, drain_timeout_s: float) -> None:
+    def remove_workers(self, role: str, count: int, drain_timeout_s: float) -> list[SimpleNamespace]:
         self.changes.append(("remove", role, count))
+        leaving = self.fleets[role][-count:]
         del self.fleets[role][-count:]
+        return [self._service(role, address) for address in leaving]
+
+    def _service(self, role: str, address: str) -> SimpleNamespace:
+        port = int(address.rsplit(":", 1)[1])
+        return SimpleNamespace(name=f"{role}-{port}", address=address, process=SimpleNamespace(pid=port + 1000))
 
 
 @pytest.fixture
-def admin(tmp_path):
-    server = AdminServer(FakeCluster(), max_replicas=4)  # type: ignore[arg-type]
+def said() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def admin(tmp_path, said):
+    server = AdminServer(FakeCluster(), max_replicas=4, say=said.append)  # type: ignore[arg-type]
     server.start(state_file(tmp_path, 50051))
     yield server
     server.stop()
@@ -279,3 +293,16 @@ def test_tandem_up_runs_its_workers_on_the_device_asked_for():
     assert args[args.index("--device") + 1] == "cpu" and "--cuda-graphs" not in args
     with pytest.raises(InvalidRequestError, match="--cuda-graphs needs --device cuda"):
         up_spec("--cuda-graphs")
+
+
+def test_each_change_of_the_fleet_is_said_where_tandem_up_printed_the_fleet(admin, tmp_path, said):
+    secret = json.loads(state_file(tmp_path, 50051).read_text())["secret"]
+    assert post(admin, {"target_replicas": 3}, **bearer(secret))[0] == 200
+    assert post(admin, {"target_replicas": 2, "drain_timeout_s": 5}, **bearer(secret))[0] == 200
+    assert said == [
+        "scaling target replicas 1 -> 3: starting 2...",
+        "target-101 (127.0.0.1:101, pid 1101) serving",
+        "target-102 (127.0.0.1:102, pid 1102) serving",
+        "scaling target replicas 3 -> 2: draining 1 (up to 5s for their requests)...",
+        "target-102 (127.0.0.1:102) left the fleet and stopped",
+    ]

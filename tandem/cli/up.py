@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)  # (start has stopped what it started)
         raise
     lock, stop = threading.Lock(), threading.Event()  # one change of the fleet at a time: scaling or a restart
-    admin = AdminServer(cluster, args.admin_port, max_replicas=args.max_replicas, lock=lock)
+    admin = AdminServer(cluster, args.admin_port, max_replicas=args.max_replicas, lock=lock,
+                        say=lambda message: print(message, file=sys.stderr, flush=True))
     admin.start(state_file(root, cluster.coordinator.port))
     supervisor = Supervisor(cluster, policy, lock, stop)
     for service in cluster.services:
