@@ -172,8 +172,7 @@ def load_models(args: argparse.Namespace, methods: Sequence[str]) -> tuple[Path,
     from benchmarks.runners import engine_config, resolve_model_dir
     from tandem.cli.draft_flags import draft_engine_options
     from tandem.engine import ModelEngine
-    from tandem.pipeline import check_same_tokenizer
-    from tandem.tokenizer import load_tokenizer, stop_token_ids
+    from tandem.tokenizer import check_same_tokenizer, load_tokenizer, stop_token_ids
 
     target_dir = resolve_model_dir(args.target, args.cache_dir)
     tokenizer = load_tokenizer(target_dir)

@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.questions < 1:
         raise SystemExit(f"--questions must be at least 1, got {args.questions}")
     from benchmarks.runners import engine_config, resolve_model_dir
-    from tandem.pipeline import check_same_tokenizer
-    from tandem.tokenizer import encode_messages, load_tokenizer, stop_token_ids
+    from tandem.tokenizer import check_same_tokenizer, encode_messages, load_tokenizer, stop_token_ids
 
     system = system_prompt(args.spec_bench, args.system_from)
     target_dir = resolve_model_dir(args.target, args.cache_dir)

@@ -247,9 +247,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
     from benchmarks.runners import engine_config, resolve_model_dir
     from draft_worker.engine import early_exit_engine
     from tandem.engine import ModelEngine
-    from tandem.pipeline import check_same_tokenizer
     from tandem.spec.options import SpecOptions
-    from tandem.tokenizer import load_tokenizer, stop_token_ids
+    from tandem.tokenizer import check_same_tokenizer, load_tokenizer, stop_token_ids
 
     needs_draft = bool({"spec-draft", "spec-hybrid", "spec-draft-tree", "spec-hybrid-tree", "hf-assisted",
                         *EAGER_METHODS, *FULL_METHODS, *WIDE_METHODS, *HEADS_WITH_DRAFT} & set(args.methods))

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.errors import TandemError
 from tandem.parent_watch import LAUNCHER_ENV
 from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
 from tandem.workers_file import write_workers
@@ -40,6 +41,14 @@ DISCOVERY = ("static", "file", "given")
 DRAIN_TIMEOUT_S = 60.0  # a removed worker gets this long to finish its requests before SIGTERM
 JOIN_TIMEOUT_S = 30.0  # a coordinator reads the workers file twice a second and asks a new worker's Info at once
 CO_LOCATED_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT for services sharing cores: see LocalCluster._launch
+
+
+class ServiceExited(TandemError, RuntimeError):
+    """A process exited before it served: its log's end says why (a bad flag, a model that does not load)."""
+
+
+class ServiceStartTimeout(TandemError, TimeoutError):
+    """A process still not serving after the start timeout."""
 
 
 @dataclass(slots=True)
@@ -367,9 +376,11 @@ class LocalCluster:
             while not service.ready.wait(timeout=0.2):
                 if service.process.poll() is not None:
                     tail = service.log_path.read_text()[-3000:]
-                    raise RuntimeError(f"{service.role} exited with code {service.process.returncode}:\n{tail}")
+                    raise ServiceExited(f"{service.role} exited with code {service.process.returncode} while "
+                                        f"starting; its log ({service.log_path}) ends:\n{tail}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{service.role} not ready after {timeout_s:.0f}s (log: {service.log_path})")
+                    raise ServiceStartTimeout(f"{service.role} not ready after {timeout_s:.0f}s "
+                                              f"(log: {service.log_path})")
 
 
 def wait_serving(address: str, timeout_s: float = 30.0, tls: ClientTLS | None = None) -> None:

@@ -181,6 +181,28 @@ def cpu_runs_bf16() -> bool:
         return False
 
 
+def available_device(text: str, flag: str = "device") -> torch.device:
+    """``text`` as a torch device Tandem runs on (cpu, cuda, cuda:N) and this machine has; else an error naming
+    ``flag`` (a worker's ``--device`` is refused here, not as a traceback from torch or a CUDA call)."""
+    import torch  # model-side only: see the module docstring
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise InvalidRequestError(f"{flag} must be cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"{flag} must be cpu, cuda or cuda:N, got {text!r} (Tandem runs on CPUs and "
+                                  "NVIDIA GPUs)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
+            raise InvalidRequestError(f"{flag} {text} was asked for but CUDA is not available here (torch "
+                                      f"{torch.__version__}, built for {build})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InvalidRequestError(f"{flag} {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How one worker runs one model."""
@@ -229,9 +251,7 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block")
         import torch  # model-side only: see the module docstring
 
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError("device cuda was asked for but CUDA is not available")
+        device = available_device(self.device)
         if self.dtype == "float16" and device.type == "cpu":
             raise InvalidRequestError("float16 is for GPUs; use bfloat16 or float32 on a CPU")
         self.resolved_dtype = self._resolve_dtype(device)

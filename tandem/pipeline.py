@@ -22,7 +22,7 @@ from tandem.inprocess import SpeculativeGenerator
 from tandem.spec.adaptive import CostModel
 from tandem.spec.options import SpecOptions, heads_fallback, resolve_method
 from tandem.structured_output import StructuredOutput
-from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
+from tandem.tokenizer import check_same_tokenizer, load_tokenizer, stop_token_ids
 
 
 @dataclass(slots=True)
@@ -84,10 +84,3 @@ class LocalPipeline:
                    heads, StructuredOutput(target_cfg.model_dir, target.config))
 
 
-def check_same_tokenizer(target_tokenizer: Any, target_dir: Path, draft_dir: Path) -> None:
-    draft_tokenizer = load_tokenizer(draft_dir)
-    if tokenizer_fingerprint(draft_tokenizer) != tokenizer_fingerprint(target_tokenizer):
-        raise InvalidRequestError(
-            f"the draft model's tokenizer ({draft_dir}) differs from the target's ({target_dir}): "
-            "speculative decoding needs both to map text to the same token ids"
-        )

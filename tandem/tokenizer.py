@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import ModelConfig
+from tandem.errors import InvalidRequestError
 from tandem.model_store import MARKER_NAME
 
 
@@ -52,6 +53,16 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_same_tokenizer(target_tokenizer: Any, target_dir: Path, draft_dir: Path) -> None:
+    """Refuse a draft whose tokenizer maps text to other ids than the target's (its proposals would be noise)."""
+    draft_tokenizer = load_tokenizer(draft_dir)
+    if tokenizer_fingerprint(draft_tokenizer) != tokenizer_fingerprint(target_tokenizer):
+        raise InvalidRequestError(
+            f"the draft model's tokenizer ({draft_dir}) differs from the target's ({target_dir}): "
+            "speculative decoding needs both to map text to the same token ids"
+        )
 
 
 # The end-of-generation tokens llama.cpp stops at beside a GGUF's one eos (src/llama-vocab.cpp, where a vocabulary

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import pytest
+
 from tandem import cluster as cluster_module
 from tandem.cluster import CO_LOCATED_SPIN_COUNT, ClusterSpec, LocalCluster
+from tandem.errors import TandemError
 from tandem.rpc.startup_lock import StartupLock
 
 
@@ -74,3 +77,13 @@ def test_a_startup_lock_lets_one_worker_up_at_a_time(tmp_path):
         return states
 
     assert asyncio.run(scenario()) == ["second waits: True", "second holds: True"]
+
+
+def test_a_service_that_exits_while_starting_is_a_tandem_error_with_its_logs_end(tmp_path):
+    """`tandem up` prints it as ``tandem: error: ...`` (it was a RuntimeError: a traceback on the console)."""
+    local = LocalCluster(ClusterSpec(target="tiny", log_dir=tmp_path))
+    service = local._launch("target", "target-0", [sys.executable, "-c",
+                                                    "import sys; sys.exit('tandem: error: no such device')"])
+    with pytest.raises(TandemError, match=r"(?s)target exited with code 1 while starting; its log .* ends:\n"
+                                          r"tandem: error: no such device"):
+        local._wait([service], timeout_s=60)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelConfig, available_device
 from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
 
 
@@ -36,6 +37,8 @@ def test_qwen2_always_has_attention_bias_and_rope_theta_is_read_from_v5_layout()
     ({"block_size": 12}, "power of two"),
     ({"kv_cache_tokens": 4}, "at least one block"),
     ({"dtype": "float16"}, "float16 is for GPUs"),
+    ({"device": "gpu"}, "device must be cpu, cuda or cuda:N, got 'gpu'"),  # was torch's RuntimeError, a traceback
+    ({"device": "mps"}, "device must be cpu, cuda or cuda:N, got 'mps'"),
 ])
 def test_engine_config_validation(tmp_path, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -86,3 +89,10 @@ def test_draft_flags_carry_the_drafts_own_dtype_to_engines_and_to_spawned_worker
     serve = argparse.ArgumentParser()
     add_draft_flags(serve, prefix="--")  # `serve draft`: its own --dtype is the worker's
     assert "dtype" not in draft_engine_options(serve.parse_args([]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where no CUDA device is")
+def test_a_cuda_device_where_there_is_none_is_named_with_the_flag_that_asked():
+    with pytest.raises(InvalidRequestError, match=r"--device cuda:1 was asked for but CUDA is not available here"):
+        available_device("cuda:1", "--device")
+    assert available_device("cpu") == torch.device("cpu")

@@ -9,6 +9,7 @@ import stat
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tandem.cli import main
 from tandem.errors import InvalidRequestError
@@ -285,14 +286,30 @@ def test_a_servers_metrics_listen_on_its_own_host():
     assert asyncio.run(start()) == "127.0.0.1"
 
 
-def test_tandem_up_runs_its_workers_on_the_device_asked_for():
+def test_tandem_up_runs_its_workers_on_the_device_asked_for(monkeypatch):
     """A GPU user's `tandem up` ran every worker on the CPU: there was no way to ask for CUDA."""
+    import tandem.cli.up as up
+
+    checked = []
+    monkeypatch.setattr(up, "available_device", lambda device, flag: checked.append((device, flag)))  # as on a GPU
     args = list(up_spec("--device", "cuda", "--cuda-graphs").worker_args)
+    assert checked == [("cuda", "--device")]
     assert args[args.index("--device") + 1] == "cuda" and "--cuda-graphs" in args
     args = list(up_spec().worker_args)
     assert args[args.index("--device") + 1] == "cpu" and "--cuda-graphs" not in args
     with pytest.raises(InvalidRequestError, match="--cuda-graphs needs --device cuda"):
         up_spec("--cuda-graphs")
+
+
+@pytest.mark.parametrize("device,complaint", [
+    ("gpu", "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+    pytest.param("cuda", "--device cuda was asked for but CUDA is not available here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_tandem_up_refuses_a_device_before_any_worker_starts(device, complaint):
+    """Each worker refused it as it started, and `tandem up` printed a traceback of the first one's exit."""
+    with pytest.raises(InvalidRequestError, match=complaint):
+        up_spec("--device", device)
 
 
 def test_each_change_of_the_fleet_is_said_where_tandem_up_printed_the_fleet(admin, tmp_path, said):
@@ -306,3 +323,20 @@ def test_each_change_of_the_fleet_is_said_where_tandem_up_printed_the_fleet(admi
         "scaling target replicas 3 -> 2: draining 1 (up to 5s for their requests)...",
         "target-102 (127.0.0.1:102) left the fleet and stopped",
     ]
+
+
+def test_tandem_up_refuses_a_draft_of_another_vocabulary_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    """It started the fleet and said ready; the coordinator logged an error and never used the draft."""
+    import tandem.cli.up as up
+    from tests.tiny_models import save_tiny_tokenizer
+
+    target, draft = save_tiny_tokenizer(tmp_path / "t", 40), save_tiny_tokenizer(tmp_path / "d", 50)
+    monkeypatch.setattr(up, "resolve_or_prepare", lambda spec, root: tmp_path / spec)
+
+    def no_cluster(spec):
+        raise AssertionError("a process was started before the models were checked")
+
+    monkeypatch.setattr(up, "LocalCluster", no_cluster)
+    assert main(["up", "--target", "t", "--draft", "d", "--port", "0", "--http-port", "0",
+                 "--cache-dir", str(tmp_path)]) == 2
+    assert f"the draft model's tokenizer ({draft}) differs from the target's ({target})" in capsys.readouterr().err

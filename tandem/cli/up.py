@@ -46,10 +46,11 @@ from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
-from tandem.config import DTYPES, PLACEMENT_MODES, read_chat_template
+from tandem.config import DTYPES, PLACEMENT_MODES, available_device, read_chat_template
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
 from tandem.supervisor import RestartPolicy, Supervisor
+from tandem.tokenizer import check_same_tokenizer, load_tokenizer
 from tandem.up_admin import MAX_REPLICAS, AdminServer, state_file
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
@@ -156,6 +157,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if tls and tls.mutual and not (worker_tls and worker_tls.cert):
         raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
                                   "require the coordinator's client certificate")
+    available_device(args.device, "--device")  # refused here, not by every worker as it starts
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise InvalidRequestError(f"--cuda-graphs needs --device cuda, and the workers would run on {args.device}")
     if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
@@ -206,8 +208,11 @@ def run(args: argparse.Namespace) -> int:
     require_free_port("--port", spec.port)
     if (http := http_port(args)) is not None:
         require_free_port("--http-port", http)
-    for model in filter(None, (spec.target, spec.draft)):  # prepare once here, not in every replica at once
-        resolve_or_prepare(model, root)
+    # prepared once here, not in every replica at once
+    model_dirs = {model: resolve_or_prepare(model, root) for model in filter(None, (spec.target, spec.draft))}
+    if spec.draft and spec.draft_replicas:  # a coordinator would start, then never use a draft of another vocabulary
+        target_dir, draft_dir = Path(model_dirs[spec.target]), Path(model_dirs[spec.draft])
+        check_same_tokenizer(load_tokenizer(target_dir), target_dir, draft_dir)
     cluster = LocalCluster(spec)
     print(f"starting Tandem (logs in {cluster.log_dir})...", file=sys.stderr)
     try:
