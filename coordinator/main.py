@@ -26,19 +26,26 @@ log = logging.getLogger(__name__)
 # scheduling): the coordinator waits for them as long as it takes.
 STATIC_WORKER_WAIT_S = 600.0
 WAIT_POLL_S = 0.5
+WAIT_REPORT_S = 15.0  # while no target is usable, the log says every this often what each listed one answers
 
 
 async def wait_for_target(pool: WorkerPool, timeout_s: float | None) -> None:
     """Until one target replica has answered Info with our tokenizer."""
     loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
+    start = loop.time()
+    deadline = None if timeout_s is None else start + timeout_s
+    next_report = start + WAIT_REPORT_S
     while True:
         await pool.refresh_all()
         if pool.has_healthy():
             return
-        if deadline is not None and loop.time() > deadline:
-            states = ", ".join(f"{c.address} {c.state}" for c in pool.clients) or "none listed"
-            raise WorkerUnavailableError(f"no usable {pool.role} worker after {timeout_s:.0f}s ({states})")
+        now = loop.time()
+        if deadline is not None and now > deadline:
+            raise WorkerUnavailableError(f"no usable {pool.role} worker after {timeout_s:.0f}s ({pool.describe()})")
+        if now >= next_report:
+            limit = "" if timeout_s is None else f" (giving up after {timeout_s:.0f}s)"
+            log.warning("no usable %s worker yet after %.0fs%s: %s", pool.role, now - start, limit, pool.describe())
+            next_report = now + WAIT_REPORT_S
         await asyncio.sleep(WAIT_POLL_S)
 
 

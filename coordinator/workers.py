@@ -94,6 +94,7 @@ class WorkerClient:
         self.stub: Any = stub_class(self.channel)
         self.info: common_pb2.WorkerInfo | None = None
         self.healthy = False
+        self.last_failure = ""  # why its last Info poll failed ("UNAVAILABLE: ..."); "" once one answers
         self.placed_since_poll = 0
         self.active = 0  # this coordinator's requests placed here and not yet finished
         self.verified = False  # its Info answered with the coordinator's tokenizer: requests may go here
@@ -156,6 +157,7 @@ class WorkerClient:
             self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(owner=self.owner), timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.healthy = False
+            self.last_failure = f"{exc.code().name}: {exc.details()}"
             return exc.code()
         except asyncio.CancelledError:
             # Closing a channel cancels its calls, and grpc.aio raises that in the caller as
@@ -168,7 +170,7 @@ class WorkerClient:
             return grpc.StatusCode.UNAVAILABLE
         if not self.healthy:
             self.prompt_blocks.clear()  # it stopped answering: it may be back with an empty cache
-        self.healthy = True
+        self.healthy, self.last_failure = True, ""
         return grpc.StatusCode.OK
 
     @property
@@ -431,6 +433,12 @@ class WorkerPool:
         kinds = {c.info.heads for c in self.clients if c.routable and c.info is not None}
         return kinds.pop() if len(kinds) == 1 else ""
 
+    def describe(self) -> str:
+        """Each replica's address and state, with why its last poll failed: what an operator needs while none
+        is usable (a typo in an address, a worker still loading, one of another model)."""
+        return ", ".join(f"{c.address} {c.state}" + (f" ({c.last_failure})" if c.last_failure else "")
+                         for c in self.clients) or "none listed yet"
+
     def counts(self) -> dict[str, int]:
         """Replicas per state (every state present, zeros included)."""
         counts = dict.fromkeys(REPLICA_STATES, 0)
@@ -452,7 +460,7 @@ class WorkerPool:
                          client.active)
                 client.leaving = True
         for address in sorted(wanted - known):
-            log.info("%s worker %s joined", self.role, address)
+            log.info("%s worker %s listed; used once its Info answers", self.role, address)
             client = WorkerClient(address, self.role, self.call_timeout_s, self.tls, self.owner)
             self.clients.append(client)
             self._spawn(self.refresh(client))  # usable as soon as its first Info answers

@@ -115,3 +115,26 @@ def test_a_replica_closed_while_its_info_poll_is_on_the_way_ends_the_poll_quietl
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_waiting_for_a_first_target_says_what_each_listed_one_answers(monkeypatch, caplog):
+    """A coordinator given a wrong --target-addr said "joined" and then nothing for ten minutes."""
+    import coordinator.main as coordinator_main
+
+    monkeypatch.setattr(coordinator_main, "WAIT_REPORT_S", 0.2)
+    monkeypatch.setattr(coordinator_main, "WAIT_POLL_S", 0.05)
+
+    async def scenario():
+        pool = WorkerPool("target", [], "fp", call_timeout_s=5.0)
+        pool.update({"127.0.0.1:1"})  # nothing listens there
+        try:
+            with caplog.at_level("WARNING", logger="coordinator.main"):
+                await coordinator_main.wait_for_target(pool, timeout_s=1.0)
+        finally:
+            await pool.close()
+
+    with pytest.raises(errors.WorkerUnavailableError, match=r"no usable target worker after 1s "
+                                                           r"\(127\.0\.0\.1:1 starting \(UNAVAILABLE: "):
+        asyncio.run(scenario())
+    reports = [r.getMessage() for r in caplog.records if r.name == "coordinator.main"]
+    assert reports and all("127.0.0.1:1 starting (UNAVAILABLE: " in m and "giving up after 1s" in m for m in reports)
