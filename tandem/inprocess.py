@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,9 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     k_max: int | None = None  # None: the generator's SpecOptions.k_max
     adaptive_k: bool | None = None  # None: the generator's SpecOptions.adaptive_k
+    # Called with the tokens each step commits (the prefill's first, then each round's), as they are committed:
+    # what `tandem generate` streams in process. It runs on the generator's event loop, so it must not block.
+    on_tokens: Callable[[list[int]], None] | None = None
 
 
 @dataclass(slots=True)
@@ -193,7 +196,12 @@ class SpeculativeGenerator:
 
         async def run(loop: SpeculationLoop, r: GenerationRequest) -> None:
             async with admission.hold(len(r.prompt_ids), r.max_new_tokens):
-                await loop.run_to_end()
+                sent = 0
+                async for _ in loop.run():
+                    if r.on_tokens is not None and loop.state.num_generated > sent:
+                        new = loop.state.generated[sent:]
+                        sent = loop.state.num_generated
+                        r.on_tokens(new)
 
         for b in batchers:
             b.start()

@@ -239,3 +239,49 @@ def test_the_flags_a_request_carries_pass_with_addr_and_reach_the_request(capsys
                  "--heads-nodes", "4", "--tree", "off", "--timeout", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "in process only" not in err and "UNAVAILABLE" in err
+
+
+def test_in_process_the_text_streams_as_it_is_generated_and_ends_as_the_whole_decoding(tiny_served_dir, capsys,
+                                                                                          monkeypatch):
+    """In process the answer was printed only once all of it was generated (with --addr it streams)."""
+    from tandem.inprocess import SpeculativeGenerator
+    from tandem.tokenizer import load_tokenizer
+    from tests.references import target_only
+
+    prompt = "Name three colors."
+    expected = target_only(tiny_served_dir, [prompt], dtype="float32", max_new_tokens=24)[prompt]
+    printed_during: list[str] = []  # stdout as each step's callback returns, while generate() still runs
+    generate = SpeculativeGenerator.generate
+
+    def watched(self, requests):
+        [request] = requests
+        inner = request.on_tokens
+        assert inner is not None, "no callback: the text would be printed only at the end"
+
+        def record(tokens):
+            inner(tokens)
+            printed_during.append(capsys.readouterr().out)
+        request.on_tokens = record
+        return generate(self, requests)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", watched)
+    assert main(["generate", prompt, "--chat", "--target", str(tiny_served_dir), "--method", "none",
+                 "--max-new-tokens", "24", "--dtype", "float32"]) == 0
+    rest = capsys.readouterr().out
+    text = load_tokenizer(tiny_served_dir).decode(expected, skip_special_tokens=True)
+    assert len(printed_during) == len(expected)  # plain decoding commits one token a step
+    assert sum(1 for piece in printed_during if piece) > 1  # several pieces, before the end
+    assert "".join(printed_during) + rest == text + "\n"
+
+
+def test_ctrl_c_mid_answer_ends_the_line_and_exits_130(monkeypatch, capsys):
+    import tandem.cli.generate as generate
+
+    def interrupted(args):
+        print("half an answ", end="", flush=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run_in_process", interrupted)
+    assert main(["generate", "hi", "--target", "/nonexistent"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "half an answ" and out.err == "\n[interrupted]\n"

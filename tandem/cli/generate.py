@@ -258,10 +258,18 @@ def coordinator_address(addr: str) -> str:
 def run(args: argparse.Namespace) -> int:
     tools = tool_options_from_args(args)  # (refused in process, before any model loads)
     check_request_flags(args)
-    if args.addr:
-        return run_remote(args, tools)
+    try:
+        return run_remote(args, tools) if args.addr else run_in_process(args)
+    except KeyboardInterrupt:  # Ctrl-C mid-answer: end the streamed line, say so (the request's KV is freed)
+        print("\n[interrupted]", file=sys.stderr, flush=True)
+        return 130
+
+
+def run_in_process(args: argparse.Namespace) -> int:
+    """Load the models here and stream the answer as it is generated."""
     from tandem.inprocess import GenerationRequest
     from tandem.pipeline import LocalPipeline
+    from tandem.text_stream import TextStream
     from tandem.tokenizer import encode_messages, encode_prompt
 
     sampling, options, target_cfg, draft_cfg = configs_from_args(args)
@@ -273,15 +281,25 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = encode_messages(pipeline.tokenizer, chat_turns(args.system, args.prompt))
     else:
         prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
-    request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids)
+    # The text as it is generated, as with --addr (a decoder's pieces held back until they are whole characters)
+    stream = None if args.json else TextStream(pipeline.tokenizer, skip_token_ids=pipeline.stop_ids)
+
+    def show(tokens: list[int]) -> None:
+        for token in tokens:
+            stream.push(token)
+        print(stream.take(), end="", flush=True)
+
+    request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids,
+                                on_tokens=show if stream is not None else None)
     result = pipeline.generator().generate([request])[0]
-    text = pipeline.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
+        text = pipeline.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         stats = {**result.stats.as_dict(), "method": pipeline.method}
         print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": stats}))
     else:
-        print(text)
+        stream.finish()
+        print(stream.take(), flush=True)
         s = result.stats
         print(f"[{s.generated} tokens, {s.tokens_per_s:.2f} tok/s, method {pipeline.method}, "
               f"accepted {s.accepted}/{s.drafted} drafted in {s.rounds} rounds]", file=sys.stderr)
