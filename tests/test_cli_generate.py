@@ -239,6 +239,7 @@ def test_the_flags_a_request_carries_pass_with_addr_and_reach_the_request(capsys
                  "--heads-nodes", "4", "--tree", "off", "--timeout", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "in process only" not in err and "UNAVAILABLE" in err
+    assert "(is a coordinator running at 127.0.0.1:1? `tandem up` starts one)" in err
 
 
 def test_in_process_the_text_streams_as_it_is_generated_and_ends_as_the_whole_decoding(tiny_served_dir, capsys,

@@ -341,7 +341,10 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
                     print(chunk.text, end="", flush=True)
                 last = chunk
         except grpc.RpcError as exc:
-            print(f"tandem: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = ""
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and last is None and "connect" in (exc.details() or ""):
+                hint = f" (is a coordinator running at {coordinator_address(args.addr)}? `tandem up` starts one)"
+            print(f"tandem: error: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
             return 2
     stats = last.stats if last is not None else None
     if args.json:
