@@ -55,6 +55,24 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+# The files a Hugging Face tokenizer is read from: byte-identical sets of them make identical token -> id maps.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def same_tokenizer_files(first: Path, second: Path) -> bool:
+    """Whether two model directories hold byte-identical tokenizer files (a cheap proof of the same tokenizer:
+    a model family's sizes ship the same files). False says nothing: compare the fingerprints then."""
+    first, second = Path(first), Path(second)
+    if not (first.is_dir() and second.is_dir() and (first / "tokenizer.json").is_file()):
+        return False
+    for name in TOKENIZER_FILES:
+        a, b = first / name, second / name
+        if a.is_file() != b.is_file() or (a.is_file() and a.read_bytes() != b.read_bytes()):
+            return False
+    return True
+
+
 def check_same_tokenizer(target_tokenizer: Any, target_dir: Path, draft_dir: Path) -> None:
     """Refuse a draft whose tokenizer maps text to other ids than the target's (its proposals would be noise)."""
     draft_tokenizer = load_tokenizer(draft_dir)

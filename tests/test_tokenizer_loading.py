@@ -95,3 +95,17 @@ def test_smollm2_s_tokenizer_loads_without_importing_the_model_config_s_dependen
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"imported": [], "class": "TokenizersBackend"}
+
+
+def test_byte_identical_tokenizer_files_are_the_same_tokenizer_and_anything_else_is_not_proven(tmp_path):
+    """`tandem up`'s cheap check before it compares fingerprints (which loads both tokenizers)."""
+    from tandem.tokenizer import load_tokenizer, same_tokenizer_files, tokenizer_fingerprint
+
+    first, twin = save_tiny_tokenizer(tmp_path / "a", 40), save_tiny_tokenizer(tmp_path / "b", 40)
+    other = save_tiny_tokenizer(tmp_path / "c", 50)
+    assert same_tokenizer_files(first, twin)
+    assert tokenizer_fingerprint(load_tokenizer(first)) == tokenizer_fingerprint(load_tokenizer(twin))
+    assert not same_tokenizer_files(first, other)
+    (twin / "special_tokens_map.json").write_text("{}")  # a file only one of them has
+    assert not same_tokenizer_files(first, twin) and not same_tokenizer_files(twin, first)
+    assert not same_tokenizer_files(first, tmp_path / "missing")

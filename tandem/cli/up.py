@@ -50,7 +50,7 @@ from tandem.config import DTYPES, PLACEMENT_MODES, available_device, read_chat_t
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
 from tandem.supervisor import RestartPolicy, Supervisor
-from tandem.tokenizer import check_same_tokenizer, load_tokenizer
+from tandem.tokenizer import check_same_tokenizer, load_tokenizer, same_tokenizer_files
 from tandem.up_admin import MAX_REPLICAS, AdminServer, state_file
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
@@ -212,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     model_dirs = {model: resolve_or_prepare(model, root) for model in filter(None, (spec.target, spec.draft))}
     if spec.draft and spec.draft_replicas:  # a coordinator would start, then never use a draft of another vocabulary
         target_dir, draft_dir = Path(model_dirs[spec.target]), Path(model_dirs[spec.draft])
-        check_same_tokenizer(load_tokenizer(target_dir), target_dir, draft_dir)
+        if not same_tokenizer_files(target_dir, draft_dir):  # (loading both to compare costs ~4 s on 2 cores)
+            check_same_tokenizer(load_tokenizer(target_dir), target_dir, draft_dir)
     cluster = LocalCluster(spec)
     print(f"starting Tandem (logs in {cluster.log_dir})...", file=sys.stderr)
     try:
