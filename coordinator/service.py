@@ -304,6 +304,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(
                 f"stopping.max_new_tokens: prompt ({token_count_text(len(prompt_ids))}) + "
                 f"{token_count_text(max_new, 'new ')} exceeds the model's context of {self.max_context}")
+        room = self.sequence_room()
+        if room is not None and len(prompt_ids) + max_new > room:
+            if stopping.max_new_tokens:  # the client's own number: refused, as one past the model's context is
+                raise InvalidRequestError(
+                    f"stopping.max_new_tokens: prompt ({token_count_text(len(prompt_ids))}) + "
+                    f"{token_count_text(max_new, 'new ')} is more than a target worker's KV cache holds for one "
+                    f"sequence ({room} tokens; the workers' --kv-cache-tokens)")
+            max_new = room - len(prompt_ids)  # a default: as many as fit (the prompt itself fits, checked before)
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
         check_response_format(sampling)  # a schema the workers could not compile is the client's error, named here
@@ -375,7 +383,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if len(ids) >= self.max_context:
             raise PromptTooLongError(
                 f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
+        room = self.sequence_room()
+        if room is not None and len(ids) >= room:
+            raise PromptTooLongError(f"prompt: {len(ids)} tokens is more than a target worker's KV cache holds for "
+                                     f"one sequence with its answer ({room} tokens; the workers' --kv-cache-tokens)")
         return ids
+
+    def sequence_room(self) -> int | None:
+        """The most tokens (prompt and answer) one sequence may reach on every usable target: the smallest KV pool
+        among them, less the tokens a round may hold in flight; None while none has answered. A request past it
+        would wait for room that never comes (refused as full, retried, and failed as "retry later" minutes on)."""
+        pools = [c.info.total_blocks * c.info.block_size for c in self.targets.clients
+                 if c.routable and c.info is not None and c.info.total_blocks > 0]
+        return min(pools) - (MAX_K + 1) if pools else None
 
     def _routing_key(self, prompt_ids: list[int]) -> bytes | None:
         """The prompt's prefix key (None with --placement load); not at the targets' KV block size (the module

@@ -325,6 +325,29 @@ def test_the_context_error_counts_tokens_in_words(tokenizer):
     run(go())
 
 
+def test_a_request_a_target_kv_pool_cannot_hold_is_refused_at_once_and_a_default_length_fits_it(tokenizer):
+    """Past the KV pool (4 blocks of 16: 64 tokens, less 16 for a round in flight), a request waited for room
+    that never came and failed as "out of KV cache; retry later" five minutes on (seen with --kv-cache-tokens
+    512 and a 900-token prompt)."""
+    async def go():
+        async with http_coordinator(tokenizer, info={"total_blocks": 4, "max_context": 1024}) as running:
+            code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5] * 50,
+                                                                   "max_tokens": 2})
+            assert code == 413 and "a target worker's KV cache holds for one sequence" in body["error"]["message"]
+            code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5] * 10,
+                                                                   "max_tokens": 40})
+            assert code == 400 and body["error"]["param"] == "max_tokens", body
+            assert "prompt (10 tokens) + 40 new tokens is more than a target worker's KV cache holds for one " \
+                   "sequence (48 tokens" in body["error"]["message"]
+            assert not running.target.calls["Prefill"]  # refused before any worker was called
+            # a chat without max_tokens: up to the context, which is now what the pool holds
+            code, body = await post(running.url + "/chat/completions", {"model": MODEL, "messages": [
+                {"role": "user", "content": "hi"}]})
+            assert code == 200 and body["choices"][0]["finish_reason"] == "length", body
+            assert body["usage"]["total_tokens"] == 48, body["usage"]
+    run(go())
+
+
 @pytest.mark.parametrize("change,param", [
     ({"echo": 1}, "echo"), ({"best_of": 3}, "best_of"), ({"prompt": ["a", 2]}, "prompt"),
     ({"prompt": None}, "prompt"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [1, 99]}, "prompt"),
