@@ -29,7 +29,7 @@ from tandem.compute_thread import CallingThreadExecutor
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError, check_token_ids, token_count_text
 from tandem.heads.drafters import HeadDrafter
-from tandem.kv_admission import KVAdmission
+from tandem.kv_admission import IN_FLIGHT_TOKENS, KVAdmission
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling_params import SamplingParams
@@ -174,6 +174,7 @@ class SpeculativeGenerator:
                     f"prompt ({token_count_text(len(r.prompt_ids))}) + max_new_tokens ({r.max_new_tokens}) "
                     f"exceeds the model's context of {self.max_len}")
             check_token_ids("prompt", r.prompt_ids, self.target.vocab_size)
+            self._check_room(r)
         states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids))
                   for r in requests]
         asyncio.run(self._run(requests, states))
@@ -223,6 +224,17 @@ class SpeculativeGenerator:
             await asyncio.gather(*tasks, return_exceptions=True)
             for b in batchers:
                 await b.stop()
+
+    def _check_room(self, r: GenerationRequest) -> None:
+        """Refuse a request longer than a KV pool holds for one sequence: admitted alone, it would run until its
+        pool ran out and fail then (the coordinator refuses the same up front, ``sequence_room``)."""
+        engines = [("target", self.target.engine), *([("draft", self.draft.engine)] if self.draft is not None else [])]
+        for role, engine in engines:
+            room = engine.kv_cache.num_blocks * engine.kv_cache.block_size - IN_FLIGHT_TOKENS
+            if len(r.prompt_ids) + r.max_new_tokens > room:
+                raise InvalidRequestError(
+                    f"prompt ({token_count_text(len(r.prompt_ids))}) + max_new_tokens ({r.max_new_tokens}) is more "
+                    f"than the {role}'s KV cache holds for one sequence ({room} tokens; its kv_cache_tokens)")
 
     def _options_for(self, r: GenerationRequest) -> SpecOptions:
         opts = self.options

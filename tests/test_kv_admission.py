@@ -15,6 +15,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
+from tandem.errors import InvalidRequestError
 from tandem.inprocess import GenerationRequest, LocalTarget, SpeculativeGenerator
 from tandem.kv_admission import IN_FLIGHT_TOKENS, KVAdmission
 from tandem.kv_cache import PagedKVCache
@@ -110,3 +111,15 @@ def test_an_empty_or_single_call_runs_as_before(tiny_qwen2_dir, requests):
     target = small_pool_engine(tiny_qwen2_dir)
     results = SpeculativeGenerator(target).generate([GenerationRequest([3, 5, 7], 4)] * requests)
     assert len(results) == requests and all(len(r.token_ids) == 4 for r in results)
+
+
+def test_a_request_longer_than_a_pool_holds_is_refused_before_anything_runs(tiny_qwen2_dir):
+    """Admitted alone (it reserves the whole pool), it ran until the pool ran out and failed then."""
+    target = small_pool_engine(tiny_qwen2_dir, kv_tokens=256)  # (the model's context: 512)
+    room = target.kv_cache.num_blocks * target.kv_cache.block_size - IN_FLIGHT_TOKENS
+    generator = SpeculativeGenerator(target)
+    with pytest.raises(InvalidRequestError, match=rf"prompt \(4 tokens\) \+ max_new_tokens \({room - 3}\) is more "
+                                                   rf"than the target's KV cache holds for one sequence \({room} "):
+        generator.generate([GenerationRequest([3, 5, 9, 2], 2), GenerationRequest([3, 5, 9, 2], room - 3)])
+    assert target.kv_cache.num_free_blocks == target.kv_cache.num_blocks  # nothing ran
+    assert len(generator.generate([GenerationRequest([3, 5, 9, 2], room - 4)])[0].token_ids) <= room - 4  # fits
