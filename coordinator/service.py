@@ -361,7 +361,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             field = "token_ids.ids"
             ids = list(request.token_ids.ids)
             if not ids:
-                raise InvalidRequestError("token_ids.ids: prompt is empty")
+                raise InvalidRequestError("token_ids.ids: empty (nothing to continue): give at least one token")
             check_token_ids("token_ids.ids", ids, self.vocab_size)
         elif which == "messages":
             field = "messages"
@@ -372,7 +372,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         else:
             field = "text"
             if not request.text:
-                raise InvalidRequestError("text: prompt is empty")
+                raise InvalidRequestError("text: empty (nothing to continue): give some text")
             ids = _field("chat", lambda: chat_template_refusals(lambda: encode_prompt(
                 self.tokenizer, request.text, request.chat)))
             if not ids:  # text a tokenizer drops entirely would reach the target as an empty prompt

@@ -117,6 +117,7 @@ def test_a_list_of_prompts_runs_n_choices_of_each_in_order(tokenizer):
     (["a", []], "prompt[1] is empty"),
     (["a", [1, "x"]], "prompt[1]: a string, or a list of token ids"),
     ([], "prompt is empty"),
+    ("", "prompt: empty (nothing to continue): give some text"),  # (was "prompt: prompt is empty")
 ])
 def test_bad_prompt_lists_are_refused_naming_the_prompt(tokenizer, prompt, message):
     async def go():
