@@ -389,6 +389,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                      f"one sequence with its answer ({room} tokens; the workers' --kv-cache-tokens)")
         return ids
 
+    def served_context(self) -> int:
+        """The longest prompt and answer this coordinator takes: the model's context, or less where the targets' KV
+        pools hold less (what /v1/models says as max_model_len, so that a client sizes its prompts by it)."""
+        room = self.sequence_room()
+        return self.max_context if room is None else min(self.max_context, room)
+
     def sequence_room(self) -> int | None:
         """The most tokens (prompt and answer) one sequence may reach on every usable target: the smallest KV pool
         among them, less the tokens a round may hold in flight; None while none has answered. A request past it

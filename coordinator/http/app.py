@@ -169,7 +169,7 @@ class HttpApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda body: tokenize.tokenize(
-            body, self.tokenizer, self.service.max_context))
+            body, self.tokenizer, self.service.served_context()))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda body: tokenize.detokenize(
@@ -320,7 +320,7 @@ class HttpApi:
         return served
 
     def _model_card(self) -> dict[str, Any]:
-        context = self.service.max_context
+        context = self.service.served_context()
         return {"id": self.service.target_model(), "object": "model", "created": self.started, "owned_by": "tandem",
                 "max_model_len": context, "context_length": context}
 

@@ -345,6 +345,8 @@ def test_a_request_a_target_kv_pool_cannot_hold_is_refused_at_once_and_a_default
                 {"role": "user", "content": "hi"}]})
             assert code == 200 and body["choices"][0]["finish_reason"] == "length", body
             assert body["usage"]["total_tokens"] == 48, body["usage"]
+            models = await client(running).models.list()  # what a client sizes its prompts by
+            assert [m.model_extra["max_model_len"] for m in models.data] == [48]
     run(go())
 
 
