@@ -154,7 +154,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         draft_info = next((c.info for c in self.drafts.clients if c.verified), None)
         return generation_pb2.InfoResponse(
             target_model=self.target_model(), draft_model=draft_info.model if draft_info else "",
-            vocab_size=self.vocab_size, max_context=self.max_context,
+            vocab_size=self.vocab_size, max_context=self.served_context(),
             target_workers=status(self.targets), draft_workers=status(self.drafts))
 
     def target_model(self) -> str:
