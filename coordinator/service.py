@@ -400,7 +400,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         among them, less the tokens a round may hold in flight; None while none has answered. A request past it
         would wait for room that never comes (refused as full, retried, and failed as "retry later" minutes on)."""
         pools = [c.info.total_blocks * c.info.block_size for c in self.targets.clients
-                 if c.routable and c.info is not None and c.info.total_blocks > 0]
+                 if c.routable and c.info is not None and c.info.total_blocks > 0 and c.info.block_size > 0]
         return min(pools) - (MAX_K + 1) if pools else None
 
     def _routing_key(self, prompt_ids: list[int]) -> bytes | None:
