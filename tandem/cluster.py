@@ -38,6 +38,7 @@ from tandem.workers_file import write_workers
 # A coordinator with its HTTP API on adds http_port=; lines without it (every worker's) match too.
 READY = re.compile(r"TANDEM_READY role=(\w+) port=(\d+) metrics_port=(\d+)(?: http_port=(\d+))?")
 DISCOVERY = ("static", "file", "given")
+CLI_ERROR = "tandem: error: "  # how a `tandem` command says why it refused to run (tandem/cli/__init__.py)
 DRAIN_TIMEOUT_S = 60.0  # a removed worker gets this long to finish its requests before SIGTERM
 JOIN_TIMEOUT_S = 30.0  # a coordinator reads the workers file twice a second and asks a new worker's Info at once
 CO_LOCATED_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT for services sharing cores: see LocalCluster._launch
@@ -375,12 +376,21 @@ class LocalCluster:
         for service in services:
             while not service.ready.wait(timeout=0.2):
                 if service.process.poll() is not None:
-                    tail = service.log_path.read_text()[-3000:]
-                    raise ServiceExited(f"{service.role} exited with code {service.process.returncode} while "
-                                        f"starting; its log ({service.log_path}) ends:\n{tail}")
+                    raise ServiceExited(_exit_message(service))
                 if time.monotonic() > deadline:
                     raise ServiceStartTimeout(f"{service.role} not ready after {timeout_s:.0f}s "
                                               f"(log: {service.log_path})")
+
+
+def _exit_message(service: Service) -> str:
+    """Why a service exited while starting: the reason it gave (its CLI's last "tandem: error:" line), else the end
+    of its log (a traceback, a signal)."""
+    tail = service.log_path.read_text(errors="replace")[-3000:]
+    exited = f"{service.role} exited with code {service.process.returncode} while starting"
+    reasons = [line.removeprefix(CLI_ERROR) for line in tail.splitlines() if line.startswith(CLI_ERROR)]
+    if reasons:
+        return f"{exited}: {reasons[-1]} (its log: {service.log_path})"
+    return f"{exited}; its log ({service.log_path}) ends:\n{tail}"
 
 
 def wait_serving(address: str, timeout_s: float = 30.0, tls: ClientTLS | None = None) -> None:

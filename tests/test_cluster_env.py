@@ -84,6 +84,8 @@ def test_a_service_that_exits_while_starting_is_a_tandem_error_with_its_logs_end
     local = LocalCluster(ClusterSpec(target="tiny", log_dir=tmp_path))
     service = local._launch("target", "target-0", [sys.executable, "-c",
                                                     "import sys; sys.exit('tandem: error: no such device')"])
-    with pytest.raises(TandemError, match=r"(?s)target exited with code 1 while starting; its log .* ends:\n"
-                                          r"tandem: error: no such device"):
+    with pytest.raises(TandemError, match=r"^target exited with code 1 while starting: no such device \(its log: "):
         local._wait([service], timeout_s=60)
+    crashed = local._launch("target", "target-1", [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(TandemError, match=r"target exited with code 3 while starting; its log .* ends:\n"):
+        local._wait([crashed], timeout_s=60)
