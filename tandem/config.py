@@ -341,6 +341,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidRequestError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
         if self.drain_grace_s < 0:
             raise InvalidRequestError(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
 

@@ -260,6 +260,33 @@ def test_a_grpc_server_refuses_a_port_another_server_listens_on():
     asyncio.run(both())
 
 
+def test_a_metrics_port_in_use_or_out_of_range_is_a_clean_error():
+    """Either was a traceback (OverflowError, OSError) once the model had loaded."""
+    import asyncio
+    import socket
+
+    from tandem.config import ServerOptions
+    from tandem.errors import InvalidRequestError, ListenError
+    from tandem.rpc.server import ManagedServer
+
+    with pytest.raises(InvalidRequestError, match="--metrics-port must be in 0..65535"):
+        ServerOptions(host="127.0.0.1", port=0, metrics_port=70000)
+
+    async def taken(port: int) -> None:
+        server = ManagedServer("target", ServerOptions(host="127.0.0.1", port=0, metrics_port=port))
+        try:
+            with pytest.raises(ListenError, match=f"target: cannot serve metrics on 127.0.0.1:{port} "
+                                                  r"\(--metrics-port\)"):
+                await server.start()
+        finally:
+            await server.server.stop(None)
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        asyncio.run(taken(holder.getsockname()[1]))
+
+
 def test_tandem_up_keeps_its_coordinator_on_this_machine_unless_told_otherwise():
     """It printed 127.0.0.1 addresses while its coordinator, HTTP API and metrics listened on every interface,
     with no token: reachable from the network by anyone."""

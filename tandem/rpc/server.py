@@ -101,8 +101,13 @@ class ManagedServer:
         await self.server.start()
         if self.options.metrics_port is not None:
             # on the API's host: a server bound to 127.0.0.1 (`tandem up`'s) keeps its metrics local too
-            http_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host,
-                                               registry=self.registry)
+            try:
+                http_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host,
+                                                   registry=self.registry)
+            except OSError as exc:  # in use: a clean error, as --port's, not a traceback after the model loaded
+                await self.server.stop(None)
+                raise ListenError(f"{self.role}: cannot serve metrics on {self.options.host}:"
+                                  f"{self.options.metrics_port} (--metrics-port): {exc.strerror or exc}") from None
             self.metrics_port = http_server.server_port
             self.metrics_host = http_server.server_address[0]
         return self.port
