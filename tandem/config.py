@@ -13,6 +13,7 @@ imports torch, when it resolves its device and dtype.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,18 +182,25 @@ def cpu_runs_bf16() -> bool:
         return False
 
 
+# The devices Tandem runs on: CPUs and NVIDIA GPUs (``cuda`` is the current one, ``cuda:N`` the N-th).
+DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?")
+
+
+def check_device_name(text: str, flag: str = "device") -> None:
+    """Refuse a device Tandem does not run on, naming ``flag``; imports no torch (`tandem up` checks its workers'
+    ``--device`` with this before any process starts, and asks torch only about CUDA)."""
+    if not DEVICE_NAME.fullmatch(text):
+        raise InvalidRequestError(f"{flag} must be cpu, cuda or cuda:N, got {text!r} (Tandem runs on CPUs and "
+                                  "NVIDIA GPUs)")
+
+
 def available_device(text: str, flag: str = "device") -> torch.device:
     """``text`` as a torch device Tandem runs on (cpu, cuda, cuda:N) and this machine has; else an error naming
     ``flag`` (a worker's ``--device`` is refused here, not as a traceback from torch or a CUDA call)."""
+    check_device_name(text, flag)
     import torch  # model-side only: see the module docstring
 
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise InvalidRequestError(f"{flag} must be cpu, cuda or cuda:N, got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidRequestError(f"{flag} must be cpu, cuda or cuda:N, got {text!r} (Tandem runs on CPUs and "
-                                  "NVIDIA GPUs)")
+    device = torch.device(text)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"

@@ -46,7 +46,7 @@ from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
-from tandem.config import DTYPES, PLACEMENT_MODES, available_device, read_chat_template
+from tandem.config import DTYPES, PLACEMENT_MODES, available_device, check_device_name, read_chat_template
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
 from tandem.supervisor import RestartPolicy, Supervisor
@@ -157,7 +157,10 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if tls and tls.mutual and not (worker_tls and worker_tls.cert):
         raise InvalidRequestError("--tls-client-ca needs --worker-tls-cert and --worker-tls-key: the workers "
                                   "require the coordinator's client certificate")
-    available_device(args.device, "--device")  # refused here, not by every worker as it starts
+    # refused here, not by every worker as it starts (torch, a second of start-up, only to ask about CUDA)
+    check_device_name(args.device, "--device")
+    if args.device.startswith("cuda"):
+        available_device(args.device, "--device")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise InvalidRequestError(f"--cuda-graphs needs --device cuda, and the workers would run on {args.device}")
     if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
