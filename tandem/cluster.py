@@ -45,7 +45,8 @@ CO_LOCATED_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT for services sharing cores: see
 
 
 class ServiceExited(TandemError, RuntimeError):
-    """A process exited before it served: its log's end says why (a bad flag, a model that does not load)."""
+    """A process exited before it served; the message is the reason it gave (a bad flag, a model that does not load),
+    else its log's end."""
 
 
 class ServiceStartTimeout(TandemError, TimeoutError):

@@ -29,11 +29,11 @@ from tandem.compute_thread import CallingThreadExecutor
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError, check_token_ids, token_count_text
 from tandem.heads.drafters import HeadDrafter
-from tandem.kv_admission import IN_FLIGHT_TOKENS, KVAdmission
+from tandem.kv_admission import KVAdmission
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.sampling_params import SamplingParams
-from tandem.spec.adaptive import CostModel, MatchRates
+from tandem.spec.adaptive import IN_FLIGHT_TOKENS, CostModel, MatchRates
 from tandem.spec.heads_payoff import HeadsVerdicts
 from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import SpecOptions

@@ -22,9 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from tandem.kv_cache import PagedKVCache
-from tandem.spec.adaptive import MAX_K
-
-IN_FLIGHT_TOKENS = MAX_K + 1  # drafts a verification (or a draft's own steps) may append beyond the history
+from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 
 
 class KVAdmission:

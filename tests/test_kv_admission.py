@@ -17,9 +17,10 @@ from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import InvalidRequestError
 from tandem.inprocess import GenerationRequest, LocalTarget, SpeculativeGenerator
-from tandem.kv_admission import IN_FLIGHT_TOKENS, KVAdmission
+from tandem.kv_admission import KVAdmission
 from tandem.kv_cache import PagedKVCache
 from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 from tandem.spec.options import SpecOptions
 
 

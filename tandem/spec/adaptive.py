@@ -23,6 +23,9 @@ TIE_MARGIN = 1.02
 # row-by-row (batch-invariant) range, and deeper drafts pay off only at acceptance rates
 # no real pair reaches.
 MAX_K = 15
+# Tokens a round may hold beyond a sequence's history (a verified k-chain and the target's own token): the room a
+# KV pool keeps for them (tandem/kv_admission.py, the coordinator's sequence_room).
+IN_FLIGHT_TOKENS = MAX_K + 1
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
