@@ -367,8 +367,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             field = "messages"
             turns = conversation(request.messages.messages)
             shown = [t.template_entry() for t in tools.tools] if tools is not None and tools.shown else None
-            ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(self.tokenizer, turns,
-                                                                                              shown)))
+            ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(
+                self.tokenizer, turns, shown, continue_final=request.messages.continue_final_message)))
         else:
             field = "text"
             if not request.text:

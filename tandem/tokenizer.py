@@ -125,13 +125,28 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=True))
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                    ) -> list[int]:
+def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    continue_final: bool = False) -> list[int]:
     """Token ids of a conversation (``{"role", "content"[, "name", "tool_calls", "tool_call_id"]}`` turns) through
     the tokenizer's chat template, with ``tools`` (OpenAI's ``tools`` items) shown to the model, ending where the
-    assistant's next turn starts."""
+    assistant's next turn starts; with ``continue_final``, ending inside the last turn (an assistant's, checked by
+    ``check_continuation``), so that the model continues it."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+    if continue_final:
+        check_continuation(messages)
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=not continue_final,
+                                        continue_final_message=continue_final, tokenize=True)
     # transformers 5 returns a BatchEncoding here; 4.x a plain list
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def check_continuation(messages: list[dict[str, Any]]) -> None:
+    """A conversation whose last turn the answer may continue: an assistant's text. A user's would make the answer
+    the user's words, and a turn of calls has no text to continue."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant":
+        raise ValueError(f"the last turn is continued (continue_final_message), so it must be an assistant's; got "
+                         f"{last.get('role') or 'none'}")
+    if last.get("tool_calls"):
+        raise ValueError("the last turn is continued (continue_final_message), so it must be text, not tool calls")

@@ -93,6 +93,27 @@ def test_a_system_turn_goes_before_the_prompt_through_the_chat_template(tiny_ser
     assert encode_prompt(load_tokenizer(tiny_served_dir), "Name a color.", chat=True) != ids  # (the turn counts)
 
 
+def test_a_prefill_is_continued_as_the_assistants_open_turn(tiny_served_dir, capsys):
+    """--prefill: the prompt ends inside an assistant turn that starts with it, and the model continues it; the
+    plain output prints it first, --json's text holds only the continuation."""
+    from tandem.tokenizer import encode_messages, load_tokenizer
+    from tests.references import target_only
+
+    tokenizer = load_tokenizer(tiny_served_dir)
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color"}]
+    ids = encode_messages(tokenizer, turns, continue_final=True)
+    assert ids != encode_messages(tokenizer, turns)  # an open turn, not a closed one and a new one
+    expected = target_only(tiny_served_dir, [ids], dtype="float32", max_new_tokens=12)[tuple(ids)]
+    flags = ["--prefill", "The color", "--target", str(tiny_served_dir), "--method", "ngram", "--max-new-tokens", "12",
+             "--dtype", "float32"]
+    out = generate_json(capsys, "Name a color.", *flags)
+    assert out["token_ids"] == expected and out["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert main(["generate", "Name a color.", *flags]) == 0
+    assert capsys.readouterr().out == "The color" + out["text"] + "\n"
+    with pytest.raises(ValueError, match="must be an assistant's; got user"):
+        encode_messages(tokenizer, turns[:1], continue_final=True)
+
+
 def test_the_client_sends_a_conversation_as_chat_messages():
     from tandem.client import build_request
 

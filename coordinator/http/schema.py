@@ -18,7 +18,8 @@ does). ``response_format`` and vLLM's structured outputs are read by
 clients send only what their user set. ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's; ``repetition_penalty`` and
 ``min_tokens`` are vLLM's extensions of the body, taken as vLLM takes them.
-Completions take a list of prompts and ``echo`` (the prompt's own scores with
+Chat completions take vLLM's ``continue_final_message`` (the answer continues the last turn, an assistant's
+prefill). Completions take a list of prompts and ``echo`` (the prompt's own scores with
 ``logprobs``: ``SamplingOptions.prompt_logprobs``); both endpoints take vLLM's
 ``prompt_logprobs`` (each prompt token's score, rank and alternatives, in vLLM's shape).
 
@@ -171,6 +172,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     parsed = _common(body, chat=True, request_id=request_id)
     request = parsed.request
     request.messages.messages.extend(parse_messages(body.take("messages")))
+    request.messages.continue_final_message = _continues_final_message(body)
     _tools(body, request)
     max_tokens, max_completion = body.integer("max_tokens", 1, INT32_MAX), body.integer(
         "max_completion_tokens", 1, INT32_MAX)
@@ -267,6 +269,20 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
     _penalties(body, sampling)
     _extension(body.take("tandem"), request, parsed)
     return parsed
+
+
+def _continues_final_message(body: Fields) -> bool:
+    """vLLM's ``continue_final_message`` (the answer continues the last turn, an assistant's prefill) and
+    ``add_generation_prompt`` (a new assistant turn starts after the last; the default unless the last is
+    continued). An answer is always the assistant's, so a chat that neither starts nor continues one is refused."""
+    final = bool(body.boolean("continue_final_message"))
+    generation = body.boolean("add_generation_prompt")
+    if final and generation:
+        raise bad_field("continue_final_message", "cannot be set with add_generation_prompt: give one")
+    if generation is False and not final:
+        raise bad_field("add_generation_prompt", "false only with continue_final_message: true (the answer is an "
+                                                 "assistant's turn: a new one, or the last one continued)")
+    return final
 
 
 def _prompt_logprobs(body: Fields, parsed: ParsedRequest) -> None:

@@ -134,6 +134,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system turn before the prompt (implies --chat): instructions, or reference text that "
                         "every request repeats (workers cache it: a repeat reads only what follows it)")
+    p.add_argument("--prefill", default=None, metavar="TEXT",
+                   help="the answer's start, which the model continues (implies --chat): an assistant turn left "
+                        "open, as vLLM's continue_final_message (\"```python\", \"{\"); printed first, but not part "
+                        "of --json's text")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
     p.add_argument("--addr", default=None, metavar="HOST[:PORT]",
                    help="send the request to a running coordinator instead of loading models here (port: "
@@ -204,9 +208,16 @@ def configs_from_args(
     return sampling, options, target, draft
 
 
-def chat_turns(system: str, prompt: str) -> list[dict[str, str]]:
-    """The conversation ``--system`` makes of the prompt: a system turn, then the prompt as the user's."""
-    return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+def chat_turns(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    """The conversation ``--system`` and ``--prefill`` make of the prompt (a system turn, the prompt as the user's,
+    the assistant's open turn); None without either."""
+    if args.system is None and args.prefill is None:
+        return None
+    turns = [] if args.system is None else [{"role": "system", "content": args.system}]
+    turns.append({"role": "user", "content": args.prompt})
+    if args.prefill is not None:
+        turns.append({"role": "assistant", "content": args.prefill})
+    return turns
 
 
 def check_request_flags(args: argparse.Namespace) -> None:
@@ -277,12 +288,15 @@ def run_in_process(args: argparse.Namespace) -> int:
     pipeline = LocalPipeline.load(target_cfg, options.method, options, draft_cfg, args.early_exit_layers,
                                   heads_path=args.heads)
     print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    if args.system is not None:
-        prompt_ids = encode_messages(pipeline.tokenizer, chat_turns(args.system, args.prompt))
+    turns = chat_turns(args)
+    if turns is not None:
+        prompt_ids = encode_messages(pipeline.tokenizer, turns, continue_final=args.prefill is not None)
     else:
         prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     # The text as it is generated, as with --addr (a decoder's pieces held back until they are whole characters)
     stream = None if args.json else TextStream(pipeline.tokenizer, skip_token_ids=pipeline.stop_ids)
+    if stream is not None and args.prefill:
+        print(args.prefill, end="", flush=True)
 
     def show(tokens: list[int]) -> None:
         for token in tokens:
@@ -315,16 +329,18 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
 
     sampling = sampling_from_args(args)
     method = "" if args.method == "auto" else args.method
-    prompt: str | list[dict[str, str]] = args.prompt
-    if args.system is not None:
-        prompt = chat_turns(args.system, args.prompt)
-    elif tools is not None:
+    prompt: str | list[dict[str, str]] = chat_turns(args) or args.prompt
+    if tools is not None and isinstance(prompt, str):
         prompt = [{"role": "user", "content": args.prompt}]
     request = build_request(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
                             stop_strings=tuple(args.stop), tree=args.tree, heads_nodes=args.heads_nodes)
     if tools is not None:
         request.tools.CopyFrom(tools)
+    if args.prefill is not None:
+        request.messages.continue_final_message = True
+        if not args.json:
+            print(args.prefill, end="", flush=True)
     tokens: list[int] = []
     text_parts: list[str] = []
     calls: list[dict[str, object]] = []

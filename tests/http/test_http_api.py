@@ -241,6 +241,38 @@ def test_messages_reach_grpc_too(tokenizer):
     run(go())
 
 
+def test_continue_final_message_continues_the_assistants_prefill(tokenizer):
+    """vLLM's ``continue_final_message``: the prompt ends inside the last (assistant) turn, as the template renders
+    it open, and the reply holds only what follows it; gRPC's ``ChatMessages.continue_final_message`` alike."""
+    from tandem.rpc.tls import open_channel
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}]
+    open_turn = list(tokenizer.apply_chat_template(turns, continue_final_message=True, tokenize=True)["input_ids"])
+    new_turn = list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert len(open_turn) < len(new_turn)  # no end of turn, no new assistant turn
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            for extra in ({"continue_final_message": True},
+                          {"continue_final_message": True, "add_generation_prompt": False}):
+                reply = await api.chat.completions.create(model=MODEL, messages=turns, max_tokens=3, temperature=0,
+                                                          extra_body=extra)
+                assert running.target.prompts[-1] == open_turn
+                assert reply.choices[0].message.content == TEXT[:3]  # the continuation alone, not "ab" again
+                assert reply.usage.prompt_tokens == len(open_turn)
+            await api.chat.completions.create(model=MODEL, messages=turns, max_tokens=3, temperature=0)
+            assert running.target.prompts[-1] == new_turn  # left out: a new assistant turn, as before
+            async with open_channel(running.grpc_address, None, aio=True) as channel:
+                request = generation_pb2.GenerateRequest(stopping=generation_pb2.StoppingOptions(max_new_tokens=2))
+                request.messages.messages.add(role="user", content="hi")
+                request.messages.messages.add(role="assistant", content="ab")
+                request.messages.continue_final_message = True
+                reply = await generation_pb2_grpc.GenerationStub(channel).Generate(request)
+                assert reply.text == TEXT[:2] and running.target.prompts[-1] == open_turn
+    run(go())
+
+
 # ----- refusals ----------------------------------------------------------------------------------------------
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -302,6 +334,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"tandem": {"method": "medusa"}}, "tandem.method", 400),
     ({"tandem": {"warp": 9}}, "tandem.warp", 400),
     ({"seed": 2**64}, "seed", 400),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message", 400),
+    ({"add_generation_prompt": False}, "add_generation_prompt", 400),
+    ({"continue_final_message": True}, "messages", 400),  # the service's rule: the last turn is a user's
+    ({"continue_final_message": True, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages", 400),
     ({"model": "gpt-4o"}, "model", 404),
 ])
 def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(tokenizer, change, param, status):
