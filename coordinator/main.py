@@ -71,7 +71,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     # The OpenAI-compatible API on this event loop, into the same service; bound now so that the READY line names
     # its port, answering 503 until the warm-up is done.
-    http = HttpApi(service, access, cfg, tokenizer) if cfg.http_port is not None else None
+    http = HttpApi(service, access, cfg, tokenizer, server.registry) if cfg.http_port is not None else None
     if http is not None:
         server.more_ports["http_port"] = await http.start()
     background: list[asyncio.Task] = []

@@ -3,8 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole or streamed
 as server-sent events), ``POST /v1/responses`` (OpenAI's Responses API, run as the chat
 completion it asks for), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``,
-and vLLM's tokenizer routes ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
-(``coordinator.http.tokenize``).
+``GET /metrics`` (the coordinator's Prometheus metrics, as on its metrics port: vLLM serves them here, so a
+scrape configured for it finds them), ``GET /version``, and vLLM's tokenizer routes ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info`` (``coordinator.http.tokenize``).
 
 Only the edges are HTTP's. A request goes the gRPC API's way, in process: the
 same bearer tokens and per-client budget (``AccessControl``: ``identify``,
@@ -34,6 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from coordinator.access import AccessControl
 from coordinator.http import tokenize
@@ -44,6 +46,7 @@ from coordinator.http.responses_input import parse_responses
 from coordinator.http.responses_output import ResponseShapes, ResponseStream
 from coordinator.http.schema import ParsedRequest, parse_chat, parse_completion, parse_json
 from coordinator.service import GenerationService
+from tandem import __version__
 from tandem.config import CoordinatorConfig
 from tandem.errors import ListenError
 from tandem.rpc.tls import ServerTLS
@@ -59,8 +62,9 @@ class HttpApi:
     """The HTTP server of one coordinator; ``start`` binds it (``port`` then holds the port), ``stop`` drains it."""
 
     def __init__(self, service: GenerationService, access: AccessControl, cfg: CoordinatorConfig,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, registry: CollectorRegistry | None = None) -> None:
         self.service = service
+        self.registry = registry  # the coordinator's metrics (None: /metrics is 404)
         self.access = access
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -77,6 +81,9 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        if self.registry is not None:
+            app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -197,6 +204,16 @@ class HttpApi:
         """200 while serving; 503 while starting (no target worker yet) or draining. No token needed."""
         self._check_serving()
         return web.json_response({"status": "serving"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's ``/version``: the server's version. No token needed."""
+        return web.json_response({"version": __version__})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The Prometheus text of the coordinator's metrics, what its metrics port serves; answered while starting
+        and draining too, and with no token, as the metrics port (a scraper holds none)."""
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ----- a completion -------------------------------------------------------------------------
     async def _complete(self, request: web.Request, parse: Parse) -> web.StreamResponse:

@@ -132,7 +132,7 @@ async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serv
     server = managed_server(tls, role="coordinator", interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, CoordinatorMetrics(server.registry))
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
-    http = HttpApi(service, access, cfg, tokenizer)
+    http = HttpApi(service, access, cfg, tokenizer, server.registry)
     target = ScriptedTarget(fingerprint)
     target.info = dict(info or {})
     worker = managed_server(role="target")

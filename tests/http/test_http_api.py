@@ -225,6 +225,26 @@ def test_models_and_health(tokenizer):
     run(go())
 
 
+def test_metrics_and_version_are_served_on_the_api_port_without_a_token(tokenizer):
+    """vLLM serves Prometheus metrics and its version on the API port: a scrape set up for it finds the
+    coordinator's own metrics there (the ones its metrics port serves), counting the requests served."""
+    from tandem import __version__
+
+    async def go():
+        async with http_coordinator(tokenizer, tokens=(TOKEN,)) as running:
+            await client(running, api_key=TOKEN).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0)
+            async with aiohttp.ClientSession() as session:  # no token: a scraper holds none
+                async with session.get(running.root + "/metrics") as reply:
+                    assert reply.status == 200 and reply.content_type == "text/plain"
+                    text = await reply.text()
+                async with session.get(running.root + "/version") as reply:
+                    assert reply.status == 200 and await reply.json() == {"version": __version__}
+            assert 'tandem_coordinator_requests_total{outcome="ok"} 1.0' in text, text[:2000]
+            assert "tandem_coordinator_generated_tokens_total 2.0" in text
+    run(go())
+
+
 def test_messages_reach_grpc_too(tokenizer):
     """The gRPC API takes a conversation (ChatMessages) through the same template."""
     from tandem.rpc.tls import open_channel
