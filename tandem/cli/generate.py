@@ -42,7 +42,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models in process."""
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
                    help="target model: catalog name, Hugging Face directory or .gguf file (default: %(default)s)")
-    p.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft/auto")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="draft model for --method draft/hybrid/auto; 'none' (as with `tandem up`) or left out: no "
+                        "draft model")
     add_draft_flags(p)
     p.add_argument("--method", default="auto", choices=METHODS,
                    help="proposer: none (target only), draft (draft model), ngram (prompt lookup), hybrid "
@@ -267,6 +269,8 @@ def coordinator_address(addr: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.draft == "none":  # `tandem up`'s spelling of "no draft workers"
+        args.draft = None
     tools = tool_options_from_args(args)  # (refused in process, before any model loads)
     check_request_flags(args)
     try:
