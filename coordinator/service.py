@@ -30,7 +30,7 @@ from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_i
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
-from tandem.spec.adaptive import IN_FLIGHT_TOKENS, MAX_K, MatchRates
+from tandem.spec.adaptive import MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
 from tandem.spec.heads_payoff import HeadsVerdicts
 from tandem.spec.heads_trees import heads_budget
@@ -399,9 +399,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The most tokens (prompt and answer) one sequence may reach on every usable target: the smallest KV pool
         among them, less the tokens a round may hold in flight; None while none has answered. A request past it
         would wait for room that never comes (refused as full, retried, and failed as "retry later" minutes on)."""
-        pools = [c.info.total_blocks * c.info.block_size for c in self.targets.clients
-                 if c.routable and c.info is not None and c.info.total_blocks > 0 and c.info.block_size > 0]
-        return min(pools) - IN_FLIGHT_TOKENS if pools else None
+        rooms = [room for c in self.targets.clients if c.routable and (room := c.sequence_room()) is not None]
+        return min(rooms) if rooms else None
 
     def _routing_key(self, prompt_ids: list[int]) -> bytes | None:
         """The prompt's prefix key (None with --placement load); not at the targets' KV block size (the module

@@ -52,6 +52,7 @@ from tandem.rpc.status import worker_failure
 from tandem.rpc.tls import ClientTLS, open_channel
 from tandem.rpc.wire import logprobs_from_proto, proposal_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -195,6 +196,14 @@ class WorkerClient:
         info = self.info
         return FittedCost(info.forward_base_s, info.forward_per_token_s, info.last_forward_base_s,
                           info.last_forward_per_token_s, info.prompt_token_s)
+
+    def sequence_room(self) -> int | None:
+        """The most tokens one sequence may reach here: the worker's whole KV pool (from its Info) less the tokens a
+        round may hold in flight; None until its Info says."""
+        info = self.info
+        if info is None or info.total_blocks <= 0 or info.block_size <= 0:
+            return None
+        return info.total_blocks * info.block_size - IN_FLIGHT_TOKENS
 
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
         """Leading tokens of ``token_ids`` this (draft) replica should hold in its prefix cache, as far as
@@ -349,6 +358,9 @@ class RequestChannel:
 
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
         return self.client.cached_prefix(token_ids)
+
+    def sequence_room(self) -> int | None:
+        return self.client.sequence_room()
 
     async def release(self, seq_id: str) -> None:
         """Best effort: a worker that is gone has freed the KV anyway. A draft that caches the target's text

@@ -125,6 +125,9 @@ class LocalDraft:
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
         return self.engine.engine.kv_cache.cached_prefix_len(token_ids)
 
+    def sequence_room(self) -> int | None:
+        return pool_room(self.engine.engine)
+
     async def propose(self, seq_id: str, committed_len: int, new_tokens: list[int], k: int,
                       sampling: SamplingParams, alternatives: int = 0, prompt_len: int = 0,
                       verified_len: int = 0, stop_below: float = 0.0) -> Drafted:
@@ -230,7 +233,7 @@ class SpeculativeGenerator:
         pool ran out and fail then (the coordinator refuses the same up front, ``sequence_room``)."""
         engines = [("target", self.target.engine), *([("draft", self.draft.engine)] if self.draft is not None else [])]
         for role, engine in engines:
-            room = engine.kv_cache.num_blocks * engine.kv_cache.block_size - IN_FLIGHT_TOKENS
+            room = pool_room(engine)
             if len(r.prompt_ids) + r.max_new_tokens > room:
                 raise InvalidRequestError(
                     f"prompt ({token_count_text(len(r.prompt_ids))}) + max_new_tokens ({r.max_new_tokens}) is more "
@@ -243,3 +246,8 @@ class SpeculativeGenerator:
         if (k_max, adaptive) == (opts.k_max, opts.adaptive_k):
             return opts
         return dataclasses.replace(opts, k_max=k_max, adaptive_k=adaptive)
+
+
+def pool_room(engine: ModelEngine) -> int:
+    """The most tokens one sequence may reach in ``engine``'s KV pool: all of it, less a round in flight."""
+    return engine.kv_cache.num_blocks * engine.kv_cache.block_size - IN_FLIGHT_TOKENS

@@ -13,7 +13,9 @@ the coordinator's ``ReplicaSource`` (``coordinator.placement``), do:
 - a draft replica that fails is replaced, or the request goes on without
   one; either way that call gives up (no tokens, ``Drafted.lost``), and with
   no replica left it says so (``Drafted.gone``): the loop then goes on with
-  n-gram proposals. A full draft pool gives up on that call alone.
+  n-gram proposals. A full draft pool gives up on that call alone; a request
+  that has outgrown the draft's whole pool (a draft on a smaller GPU than the
+  target's) is left by its draft for good, as no call could hold it again.
 
 The history lives in the request's ``RequestState``, so no token is lost or
 repeated and greedy output is the same. In process there are no replicas and
@@ -23,6 +25,7 @@ nothing is wrapped: a failure there reaches the caller.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -33,6 +36,7 @@ from tandem.spec.request import GenerationStats, RequestState
 from tandem.spec.transport import DraftChannel, Drafted, FittedCost, Prefilled, ReplicaSource, Verified, Verifier
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # A replica's failure of a request: it is gone or hung (UNAVAILABLE), or it refused a call the
 # coordinator made correctly (INTERNAL: e.g. it restarted and no longer knows the sequence).
@@ -164,6 +168,17 @@ class FailoverDraft:
         channel = self.channel
         if channel is None:  # (being replaced after a concurrent call's failure, or none left)
             return Drafted([], lost=True, gone=self.gone)
+        room = channel.sequence_room()
+        if room is not None and committed_len + len(new_tokens) > room:
+            # The draft's whole pool could not hold the sequence, and a sequence only grows: every further call
+            # would be refused as full. The request goes on without a draft (n-gram proposals), as with none left.
+            self.channel, self.gone = None, True
+            if self._opened:
+                self._opened = False
+                _in_background(channel.release(seq_id), self._releases)
+            log.info("request %s (%d tokens) outgrew its draft's KV pool (%d tokens a sequence): it goes on "
+                     "without the draft", seq_id, committed_len + len(new_tokens), room)
+            return Drafted([], lost=True, gone=True)
         self._opened = True
         try:
             return await channel.propose(seq_id, committed_len, new_tokens, k, sampling, alternatives, prompt_len,

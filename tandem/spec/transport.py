@@ -127,6 +127,10 @@ class DraftChannel(Protocol):
         """How many leading tokens of ``token_ids`` (a prompt) the draft's prefix cache holds, as far as this
         side can tell without a call (a hint for pricing a read, never for correctness; 0: none known)."""
 
+    def sequence_room(self) -> int | None:
+        """The most tokens one sequence may reach on the draft (its whole KV pool, less a round in flight): a
+        sequence past it is refused as full on every call, however empty the pool; None: not known."""
+
 
 class ReplicaSource(Protocol):
     """Where a request finds another replica when one fails it (the coordinator's pools).

@@ -23,6 +23,9 @@ class Worker:
     def cached_prefix(self, token_ids) -> int:
         return min(self.cached, len(token_ids))
 
+    def sequence_room(self) -> int | None:
+        return None
+
 
 def loop_with(streams: int, prompt_len: int = 300, max_new: int = 100) -> SpeculationLoop:
     state = RequestState(list(range(1, prompt_len + 1)), SamplingParams(), StopConditions(max_new))

@@ -35,12 +35,16 @@ class Replica:
         self.calls: list[tuple] = []
         self.released: list[str] = []
         self.cost, self.streams = cost, streams
+        self.room: int | None = None  # a draft's KV pool for one sequence (None: not known)
 
     def fitted_cost(self) -> FittedCost:
         return FittedCost(self.cost, 0.001)
 
     def cached_prefix(self, token_ids) -> int:
         return 0
+
+    def sequence_room(self) -> int | None:
+        return self.room
 
     def _answer(self, call: tuple) -> None:
         self.calls.append(call)
@@ -194,6 +198,31 @@ def test_a_full_draft_pool_skips_that_call_alone():
     assert propose(draft) == Drafted([], lost=True, gone=False)
     assert propose(draft) == Drafted([7, 7])
     assert spares.asked == [] and stats.draft_moves == 0 and len(full.calls) == 2
+
+
+def test_a_request_that_outgrows_the_drafts_whole_pool_leaves_it_for_good():
+    """A draft on a smaller GPU than the target's: once the sequence is longer than the draft's pool could ever
+    hold, every call would be refused as full. The draft is released and left, without a call, and no spare is
+    asked for; a sequence that still fits is drafted as before."""
+    stats = GenerationStats()
+    small = Replica("small")
+    small.room = 6
+    spares = Spares(drafts=[Replica("spare")])
+    draft = FailoverDraft(small, spares, stats)
+
+    async def go():
+        calls = [(4, [1, 2]), (5, [1, 2]), (0, [1])]  # 4 + 2 tokens fit exactly; 7 never again, nor anything after
+        answers = [await draft.propose("s", held, new, 2, SamplingParams()) for held, new in calls]
+        await asyncio.sleep(0.01)  # (the release runs in the background)
+        await draft.release("s")  # nothing more to release
+        return answers
+    assert asyncio.run(go()) == [Drafted([7, 7]), Drafted([], lost=True, gone=True), Drafted([], lost=True, gone=True)]
+    assert len(small.calls) == 1 and small.released == ["s"]
+    assert spares.asked == [] and stats.draft_moves == 0
+    never_asked = Replica("never asked")
+    never_asked.room = 1
+    assert propose(FailoverDraft(never_asked, Spares(), GenerationStats())) == Drafted([], lost=True, gone=True)
+    assert never_asked.released == [] and never_asked.calls == []  # it held nothing: nothing to release
 
 
 def test_a_replacement_that_was_never_asked_is_not_released():

@@ -133,6 +133,9 @@ class FakeDraft:
         held = max((common_prefix_len(p, token_ids) for p in self.cached_prompts), default=0)
         return held // 16 * 16
 
+    def sequence_room(self) -> int | None:
+        return None  # a pool without bound
+
     async def release(self, seq_id):
         self.released.append(seq_id)
 
