@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per request (default: %(default)s)")
     parser.add_argument("--methods", type=lambda text: names_from(text, METHODS), default=["none", "auto"],
                         help=f"comma-separated, of {', '.join(METHODS)} (default: none,auto)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="each worker's KV pool (default: room for every stream, 256 tokens each); less than "
+                             "the streams need measures a burst the pool must queue")
     parser.add_argument("--baseline", default=BASELINE, help="git revision to compare with (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=1, help="times each revision runs every configuration")
     parser.add_argument("--cache-dir", default=None)
@@ -96,24 +99,26 @@ def run_streams(client: Any, streams: int, tokens: int, method: str) -> dict[str
     """``streams`` requests at once; tokens/s over the wave, time to first token, and each stream's tokens."""
     from tandem.client import build_request
 
-    def one(index: int) -> tuple[list[int], float]:
-        started, first, got = time.monotonic(), None, []
+    def one(index: int) -> tuple[list[int], float, int]:
+        started, first, got, preempted = time.monotonic(), None, [], 0
         request = build_request(PROMPTS[index % len(PROMPTS)], chat=True, max_new_tokens=tokens, ignore_eos=True,
                                 method=method)
         for chunk in client.stream(request):
             if chunk.token_ids and first is None:
                 first = time.monotonic() - started
             got.extend(chunk.token_ids)
-        return got, first if first is not None else time.monotonic() - started
+            preempted += chunk.stats.preemptions
+        return got, first if first is not None else time.monotonic() - started, preempted
 
     client.generate(build_request(PROMPTS[0], chat=True, max_new_tokens=4, method=method))  # warm the path
     started = time.monotonic()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(one, range(streams)))
     seconds = time.monotonic() - started
-    firsts = [first for _, first in results]
-    return {"seconds": seconds, "tokens/s": sum(len(got) for got, _ in results) / seconds,
-            "ttft p50 s": statistics.median(firsts), "ttft max s": max(firsts), "outputs": [got for got, _ in results]}
+    firsts = [first for _, first, _ in results]
+    return {"seconds": seconds, "tokens/s": sum(len(got) for got, _, _ in results) / seconds,
+            "ttft p50 s": statistics.median(firsts), "ttft max s": max(firsts),
+            "preemptions": sum(p for _, _, p in results), "outputs": [got for got, _, _ in results]}
 
 
 def measure(revision_path: Path | None, args: argparse.Namespace, model_dir: Path, draft_dir: Path | None,
@@ -131,7 +136,8 @@ def measure(revision_path: Path | None, args: argparse.Namespace, model_dir: Pat
     try:
         spec = ClusterSpec(target=str(model_dir), draft=str(draft_dir) if draft_dir else None,
                            draft_replicas=1 if draft_dir else 0, dtype=args.dtype,
-                           kv_cache_tokens=max(16384, max(args.streams) * 256), log_dir=log_dir,
+                           kv_cache_tokens=args.kv_cache_tokens or max(16384, max(args.streams) * 256),
+                           log_dir=log_dir,
                            coordinator_args=("--call-timeout", "300"))
         with LocalCluster(spec) as cluster, TandemClient(cluster.coordinator.address, timeout_s=900) as client:
             return {(streams, method): run_streams(client, streams, args.tokens, method)
@@ -180,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{label} tokens/s"] = statistics.median(m["tokens/s"] for m in measured)
                 row[f"{label} ttft p50 s"] = statistics.median(m["ttft p50 s"] for m in measured)
                 row[f"{label} ttft max s"] = statistics.median(m["ttft max s"] for m in measured)
+                row[f"{label} preemptions"] = statistics.median(m.get("preemptions", 0) for m in measured)
             row["speedup"] = row["now tokens/s"] / row["baseline tokens/s"]
             row["same outputs"] = f"{same}/{streams}"
             rows.append(row)
     machine = machine_info()
     columns = ["streams", "method", "baseline tokens/s", "now tokens/s", "speedup", "baseline ttft p50 s",
-               "now ttft p50 s", "baseline ttft max s", "now ttft max s", "same outputs"]
+               "now ttft p50 s", "baseline ttft max s", "now ttft max s", "baseline preemptions", "now preemptions",
+               "same outputs"]
     table = markdown_table(rows, columns)
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "name", "cache_dir")}
     write_json(args.out, args.name, {"machine": machine, "settings": settings, "rows": rows})

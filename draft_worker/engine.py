@@ -154,8 +154,8 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
     engine: ModelEngine
 
     def __init__(self, engine: ModelEngine, leases=None, prefill_chunk_tokens: int | None = 0,
-                 cache_generated: bool = True) -> None:
-        super().__init__(engine, leases)
+                 cache_generated: bool = True, reserve_growth: bool = False) -> None:
+        super().__init__(engine, leases, reserve_growth)
         # None: chunks sized from the measured step cost; 0: prompts always fed whole.
         self.chunks = PrefillChunks(prefill_chunk_tokens, engine.cost_fit, engine.prompt_cost)
         # Verified generated tokens' blocks go to the prefix cache where a generated token's KV is what a prompt

@@ -11,7 +11,7 @@ from tandem.v1 import draft_pb2_grpc
 DRAFT_ROLE = WorkerRole(
     name="draft",
     make_engine=lambda engine, leases, cfg: DraftEngine(engine, leases, cfg.prefill_chunk_tokens,
-                                                     cache_generated=cfg.cache_generated),
+                                                     cache_generated=cfg.cache_generated, reserve_growth=True),
     make_service=DraftService,
     add_to_server=draft_pb2_grpc.add_DraftWorkerServicer_to_server,
     service_full_name="tandem.v1.DraftWorker",

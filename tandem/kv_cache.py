@@ -105,26 +105,49 @@ class PagedKVCache:
         have, length = (len(seq.block_ids), seq.length) if seq else (0, 0)
         return max(0, self.blocks_needed(length + num_new) - have)
 
-    def admit(self, lengths: list[tuple[SeqId, int]]) -> list[int | None]:
+    def admit(self, lengths: list[tuple[SeqId, int]], growth_tokens: int = 0) -> list[int | None]:
         """Which of a batch's calls the pool can hold, changing nothing.
 
         ``lengths``: per call, its sequence and the KV length it will have after the batch.
         A call's need is the blocks at that length minus the blocks it holds now (negative for
-        one that rolls back more than it appends). Calls that give blocks back count first,
-        then the others in order. Returns, per call, None when admitted, else the blocks it
-        would need beyond what is left.
+        one that rolls back more than it appends). Calls that give blocks back count first; then
+        the calls of sequences the pool holds, oldest first (the order they entered it), so that
+        when the pool runs short it is the youngest that are refused (and preempted by their
+        coordinator): the oldest go on, finish and free their blocks, where refusing whichever
+        call came last let every sequence in turn lose its KV and be computed again (vLLM too
+        preempts its newest requests first). Calls that start a sequence come last, in order,
+        and each only while every held sequence (its own included) keeps free the blocks it would
+        take to grow ``growth_tokens`` more (their next rounds): a burst of new prompts would fill
+        that room, and every running sequence would be refused the round after.
+        Returns, per call, None when admitted, else the blocks it would need beyond what is left.
         """
+        age = {seq_id: i for i, seq_id in enumerate(self._seqs)}  # (dicts keep insertion order)
         need = [self.blocks_needed(length) - (len(self._seqs[s].block_ids) if s in self._seqs else 0)
                 for s, length in lengths]
         free = self.num_free_blocks + sum(-n for n in need if n <= 0)
-        refused: list[int | None] = []
-        for n in need:
-            if n <= free:
-                free -= max(0, n)
-                refused.append(None)
+        reserve = sum(self._growth(seq.length, len(seq.block_ids), growth_tokens) for seq in self._seqs.values())
+        refused: list[int | None] = [None] * len(lengths)
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i][0] not in age, age.get(lengths[i][0], i)))
+        for i in order:
+            seq_id, length = lengths[i]
+            n = need[i]
+            if seq_id in age:
+                if n <= free:
+                    free -= max(0, n)
+                else:
+                    refused[i] = n - free
+                continue
+            own = self._growth(length, self.blocks_needed(length), growth_tokens)
+            if n + reserve + own <= free:
+                free -= n
+                reserve += own
             else:
-                refused.append(n - free)
+                refused[i] = n + reserve + own - free
         return refused
+
+    def _growth(self, length: int, blocks: int, tokens: int) -> int:
+        """Blocks a sequence of ``length`` tokens in ``blocks`` blocks takes to grow ``tokens`` more."""
+        return max(0, self.blocks_needed(length + tokens) - blocks) if tokens else 0
 
     def can_append(self, appends: dict[SeqId, int]) -> bool:
         return sum(self.extra_blocks_for(s, n) for s, n in appends.items()) <= self.pool.available

@@ -185,8 +185,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
 
     def __init__(self, engine: ModelEngine, leases=None, drafter: HeadDrafter | None = None,
                  prefill_chunk_tokens: int | None = 0, structured: StructuredOutput | None = None,
-                 cache_generated: bool = True, share_prompts: bool = True) -> None:
-        super().__init__(engine, leases)
+                 cache_generated: bool = True, share_prompts: bool = True, reserve_growth: bool = False) -> None:
+        super().__init__(engine, leases, reserve_growth)
         self.drafter = drafter
         # Offer generated tokens' blocks to the prefix cache too, where their KV is what a prompt computes.
         self._caches_generated = cache_generated and engine.rows_fixed_by_position

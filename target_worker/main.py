@@ -22,7 +22,8 @@ def make_target_engine(engine: ModelEngine, leases: Leases, cfg: WorkerConfig) -
         drafter = load_drafter(cfg.heads, engine)
     return TargetEngine(engine, leases, drafter, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
                         structured=StructuredOutput(cfg.engine.model_dir, engine.config),
-                        cache_generated=cfg.cache_generated, share_prompts=cfg.shared_prompt_wait)
+                        cache_generated=cfg.cache_generated, share_prompts=cfg.shared_prompt_wait,
+                        reserve_growth=True)  # (coordinators start requests without reserving their room)
 
 
 TARGET_ROLE = WorkerRole(

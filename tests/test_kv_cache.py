@@ -81,6 +81,30 @@ def test_admission_counts_blocks_given_back_first_and_changes_nothing():
     assert cache.num_free_blocks == free_before and cache.length("a") == 16
 
 
+def test_when_the_pool_runs_short_the_oldest_sequences_grow_and_the_youngest_are_refused():
+    """Whatever order the calls came in: the oldest go on and finish, the youngest wait (preempted)."""
+    cache = PagedKVCache(num_layers=1, num_blocks=6, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"old": 8})  # 2 blocks
+    cache.append_slots({"young": 8})  # 2 blocks: 2 left
+    assert cache.admit([("young", 16), ("old", 16)]) == [2, None]  # old takes the 2 left; young is 2 short
+    assert cache.admit([("new", 8), ("young", 12)]) == [1, None]  # a new sequence comes after every held one
+    assert cache.admit([("new", 4), ("young", 12), ("old", 12)]) == [1, None, None]
+
+
+def test_a_new_sequence_leaves_the_running_ones_room_for_their_next_rounds():
+    """With ``growth_tokens``, a prompt starts only while every held sequence (its own too) keeps free the blocks
+    its next rounds may take: a burst of prompts no longer fills the room the running sequences grow into."""
+    cache = PagedKVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"a": 8, "b": 6})  # 2 + 2 blocks held, 6 free; 8 more tokens take a 2 blocks, b 2
+    assert cache.admit([("new", 4)]) == [None]  # without a reserve: 1 of the 6 free blocks
+    assert cache.admit([("new", 4)], growth_tokens=8) == [1]  # 1 + 4 reserved for a and b + 2 of its own: 1 short
+    assert cache.admit([("new", 4)], growth_tokens=4) == [None]  # 1 + 2 reserved + 1 of its own: fits
+    # each one admitted adds its own room: the third finds 4 free and 4 + 1 of its own reserved
+    assert cache.admit([("n1", 4), ("n2", 4), ("n3", 4)], growth_tokens=4) == [None, None, 2]
+    assert cache.admit([("a", 16), ("b", 12)], growth_tokens=8) == [None, None]  # running ones may use the reserve
+    assert cache.num_free_blocks == 6  # (nothing changed)
+
+
 def test_slots_resolve_positions_through_the_block_table():
     cache = make_cache()
     cache.append_slots({"pad": 1})

@@ -29,6 +29,8 @@ from tandem.rpc.handlers import rewrap
 
 log = logging.getLogger(__name__)
 
+KV_FULL_PREFIX = "KV cache "  # how a worker's KVCacheExhaustedError messages begin (tandem/kv_cache.py, block_pool.py)
+
 # Most specific first: the first isinstance match wins.
 STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
@@ -67,7 +69,11 @@ def worker_failure(exc: grpc.aio.AioRpcError, role: str, address: str, logged: b
     failure is logged as a warning here (a caller that expects it logs it its own way)."""
     code = exc.code()
     if logged:
-        log.warning("%s worker %s: %s: %s", role, address, code.name, exc.details())
+        # A full KV pool is flow control, not a fault: the request is preempted and comes back (counted in
+        # tandem_coordinator_preemptions_total). Under a burst it is refused hundreds of times a minute.
+        full = code == grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(KV_FULL_PREFIX)
+        log.log(logging.DEBUG if full else logging.WARNING, "%s worker %s: %s: %s", role, address, code.name,
+                exc.details())
     kind, message = _WORKER_FAILURES.get(
         code, (errors.InternalError, "a {role} worker refused an internal call (" + code.name + ")"))
     return kind(message.format(role=role))

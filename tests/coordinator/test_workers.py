@@ -61,6 +61,24 @@ def test_a_worker_failure_is_never_the_clients_fault_and_names_no_address(code, 
     assert "10.0.0.7" not in str(exc) and "r-1" not in str(exc)
 
 
+def test_a_full_kv_pool_is_flow_control_and_is_not_logged_as_a_warning(caplog):
+    """A burst refuses prompts as full hundreds of times a minute (each request waits and comes back): those go
+    to DEBUG; any other refusal, gRPC's own RESOURCE_EXHAUSTED (a message over its limit) included, warns."""
+    import torch
+
+    from tandem.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(num_layers=1, num_blocks=1, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    with pytest.raises(errors.KVCacheExhaustedError) as full:  # the worker's own message, as it is sent
+        cache.append_slots({"a": 8})
+    caplog.set_level("DEBUG", logger="tandem.rpc.status")
+    for details in (str(full.value), "KV cache full: sequence 's' needs 2 more blocks than are free; retry later",
+                    "Received message larger than max (5000000 vs. 4194304)"):
+        worker_failure(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, details), "target", "10.0.0.7:50052")
+    worker_failure(rpc_error(grpc.StatusCode.INTERNAL, "boom"), "target", "10.0.0.7:50052")
+    assert [r.levelname for r in caplog.records] == ["DEBUG", "DEBUG", "WARNING", "WARNING"]
+
+
 class RecordingClient(WorkerClient):  # (hang_timeout from WorkerClient)
     call_timeout_s = 60.0
     streams = 1

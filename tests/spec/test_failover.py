@@ -129,6 +129,23 @@ def test_a_full_pool_preempts_waits_and_rebuilds_on_the_replica_with_room_which_
     assert state.stats.preemptions == 2 and state.stats.target_moves == 0
 
 
+def test_a_refused_prefill_holds_nothing_so_it_waits_without_a_release_or_a_preemption(monkeypatch):
+    """A prompt refused for room (a burst) frees nothing: no Release is sent to the busy worker and no preemption
+    is counted. A refused rebuild neither: only the Verify's refusal freed KV."""
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    full = Replica("full", [KVCacheExhaustedError("full")] * 2)
+    wrapped = verifier(full, Spares(targets=[full] * 2), state)
+    assert asyncio.run(wrapped.prefill("s", PROMPT, state.sampling)) == Prefilled(9)
+    assert [c[0] for c in full.calls] == ["prefill"] * 3 and full.released == [] and state.stats.preemptions == 0
+    state = request()
+    full = Replica("full", [KVCacheExhaustedError("full"), KVCacheExhaustedError("full")])
+    wrapped = verifier(full, Spares(targets=[full] * 2), state)
+    asyncio.run(wrapped.verify("s", len(state.history), [4], []))
+    assert [c[0] for c in full.calls] == ["verify", "prefill", "prefill", "verify"]
+    assert full.released == ["s"] and state.stats.preemptions == 1
+
+
 def test_without_a_spare_or_past_the_longest_wait_the_error_reaches_the_caller(monkeypatch):
     state = request()
     with pytest.raises(WorkerUnavailableError, match="gone"):
