@@ -30,7 +30,7 @@ from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_i
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
-from tandem.spec.adaptive import MAX_K, MatchRates
+from tandem.spec.adaptive import IN_FLIGHT_TOKENS, MAX_K, MatchRates
 from tandem.spec.failover import FailoverDraft, FailoverVerifier
 from tandem.spec.heads_payoff import HeadsVerdicts
 from tandem.spec.heads_trees import heads_budget
@@ -171,7 +171,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
-                              key=self._routing_key(state.prompt_ids))
+                              key=self._routing_key(state.prompt_ids),
+                              max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS)
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every

@@ -105,7 +105,8 @@ class PagedKVCache:
         have, length = (len(seq.block_ids), seq.length) if seq else (0, 0)
         return max(0, self.blocks_needed(length + num_new) - have)
 
-    def admit(self, lengths: list[tuple[SeqId, int]], growth_tokens: int = 0) -> list[int | None]:
+    def admit(self, lengths: list[tuple[SeqId, int]],
+              growth: Callable[[SeqId, int], int] | None = None) -> list[int | None]:
         """Which of a batch's calls the pool can hold, changing nothing.
 
         ``lengths``: per call, its sequence and the KV length it will have after the batch.
@@ -117,15 +118,17 @@ class PagedKVCache:
         call came last let every sequence in turn lose its KV and be computed again (vLLM too
         preempts its newest requests first). Calls that start a sequence come last, in order,
         and each only while every held sequence (its own included) keeps free the blocks it would
-        take to grow ``growth_tokens`` more (their next rounds): a burst of new prompts would fill
-        that room, and every running sequence would be refused the round after.
+        take to grow ``growth(seq_id, length)`` more tokens (its next rounds, or the rest of its
+        answer): a burst of new prompts would fill that room, and every running sequence would be
+        refused the round after.
         Returns, per call, None when admitted, else the blocks it would need beyond what is left.
         """
         age = {seq_id: i for i, seq_id in enumerate(self._seqs)}  # (dicts keep insertion order)
         need = [self.blocks_needed(length) - (len(self._seqs[s].block_ids) if s in self._seqs else 0)
                 for s, length in lengths]
         free = self.num_free_blocks + sum(-n for n in need if n <= 0)
-        reserve = sum(self._growth(seq.length, len(seq.block_ids), growth_tokens) for seq in self._seqs.values())
+        reserve = sum(self._growth(seq.length, len(seq.block_ids), growth(seq_id, seq.length) if growth else 0)
+                      for seq_id, seq in self._seqs.items())
         refused: list[int | None] = [None] * len(lengths)
         order = sorted(range(len(lengths)), key=lambda i: (lengths[i][0] not in age, age.get(lengths[i][0], i)))
         for i in order:
@@ -137,7 +140,7 @@ class PagedKVCache:
                 else:
                     refused[i] = n - free
                 continue
-            own = self._growth(length, self.blocks_needed(length), growth_tokens)
+            own = self._growth(length, self.blocks_needed(length), growth(seq_id, length) if growth else 0)
             if n + reserve + own <= free:
                 free -= n
                 reserve += own

@@ -110,6 +110,7 @@ class PrefillCall:
     owner: str = ""  # the calling coordinator's instance id (tandem.rpc.leases); "": none named
     replace: bool = False  # a rebuild: the sequence may be live here, and is replaced; else a live id is refused
     propose: int = 0  # the sequence drafts with this worker's heads: nodes of the first proposal (0: no heads)
+    max_len: int = 0  # the most tokens its KV may reach (the room new sequences leave it to grow); 0: not known
 
 
 @dataclass(slots=True)
@@ -157,6 +158,7 @@ class TargetSequence:
     prompt_tokens: frozenset[int] | None = None  # its prompt's distinct ids: a repetition penalty's, once made
     grammar: Matcher | None = None  # structured output: the grammar's state after its committed tokens
     prompt_scores: list[TokenLogprob] | None = None  # a scored prompt's scores so far, until its Prefill replies
+    max_len: int = 0  # the most tokens its KV may reach (PrefillCall.max_len); 0: not known
 
 
 @dataclass(slots=True)
@@ -481,7 +483,8 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                                                          heads=call.propose > 0,
                                                          prompt_len=call.prompt_len or len(call.token_ids),
                                                          grammar=plan.grammar,
-                                                         prompt_scores=[] if _scores_prompt(call) else None)
+                                                         prompt_scores=[] if _scores_prompt(call) else None,
+                                                         max_len=call.max_len)
             self._reuse_prefix(plan)
         else:
             seq = self.sequences[call.seq_id]

@@ -91,17 +91,20 @@ def test_when_the_pool_runs_short_the_oldest_sequences_grow_and_the_youngest_are
     assert cache.admit([("new", 4), ("young", 12), ("old", 12)]) == [1, None, None]
 
 
-def test_a_new_sequence_leaves_the_running_ones_room_for_their_next_rounds():
-    """With ``growth_tokens``, a prompt starts only while every held sequence (its own too) keeps free the blocks
-    its next rounds may take: a burst of prompts no longer fills the room the running sequences grow into."""
+def test_a_new_sequence_leaves_the_running_ones_room_to_grow():
+    """With ``growth``, a prompt starts only while every held sequence (its own too) keeps free the blocks it will
+    grow into: a burst of prompts no longer fills the room the running sequences need the rounds after."""
     cache = PagedKVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
     cache.append_slots({"a": 8, "b": 6})  # 2 + 2 blocks held, 6 free; 8 more tokens take a 2 blocks, b 2
+    by = lambda tokens: lambda seq_id, length: tokens  # noqa: E731 - every sequence grows this much
     assert cache.admit([("new", 4)]) == [None]  # without a reserve: 1 of the 6 free blocks
-    assert cache.admit([("new", 4)], growth_tokens=8) == [1]  # 1 + 4 reserved for a and b + 2 of its own: 1 short
-    assert cache.admit([("new", 4)], growth_tokens=4) == [None]  # 1 + 2 reserved + 1 of its own: fits
+    assert cache.admit([("new", 4)], by(8)) == [1]  # 1 + 4 reserved for a and b + 2 of its own: 1 short
+    assert cache.admit([("new", 4)], by(4)) == [None]  # 1 + 2 reserved + 1 of its own: fits
     # each one admitted adds its own room: the third finds 4 free and 4 + 1 of its own reserved
-    assert cache.admit([("n1", 4), ("n2", 4), ("n3", 4)], growth_tokens=4) == [None, None, 2]
-    assert cache.admit([("a", 16), ("b", 12)], growth_tokens=8) == [None, None]  # running ones may use the reserve
+    assert cache.admit([("n1", 4), ("n2", 4), ("n3", 4)], by(4)) == [None, None, 2]
+    assert cache.admit([("a", 16), ("b", 12)], by(8)) == [None, None]  # running ones may use the reserve
+    # per sequence: a is about to end (no room kept), b grows 8: 1 + 2 + 2 of its own fits
+    assert cache.admit([("new", 4)], lambda seq_id, length: 0 if seq_id == "a" else 8) == [None]
     assert cache.num_free_blocks == 6  # (nothing changed)
 
 

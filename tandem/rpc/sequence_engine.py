@@ -30,11 +30,13 @@ from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.leases import Expired, Leases
 from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 
-# A new sequence starts only while every running one keeps the blocks its next rounds may take free (a round appends
-# at most IN_FLIGHT_TOKENS): without that room a burst of prompts filled the pool and every running sequence was
-# refused, preempted and computed again in turn (200 streams at once on a 256-block SmolLM2 target: 1,732
-# preemptions, 120 s, against 40 s for the same requests sent 32 at a time).
+# A new sequence starts only while every running one keeps free the blocks it will grow into: the rest of its
+# answer where its Prefill said how long it may get (``max_len``), up to GROWTH_HORIZON_TOKENS; else its next
+# GROWTH_ROUNDS rounds (a round appends at most IN_FLIGHT_TOKENS). Without that room a burst of prompts filled the
+# pool and every running sequence was refused, preempted and computed again in turn (200 streams at once on a
+# 256-block SmolLM2 target: 1,732 preemptions, 120 s, against 40 s for the same requests sent 32 at a time).
 GROWTH_ROUNDS = 2
+GROWTH_HORIZON_TOKENS = 128
 
 
 class Run(NamedTuple):
@@ -85,7 +87,7 @@ class SequenceEngine(Generic[Sequence, Plan]):
 
     def __init__(self, engine, leases: Leases | None = None, reserve_growth: bool = False) -> None:
         self.engine = engine
-        self.growth_tokens = GROWTH_ROUNDS * IN_FLIGHT_TOKENS if reserve_growth else 0
+        self.reserve_growth = reserve_growth
         self.sequences: dict[str, Sequence] = {}
         self.leases = leases or Leases()  # swept only where a worker runs ``reclaim`` (not in process)
 
@@ -175,11 +177,24 @@ class SequenceEngine(Generic[Sequence, Plan]):
         sequences go first, and with ``reserve_growth`` a new sequence starts only while every held one keeps room
         for its next ``GROWTH_ROUNDS`` rounds (``PagedKVCache.admit``)."""
         lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
-        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths, self.growth_tokens)):
+        if self.reserve_growth:
+            asked = {plan.call.seq_id: getattr(plan.call, "max_len", 0) for plan in plans}
+
+            def growth(seq_id: str, length: int) -> int:
+                max_len = self._max_len(seq_id) or asked.get(seq_id, 0)
+                return max(0, min(max_len - length, GROWTH_HORIZON_TOKENS)) if max_len else \
+                    GROWTH_ROUNDS * IN_FLIGHT_TOKENS
+        else:
+            growth = None
+        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths, growth)):
             if short is not None:
                 results[plan.index] = KVCacheExhaustedError(
                     f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
                     "retry later")
+
+    def _max_len(self, seq_id: str) -> int:
+        """The most tokens a held sequence's KV may reach, as its Prefill said; 0: not known (a draft's)."""
+        return getattr(self.sequences.get(seq_id), "max_len", 0)
 
     def _release(self, seq_id: str) -> bool:
         """Forget a sequence and free its KV; True when it was held."""

@@ -47,6 +47,7 @@ class ScriptedTarget(FakeTarget):
         self.logprobs: dict[str, int] = {}  # seq_id -> alternatives asked
         self.prompts: list[list[int]] = []
         self.samplings: list[common_pb2.SamplingOptions] = []  # each Prefill's, in order
+        self.max_lens: list[int] = []  # each Prefill's max_len, in order
         self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
         self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
 
@@ -69,6 +70,7 @@ class ScriptedTarget(FakeTarget):
         reused = min(seen, prefix_limit(len(prompt))) // CACHE_BLOCK * CACHE_BLOCK
         self.prompts.append(prompt)
         self.samplings.append(request.sampling)
+        self.max_lens.append(request.max_len)
         if request.sampling.HasField("logprobs"):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)

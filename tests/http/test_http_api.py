@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from coordinator.http.responses import tandem_stats
+from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 from tests.coordinator.inprocess import tiny_tokenizer
 from tests.http.harness import LOGPROB, MODEL, TOKENS, http_coordinator
@@ -57,6 +58,8 @@ def test_chat_completion_through_the_openai_client(tokenizer):
                 [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
                 add_generation_prompt=True, tokenize=True)["input_ids"])
             assert running.target.prompts[-1] == prompt
+            # the most its KV may reach: prompt, answer and a round in flight (the room the target keeps it)
+            assert running.target.max_lens[-1] == len(prompt) + 4 + IN_FLIGHT_TOKENS
             usage = reply.usage
             assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(prompt), 4,
                                                                                           len(prompt) + 4)
