@@ -109,16 +109,23 @@ class FailoverVerifier:
         needs_rebuild = False
         backoff, waited = KV_BACKOFF_S, 0.0
         while True:
+            holds = rebuild  # whether the target holds the sequence's KV: a Verify's does, a first Prefill's not yet
             try:
                 if needs_rebuild:
+                    holds = False
                     await self.target.prefill(seq_id, s.history, s.sampling, len(s.prompt_ids),
                                               propose=self.rebuild_propose(self.target))
+                    holds = True
                 return await call(self.target)
             except KVCacheExhaustedError:
                 if waited >= KV_WAIT_MAX_S:
                     raise
-                await self.target.release(seq_id)  # preempted: others get its blocks meanwhile
-                s.stats.preemptions += 1
+                if holds:  # preempted: others get its blocks meanwhile
+                    await self.target.release(seq_id)
+                    s.stats.preemptions += 1
+                # (a refused Prefill holds nothing: the worker admits a call whole or not at all, and drops the
+                # chunks it computed of a prompt it then refuses; under a burst, a release per refusal queued
+                # hundreds of needless calls on the busy worker)
                 pause = backoff * random.uniform(0.5, 1.5)
                 await asyncio.sleep(pause)
                 waited += pause
