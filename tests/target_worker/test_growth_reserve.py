@@ -2,8 +2,8 @@
 
 A burst of prompts used to fill the pool with prompts, and every running sequence was refused the round after
 (preempted, and computed again). With ``reserve_growth`` (a worker's engine) a new Prefill is refused while the
-running sequences' room would be taken: the rest of each one's answer as its Prefill's ``max_len`` says, up to a
-horizon, else two rounds. On a tiny model, through the engine's own batches.
+running sequences' room would be taken: their next two rounds, or the rest of the answer where its Prefill's
+``max_len`` says that is less. On a tiny model, through the engine's own batches.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_a_new_prompt_waits_while_the_running_sequence_needs_the_room(tiny_qwen2
 
 
 def test_a_sequence_near_its_end_keeps_only_what_it_still_needs(tiny_qwen2_dir):
-    """``max_len`` bounds the room: a request of a few new tokens is not held to two rounds' growth."""
+    """``max_len`` bounds the room: a request of a few new tokens left is not held to two rounds' growth."""
     engine = target(tiny_qwen2_dir, reserve=True)
     ok(engine.run_batch([PrefillCall("a", prompt(16, 3), GREEDY, max_len=20)]))  # 1 more block at most
     # 19 free: b's 4 blocks, a's 1 and b's own 5 (max_len 36) fit
