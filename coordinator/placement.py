@@ -73,9 +73,6 @@ class Placement:
             self.on_move("target")
         return self._switch_target(replacement)
 
-    async def wait_for_room(self, since: float, tokens: int, timeout_s: float) -> None:
-        await self.target.room.wait(since, tokens, timeout_s)
-
     async def replace_draft(self) -> RequestChannel | None:
         old, self.draft = self.draft, None
         if old is not None and self._entered:

@@ -46,7 +46,6 @@ import grpc
 
 from coordinator import prefix_routing
 from coordinator.prefix_mirror import PrefixMirror
-from coordinator.room_waits import RoomWaits
 from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableError
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
@@ -106,7 +105,6 @@ class WorkerClient:
         self.prompt_blocks = PrefixMirror()  # a draft's: the prompts this coordinator has seen it cache
         self._asking: asyncio.Future | None = None  # an Info asked for calls past their hang timeout (``computing``)
         self.busy_waits = 0  # times a call here outlasted its hang timeout and waited on, the worker computing
-        self.room = RoomWaits()  # a target's: this coordinator's requests waiting for room in its KV pool
 
     async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False) -> Any:
         """``deadline_expected``: a call that may outlast ``timeout`` without anything being wrong (a release queued
@@ -254,7 +252,6 @@ class RequestChannel:
         # last drafting Propose's ``verified_len``): at release the mirror learns the blocks the draft cached of it.
         self._draft_tokens: list[int] = []
         self._verified = 0
-        self._held = 0  # a target's: the tokens the sequence's KV holds there, as its last call left it
 
     @property
     def worker(self) -> WorkerClient:
@@ -330,7 +327,6 @@ class RequestChannel:
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose, max_len=self.max_len),
             prompt_tokens=len(token_ids))
-        self._held = len(token_ids)
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
                          reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens),
                          logprobs_from_proto(reply.prompt_logprobs) if sampling.prompt_logprobs is not None else None)
@@ -342,7 +338,6 @@ class RequestChannel:
         reply = await self._call("Verify", target_pb2.VerifyRequest(
             seq_id=seq_id, committed_len=committed_len, draft_tokens=draft_tokens, draft_probs=draft_probs,
             draft_parents=draft_parents, owner=self.owner, propose=propose))
-        self._held = committed_len + len(draft_tokens)
         accepted = list(reply.accepted_nodes)
         if len(accepted) != reply.num_accepted or any(not 0 <= n < len(draft_tokens) for n in accepted):
             raise InternalError("a target worker answered an inconsistent verdict")
@@ -377,7 +372,6 @@ class RequestChannel:
         if self._verified and self.client.info is not None and self.client.info.prefix_cache.generated:
             self.client.read_prompt(self._draft_tokens[:self._verified])
         self._draft_tokens, self._verified = [], 0
-        held, self._held = self._held, 0
         try:
             await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S,
                                    deadline_expected=True)
@@ -386,9 +380,6 @@ class RequestChannel:
                      "sequence when it takes the call)", seq_id, self.client.address, RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             log.warning("release of %s on %s failed: %s", seq_id, self.client.address, exc)
-        finally:
-            if held:  # requests waiting for room there may ask again (coordinator/room_waits.py)
-                self.client.room.freed(held)
 
 
 REPLICA_STATES = ("starting", "healthy", "unhealthy", "leaving", "rejected")

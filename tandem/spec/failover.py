@@ -8,8 +8,7 @@ the coordinator's ``ReplicaSource`` (``coordinator.placement``), do:
   and the new one rebuilt from the committed history (a Prefill of all of it
   with ``prompt_len``, which builds the KV of all but the last token); then
   the call is repeated there;
-- a full KV pool preempts the request: its KV is freed, it waits (until a
-  release on that target frees room, earlier requests first, or a jittered
+- a full KV pool preempts the request: its KV is freed, it waits (jittered
   backoff) and is rebuilt on the replica that has room then, maybe the same;
 - a draft replica that fails is replaced, or the request goes on without
   one; either way that call gives up (no tokens, ``Drafted.lost``), and with
@@ -28,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -79,7 +77,6 @@ class FailoverVerifier:
         self.state = state  # the committed history a rebuild feeds, and the stats moves count in
         self.rebuild_propose = rebuild_propose
         self._releases: set[asyncio.Task] = set()
-        self.since = time.monotonic()  # when the request started: its place among those waiting for room
 
     @property
     def streams(self) -> int:
@@ -130,11 +127,8 @@ class FailoverVerifier:
                 # chunks it computed of a prompt it then refuses; under a burst, a release per refusal queued
                 # hundreds of needless calls on the busy worker)
                 pause = backoff * random.uniform(0.5, 1.5)
-                started = time.monotonic()
-                # Until a release there frees room (first come, first served), or the backoff for other
-                # coordinators' releases.
-                await self.replicas.wait_for_room(self.since, len(s.history), pause)
-                waited += time.monotonic() - started
+                await asyncio.sleep(pause)
+                waited += pause
                 backoff = min(2 * backoff, KV_BACKOFF_MAX_S)
                 replacement = await self.replicas.replace_target(faulty=False)
                 if replacement is None:

@@ -145,7 +145,3 @@ class ReplicaSource(Protocol):
 
     async def replace_draft(self) -> DraftChannel | None:
         """The draft this request drafts with from now on."""
-
-    async def wait_for_room(self, since: float, tokens: int, timeout_s: float) -> None:
-        """Until room for ``tokens`` may have freed on the request's target (a release there), requests that
-        started earlier (``since``) first, or ``timeout_s`` has passed."""

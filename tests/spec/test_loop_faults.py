@@ -63,7 +63,6 @@ class Replicas:
     def __init__(self, targets=(), drafts=()) -> None:
         self.targets, self.drafts = list(targets), list(drafts)
         self.asked: list[tuple[str, bool]] = []
-        self.waits: list[tuple[float, int]] = []  # (since, tokens) of each wait for room
 
     async def replace_target(self, faulty):
         self.asked.append(("target", faulty))
@@ -72,10 +71,6 @@ class Replicas:
     async def replace_draft(self):
         self.asked.append(("draft", True))
         return self.drafts.pop(0) if self.drafts else None
-
-    async def wait_for_room(self, since, tokens, timeout_s):
-        self.waits.append((since, tokens))
-        await asyncio.sleep(timeout_s)  # (no release here ever frees room)
 
 
 def run(options, target, draft, replicas, n=40):
