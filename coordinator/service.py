@@ -253,6 +253,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stats = state.stats
             if stats.preemptions:
                 metrics.preemptions.inc(stats.preemptions)
+            if stats.room_waits:
+                metrics.room_waits.inc(stats.room_waits)
             if stats.draft_wait_rounds:
                 metrics.draft_wait_rounds.inc(stats.draft_wait_rounds)
             if stats.drafted:

@@ -181,6 +181,9 @@ class CoordinatorMetrics:
                              ["role"], registry=registry)
         self.preemptions = Counter(f"{p}_preemptions", "times a request's target KV was freed for a full pool "
                                    "and rebuilt later", registry=registry)
+        # The burst's signal, now that KV-full refusals log at DEBUG: prompts queue here before they preempt anyone.
+        self.room_waits = Counter(f"{p}_room_waits", "times a request's Prefill was refused for a full target pool "
+                                  "(it held nothing) and waited to ask again", registry=registry)
         self.draft_wait_rounds = Counter(f"{p}_draft_wait_rounds", "rounds a request ran without its draft model "
                                          "because reading what the draft lacked (a long prompt) would not pay yet",
                                          registry=registry)

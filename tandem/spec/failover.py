@@ -123,6 +123,8 @@ class FailoverVerifier:
                 if holds:  # preempted: others get its blocks meanwhile
                     await self.target.release(seq_id)
                     s.stats.preemptions += 1
+                else:
+                    s.stats.room_waits += 1
                 # (a refused Prefill holds nothing: the worker admits a call whole or not at all, and drops the
                 # chunks it computed of a prompt it then refuses; under a burst, a release per refusal queued
                 # hundreds of needless calls on the busy worker)

@@ -70,6 +70,7 @@ class GenerationStats:
     target_moves: int = 0
     draft_moves: int = 0
     preemptions: int = 0
+    room_waits: int = 0  # a Prefill (prompt or rebuild) refused for a full pool, which held nothing and waited
 
     @property
     def elapsed_s(self) -> float:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from coordinator.access import AccessControl
 from coordinator.http import HttpApi
 from coordinator.service import GenerationService
@@ -48,6 +50,7 @@ class ScriptedTarget(FakeTarget):
         self.prompts: list[list[int]] = []
         self.samplings: list[common_pb2.SamplingOptions] = []  # each Prefill's, in order
         self.max_lens: list[int] = []  # each Prefill's max_len, in order
+        self.full_prefills = 0  # Prefills to refuse first as a full pool refuses them (RESOURCE_EXHAUSTED)
         self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
         self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
 
@@ -63,6 +66,11 @@ class ScriptedTarget(FakeTarget):
 
     async def Prefill(self, request, context):
         self.calls["Prefill"] += 1
+        if self.full_prefills:
+            self.full_prefills -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"KV cache full: sequence {request.seq_id!r} needs 2 more blocks than are free; "
+                                "retry later")
         prompt = list(request.token_ids)
         # As a prefix cache answers: whole blocks of the longest earlier prompt this one starts with, at most
         # all but its last token.

@@ -245,6 +245,16 @@ def test_metrics_and_version_are_served_on_the_api_port_without_a_token(tokenize
                     assert reply.status == 200 and await reply.json() == {"version": __version__}
             assert 'tandem_coordinator_requests_total{outcome="ok"} 1.0' in text, text[:2000]
             assert "tandem_coordinator_generated_tokens_total 2.0" in text
+            assert "tandem_coordinator_room_waits_total 0.0" in text
+            # a prompt refused for a full pool waits and asks again: a room wait, not a preemption (it held nothing)
+            running.target.full_prefills = 2
+            reply = await client(running, api_key=TOKEN).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0)
+            assert reply.choices[0].model_extra["tandem"]["preemptions"] == 0
+            async with aiohttp.ClientSession() as session, session.get(running.root + "/metrics") as metrics:
+                text = await metrics.text()
+            assert "tandem_coordinator_room_waits_total 2.0" in text
+            assert "tandem_coordinator_preemptions_total 0.0" in text
     run(go())
 
 

@@ -138,12 +138,13 @@ def test_a_refused_prefill_holds_nothing_so_it_waits_without_a_release_or_a_pree
     wrapped = verifier(full, Spares(targets=[full] * 2), state)
     assert asyncio.run(wrapped.prefill("s", PROMPT, state.sampling)) == Prefilled(9)
     assert [c[0] for c in full.calls] == ["prefill"] * 3 and full.released == [] and state.stats.preemptions == 0
+    assert state.stats.room_waits == 2
     state = request()
     full = Replica("full", [KVCacheExhaustedError("full"), KVCacheExhaustedError("full")])
     wrapped = verifier(full, Spares(targets=[full] * 2), state)
     asyncio.run(wrapped.verify("s", len(state.history), [4], []))
     assert [c[0] for c in full.calls] == ["verify", "prefill", "prefill", "verify"]
-    assert full.released == ["s"] and state.stats.preemptions == 1
+    assert full.released == ["s"] and state.stats.preemptions == 1 and state.stats.room_waits == 1
 
 
 def test_without_a_spare_or_past_the_longest_wait_the_error_reaches_the_caller(monkeypatch):
