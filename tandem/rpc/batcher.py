@@ -13,7 +13,8 @@ and starting now would run two part batches where one full one costs little
 more, and on a shared machine would run the draft and target workers at the
 same time, each slowing the other. So the loop waits for them, up to
 ``gather_wait_s()``; with one sequence, or all of them queued, it never
-waits. Under load this brings streams into step: a full verify batch sends
+waits. A call that failed (refused for room, or bad) does not make its
+sequence one to wait for. Under load this brings streams into step: a full verify batch sends
 every stream to the draft worker at once, and back. A sequence that stops
 calling (released, or drafting nothing at k = 0) drops out after two batches.
 
@@ -162,8 +163,6 @@ class Batcher(Generic[Item, Result]):
             batch = [p for p in self._take_batch() if not p.future.cancelled()]
             if not batch:
                 continue
-            if self.key is not None:
-                self._recent.append({self.key(p.item) for p in batch})
             self._step_tokens = sum(p.cost for p in batch)
             started = self._step_started = time.perf_counter()
             try:
@@ -172,6 +171,13 @@ class Batcher(Generic[Item, Result]):
                 results = [exc] * len(batch)
             finally:
                 self._step_started = None
+            if self.key is not None:
+                # The sequences that will call again: a call that failed (a prompt refused for a full pool, a bad
+                # call) is not waited for. A burst's refused prompts come back only after their backoff, and every
+                # batch waited out the gathering for them: 200 streams on one pool, 240-267 tokens/s, against 307
+                # where each refusal's Release happened to forget them.
+                self._recent.append({self.key(p.item) for p, r in zip(batch, results)
+                                     if not isinstance(r, BaseException)})
             if self.on_batch:
                 self.on_batch(len(batch), self._step_tokens, time.perf_counter() - started)
             unfinished = []

@@ -128,6 +128,32 @@ def test_batches_wait_for_every_cycling_sequence():
     assert seen[1:] == [["a2", "b2"]]  # c was released: nobody waits for it
 
 
+def test_a_sequence_whose_call_failed_is_not_waited_for():
+    """A prompt refused for a full pool comes back only after its backoff: the next batch must not wait for it."""
+    seen: list[list[str]] = []
+
+    def run_batch(items):
+        seen.append(items)
+        return [ValueError("refused") if item[0] == "r" else item for item in items]
+
+    async def scenario():
+        batcher = Batcher(run_batch, cost=lambda i: 1, token_budget=10, key=lambda item: item[0],
+                          gather_wait_s=lambda: 5.0)
+        batcher.start()
+        results = await asyncio.gather(*(batcher.submit(s) for s in ("a1", "b1", "r1")), return_exceptions=True)
+        assert isinstance(results[2], ValueError)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        both = await asyncio.gather(batcher.submit("a2"), batcher.submit("b2"))
+        waited = loop.time() - t0
+        await batcher.stop()
+        return both, waited
+
+    both, waited = asyncio.run(scenario())
+    assert both == ["a2", "b2"] and seen[-1] == ["a2", "b2"]
+    assert waited < 2.5  # not the 5 s gathering for r
+
+
 def test_gathering_gives_up_after_its_wait():
     async def scenario():
         batcher = Batcher(lambda items: items, cost=lambda i: 1, token_budget=10, key=lambda item: item[0],
