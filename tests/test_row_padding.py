@@ -97,9 +97,8 @@ def test_calls_above_32_rows_compute_one_of_16_sizes_per_octave_and_at_most_a_si
 
 @pytest.mark.parametrize("rows", [33, 101, 700])
 def test_a_bucketed_call_computes_its_bucket_and_returns_its_own_rows_bitwise(rows):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from tandem.models.packed import pack_weight, packed_linear, packing_supported
+    from tests.test_row_invariance import KernelRows
 
     if not packing_supported():
         pytest.skip("this PyTorch cannot pack weights for oneDNN")
@@ -107,16 +106,6 @@ def test_a_bucketed_call_computes_its_bucket_and_returns_its_own_rows_bitwise(ro
     weight, bias = torch.randn(640, 576), torch.randn(640)  # fp32: packed on every CPU
     packed = pack_weight(weight)
     x = torch.randn(rows, 576)  # [rows, in]
-
-    class KernelRows(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.rows: list[int] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket is torch.ops.mkldnn._linear_pointwise:
-                self.rows.append(args[0].shape[0])
-            return func(*args, **(kwargs or {}))
 
     with torch.inference_mode(), KernelRows() as kernel:
         out = packed_linear(x, packed, bias)  # [rows, out]

@@ -71,6 +71,7 @@ class RowStableLinear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed_weight: torch.Tensor | None = None  # oneDNN's blocked copy; replaces ``weight`` once set
         self.padding: tuple[int, ...] = DEFAULT_PADDING  # rows a small packed call computes (row_padding)
+        self.max_call_rows: int | None = None  # most rows one packed call computes (row_invariance); None: any
 
     def reset_parameters(self) -> None:
         if self.weight.is_meta:  # a skeleton that a checkpoint fills (see ``building_on_meta``): nothing to initialise
@@ -79,7 +80,7 @@ class RowStableLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias, self.padding)
+            return packed_linear(x, self.packed_weight, self.bias, self.padding, self.max_call_rows)
         if x.dtype == torch.float32:
             return super().forward(x)
         if x.device.type != "cpu":

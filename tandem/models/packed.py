@@ -27,7 +27,9 @@ from 2 rows up. One row takes another kernel, so a lone row is padded to two at 
 calls compute the row count that measured cheapest for their weight (``tandem.models.row_padding``).
 That gives a packed model the promise that a token's logits do not depend on how many
 tokens share the forward pass, so greedy speculative output is bitwise the target's
-alone, and batching changes nothing. Another instruction set may pick other kernels:
+alone, and batching changes nothing. Another instruction set may pick other kernels: on an
+Intel Xeon with AMX, bf16 calls of more than 32 rows round rows otherwise, so each shape is
+probed at load and larger calls are split (``tandem.models.row_invariance``);
 ``tests/test_engine_rollback_and_batching.py`` checks the promise on the machine it runs on.
 
 Memory: the packed copy replaces the dense weight (same bytes). A head tied to the
@@ -39,11 +41,16 @@ per row count a packed weight meets, so calls above 32 rows compute one of a few
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.row_invariance import MIN_CALL_LIMIT
 from tandem.models.row_padding import DEFAULT_PADDING, PaddingTuner, padded_rows
+
+logger = logging.getLogger(__name__)
 
 # Below this many weight elements a layer keeps its dense weight (MKL in fp32, ATen in bf16): oneDNN's
 # fixed cost per call (tens of microseconds, milliseconds for some row counts on tiny shapes) exceeds
@@ -73,14 +80,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  padding: tuple[int, ...] = DEFAULT_PADDING) -> torch.Tensor:
+                  padding: tuple[int, ...] = DEFAULT_PADDING, max_rows: int | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` [T, in] over a packed weight; every row bitwise independent of the others.
 
     A call of T rows computes ``padding[T]`` rows (zeros past T) where the table has an entry: one row
     runs another kernel (padded, it runs the kernel every other call runs), and some small counts run
-    slower kernels than a few more rows would (``tandem.models.row_padding``).
+    slower kernels than a few more rows would (``tandem.models.row_padding``). More than ``max_rows``
+    rows (the weight's probed limit, ``tandem.models.row_invariance``) go in calls of at most that many.
     """
     rows = x.shape[0]
+    if max_rows is not None and rows > max_rows:
+        return torch.cat([packed_linear(piece, packed, bias, padding) for piece in x.split(max_rows)])  # [T, out]
     computed = padded_rows(padding, rows)
     if computed != rows:
         return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, computed - rows)), packed, bias,
@@ -92,7 +102,10 @@ def pack_linear_weights(model: nn.Module, tuner: PaddingTuner | None = None) -> 
     """Pack the weight of every ``RowStableLinear`` in ``model`` in place; the number of layers packed.
 
     With ``tuner``, each packed layer's small calls compute the row count measured cheapest for its
-    shape (``tandem.models.row_padding``); without, a lone row is padded to two.
+    shape (``tandem.models.row_padding``); without, a lone row is padded to two. Either way, where kernels
+    vary with the row count (bf16 on AMX), each shape is probed for the most rows one call may compute
+    row-invariantly (``tandem.models.row_invariance``), and one whose kernels vary below ``MIN_CALL_LIMIT``
+    rows stays dense.
 
     Each layer's dense weight is dropped as its packed copy is made (so peak memory
     grows by one layer, not one model); a weight shared with another module (a
@@ -102,15 +115,23 @@ def pack_linear_weights(model: nn.Module, tuner: PaddingTuner | None = None) -> 
     """
     from tandem.models.layers import RowStableLinear  # layers imports packed_linear from here
 
+    limits = tuner if tuner is not None else PaddingTuner()  # the call limit is probed with or without a tuner
     packed = 0
     for module in model.modules():
         if (isinstance(module, RowStableLinear) and module.packed_weight is None
                 and module.weight.numel() >= MIN_PACKED_ELEMENTS):
-            module.packed_weight = pack_weight(module.weight)
-            if tuner is not None:  # the weight's own shape: a tensor-parallel shard's, not the layer's declared one
-                out_features, in_features = module.weight.shape
-                module.padding = tuner.padding_for(module.packed_weight, out_features, in_features, module.bias,
-                                                   module.weight.dtype)
+            weight = pack_weight(module.weight)
+            out_features, in_features = module.weight.shape  # a tensor-parallel shard's, not the layer's declared one
+            limit = limits.call_limit_for(weight, out_features, in_features, module.bias, module.weight.dtype)
+            if limit is not None and limit < MIN_CALL_LIMIT:  # rows vary by the call: the dense path keeps the promise
+                logger.warning("a %dx%d %s linear layer stays unpacked: oneDNN's kernels for it compute a row "
+                               "differently in calls of more than %d rows", out_features, in_features,
+                               str(module.weight.dtype).removeprefix("torch."), limit)
+                continue
+            module.packed_weight = weight
+            module.max_call_rows = limit
+            if tuner is not None:
+                module.padding = tuner.padding_for(weight, out_features, in_features, module.bias, module.weight.dtype)
             module.weight = None  # the name stays registered, empty; the tensor is freed unless shared
             packed += 1
     return packed

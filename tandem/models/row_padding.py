@@ -33,6 +33,8 @@ from functools import partial
 
 import torch
 
+from tandem.models.row_invariance import kernels_vary_by_rows, probe_call_limit
+
 # Row counts above this are never padded: past a handful of rows every kernel reads the weight once.
 MAX_PADDED_ROWS = 8
 # One row runs another kernel than every other count (not row-invariant), so it is always padded to two
@@ -109,14 +111,37 @@ def median_times_ms(calls: dict[int, Callable[[], object]], repeats: int,
 
 @dataclass(slots=True)
 class PaddingTuner:
-    """Measures each distinct packed weight shape once (per dtype and bias) and remembers the padding."""
+    """Measures each distinct packed weight shape once (per dtype and bias) and remembers the padding, and
+    the most rows one call may compute row-invariantly (``tandem.models.row_invariance``)."""
 
     chosen: dict[tuple[int, int, str, bool], tuple[int, ...]] = field(default_factory=dict)
     costs: dict[tuple[int, int, str, bool], dict[int, float]] = field(default_factory=dict)
+    call_limits: dict[tuple[int, int, str, bool], int | None] = field(default_factory=dict)
 
     def padding_for(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
                     dtype: torch.dtype) -> tuple[int, ...]:
-        key = (out_features, in_features, str(dtype).removeprefix("torch."), bias is not None)
+        key = _shape_key(out_features, in_features, bias, dtype)
         if key not in self.chosen:
             self.chosen[key], self.costs[key] = measure_padding(packed, in_features, bias, dtype)
         return self.chosen[key]
+
+    def call_limit_for(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                       dtype: torch.dtype) -> int | None:
+        """The most rows one call of this shape may compute (``tandem.models.row_invariance``); None: any."""
+        if not kernels_vary_by_rows(dtype):
+            return None
+        key = _shape_key(out_features, in_features, bias, dtype)
+        if key not in self.call_limits:
+            call = partial(_exact_call, packed=packed, bias=bias)
+            self.call_limits[key] = probe_call_limit(call, in_features, dtype)
+        return self.call_limits[key]
+
+
+def _shape_key(out_features: int, in_features: int, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> tuple[int, int, str, bool]:
+    return out_features, in_features, str(dtype).removeprefix("torch."), bias is not None
+
+
+def _exact_call(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a packed weight at exactly x's rows: x [T, in] -> [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
