@@ -462,3 +462,29 @@ def test_row_buckets_walks_each_rule_and_prices_a_prefill_under_both(tiny_qwen2_
         row_buckets.main(["--model", str(tiny_qwen2_dir), "--max-rows", "1"])
     with pytest.raises(SystemExit, match="exact walk failed"):  # the child loads the tiny model unpacked
         row_buckets.main(["--model", str(tiny_qwen2_dir), "--max-rows", "40", "--out", str(tmp_path)])
+
+
+def test_row_split_prices_both_rules_per_shape_and_prefill_and_checks_the_decoded_logits(tiny_qwen2_dir, monkeypatch,
+                                                                                       tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks import row_split
+    from tandem.models import packed
+
+    with pytest.raises(SystemExit, match="--limit"):
+        row_split.main(["--model", str(tiny_qwen2_dir), "--limit", "1"])
+    with pytest.raises(SystemExit, match="nothing to split"):  # test-sized layers stay dense
+        row_split.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--out", str(tmp_path)])
+    monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)  # pack the tiny model's layers, as a real model's are
+    with pytest.raises(SystemExit, match="give --limit N"):  # fp32: no probe, no limit
+        row_split.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--out", str(tmp_path)])
+    assert row_split.main(["--model", str(tiny_qwen2_dir), "--dtype", "float32", "--limit", "8", "--counts", "2,20",
+                           "--lengths", "9,21", "--reps", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "row_split.json").read_text())
+    assert result["settings"]["limits"] == [8]
+    assert {(r["rows"], r["split rows differing"]) for r in result["calls"]} == {(2, 0), (20, 0)}  # fp32: invariant
+    assert all(r["ratio"] == r["split ms"] / r["one call ms"] for r in result["calls"])
+    assert [(r["prompt tokens"], r["split = decoded"]) for r in result["prefills"]] == [(9, True), (21, True)]
+    assert (tmp_path / "row_split.md").exists() and (tmp_path / "row_split.png").exists()
