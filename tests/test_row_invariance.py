@@ -78,7 +78,7 @@ def test_a_call_over_the_limit_is_computed_in_calls_of_at_most_the_limit(rows, c
     assert torch.equal(out, pieces)
 
 
-def test_layers_take_the_probed_limit_and_a_shape_that_varies_below_the_minimum_stays_dense(monkeypatch):
+def test_layers_take_the_probed_limit_and_a_shape_that_varies_below_the_minimum_stays_dense(monkeypatch, caplog):
     from tandem.models import packed as packed_module
     from tandem.models import row_padding
     from tandem.models.layers import RowStableLinear
@@ -94,11 +94,16 @@ def test_layers_take_the_probed_limit_and_a_shape_that_varies_below_the_minimum_
 
     monkeypatch.setattr(row_padding, "kernels_vary_by_rows", lambda dtype: True)
     monkeypatch.setattr(row_padding, "probe_call_limit", probe)
-    model = torch.nn.Sequential(RowStableLinear(576, 1024), RowStableLinear(576, 1024), RowStableLinear(576, 768))
-    assert packed_module.pack_linear_weights(model) == 2
-    assert [layer.max_call_rows for layer in model[:2]] == [32, 32]
-    assert model[2].packed_weight is None and model[2].weight is not None  # left on its dense path
+    model = torch.nn.Sequential(RowStableLinear(576, 1024), RowStableLinear(576, 768), RowStableLinear(576, 1024),
+                                RowStableLinear(576, 768))
+    with caplog.at_level("WARNING", logger="tandem.models.packed"):
+        assert packed_module.pack_linear_weights(model) == 2
+    assert [model[i].max_call_rows for i in (0, 2)] == [32, 32]
+    assert all(model[i].packed_weight is None and model[i].weight is not None for i in (1, 3))  # left dense
     assert probed == [(1024, 576), (768, 576)]  # once per shape
+    assert [r.getMessage() for r in caplog.records] == [  # once per shape, naming it
+        "768x576 float32 linear layers stay unpacked: oneDNN's kernels for them compute a row differently in "
+        "calls of more than 8 rows"]
     x = torch.randn(70, 576)
     with torch.inference_mode(), KernelRows() as kernel_rows:
         model[0](x)

@@ -117,6 +117,7 @@ def pack_linear_weights(model: nn.Module, tuner: PaddingTuner | None = None) -> 
 
     limits = tuner if tuner is not None else PaddingTuner()  # the call limit is probed with or without a tuner
     packed = 0
+    left_dense: set[tuple[int, int]] = set()  # shapes already warned of
     for module in model.modules():
         if (isinstance(module, RowStableLinear) and module.packed_weight is None
                 and module.weight.numel() >= MIN_PACKED_ELEMENTS):
@@ -124,9 +125,11 @@ def pack_linear_weights(model: nn.Module, tuner: PaddingTuner | None = None) -> 
             out_features, in_features = module.weight.shape  # a tensor-parallel shard's, not the layer's declared one
             limit = limits.call_limit_for(weight, out_features, in_features, module.bias, module.weight.dtype)
             if limit is not None and limit < MIN_CALL_LIMIT:  # rows vary by the call: the dense path keeps the promise
-                logger.warning("a %dx%d %s linear layer stays unpacked: oneDNN's kernels for it compute a row "
-                               "differently in calls of more than %d rows", out_features, in_features,
-                               str(module.weight.dtype).removeprefix("torch."), limit)
+                if (out_features, in_features) not in left_dense:
+                    left_dense.add((out_features, in_features))
+                    logger.warning("%dx%d %s linear layers stay unpacked: oneDNN's kernels for them compute a row "
+                                   "differently in calls of more than %d rows", out_features, in_features,
+                                   str(module.weight.dtype).removeprefix("torch."), limit)
                 continue
             module.packed_weight = weight
             module.max_call_rows = limit

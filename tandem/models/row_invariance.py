@@ -17,9 +17,10 @@ So where oneDNN computes bf16 on AMX tiles, each packed weight shape is probed o
 (``probe_call_limit``): rows computed in calls of each of ``PROBE_ROWS`` rows are compared with the same
 rows computed two at a time, and a call of more rows than the limit found is split into calls of that
 many (``tandem.models.packed.packed_linear``). A call never computes more rows than were probed, so the
-promise covers every call the layer makes. Splitting costs only there: on the AMX Xeon, a 256-row
-prompt chunk through 1536x8960 took 4.3 ms in one call and 7.2 ms in 32-row calls, while a decode or
-verify call of up to 32 rows (0.7 ms) is untouched; without AMX the same chunk took 51 ms.
+promise covers every call the layer makes. Splitting costs only there: on the AMX Xeon, 256 rows
+through 1536x8960 took 4.3 ms in one call and 6.4 ms in 32-row calls, and a whole 300-token prefill of
+Qwen2.5-Coder-1.5B 1.72x (1,000 tokens: 1.22x), while decode and verify calls of up to 32 rows are
+untouched; with oneDNN kept off AMX the same 256 rows took 43 ms (``benchmarks/row_split.py``).
 
 Elsewhere (fp32 on any CPU, bf16 on avx512_bf16 without AMX) no probe runs and calls are not split:
 those kernels measured invariant at every count tried, and a full probe costs what it computes (7.6 s
