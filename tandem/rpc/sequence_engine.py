@@ -35,9 +35,10 @@ from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 # (``max_len``) and that is less. Without that room a burst of prompts filled the pool and every running sequence
 # was refused, preempted and computed again in turn (200 streams at once on a 256-block SmolLM2 target: 1,732
 # preemptions, 120 s, against 40 s for the same requests sent 32 at a time). Keeping each one the rest of its
-# answer instead (TGI's reservation, up to 128 tokens) measured 1.68x on that burst where two rounds measured 1.61x,
-# each in its own run (noise is 10-15%); two rounds hold less for long answers, where 128 tokens a sequence would
-# cap how many run at once, and what outgrows them preempts the youngest, which are cheap to compute again.
+# answer instead (TGI's reservation, up to 128 tokens) measured the same on that burst, side by side in one run
+# (199.7 against 195.8 tokens/s, two rounds each; benchmarks/README.md); two rounds start more prompts early and
+# hold less for long answers, where 128 tokens a sequence would cap how many run at once, and what outgrows them
+# preempts the youngest, which are cheap to compute again.
 GROWTH_ROUNDS = 2
 
 
