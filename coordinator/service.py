@@ -336,9 +336,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               pipelined=self.cfg.pipelining and not spec.disable_pipelining,
                               draft_stops=self.cfg.draft_stops,
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
-                              heads_nodes=spec.heads_nodes, heads_fallback=heads_fallback(requested, method, has_draft))
+                              heads_nodes=spec.heads_nodes, heads_fallback=heads_fallback(requested, method, has_draft),
+                              prediction_k_max=k if spec.HasField("k") else MAX_K)
         text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
-        return RequestState(prompt_ids, sampling, stop, text), options, tools
+        return RequestState(prompt_ids, sampling, stop, text, self._prediction_ids(spec.prediction)), options, tools
+
+    def _prediction_ids(self, prediction: str) -> list[int]:
+        """``speculation.prediction``'s tokens (as the answer would spell them: no special tokens added)."""
+        if not prediction:
+            return []
+        ids = list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        if len(ids) > self.max_context:
+            raise InvalidRequestError(f"speculation.prediction: {len(ids)} tokens is longer than the model's context "
+                                      f"of {self.max_context}, so no answer could repeat it")
+        return ids
 
     def _tools(self, request: generation_pb2.GenerateRequest) -> ToolUse | None:
         """The request's tools, validated; None without any. Shown tools need a chat and a template that shows them
@@ -424,7 +435,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             draft_worker=self.public_name(run.placement.draft), target_worker=self.public_name(run.placement.target),
             target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions,
             tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused,
-            draft_wait_rounds=st.draft_wait_rounds, forced_tokens=st.forced_tokens)
+            draft_wait_rounds=st.draft_wait_rounds, forced_tokens=st.forced_tokens,
+            prediction_accepted=st.prediction_accepted, prediction_rejected=st.prediction_rejected)
 
 
 def _finish_reason(run: _Request) -> str:

@@ -28,16 +28,18 @@ def build_request(
     request_id: str = "",
     tree: str = "",
     heads_nodes: int = 0,
+    prediction: str = "",
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest of ``prompt``: text (through the chat template with ``chat``), token ids, or a
-    conversation (``{"role", "content"}`` turns, always through the chat template)."""
+    conversation (``{"role", "content"}`` turns, always through the chat template). ``prediction``: text the answer
+    is expected to repeat (``SpeculationOptions.prediction``)."""
     request = generation_pb2.GenerateRequest(
         chat=chat, request_id=request_id,
         stopping=generation_pb2.StoppingOptions(max_new_tokens=max_new_tokens, stop_strings=stop_strings,
                                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos),
         speculation=generation_pb2.SpeculationOptions(method=method, fixed_k=fixed_k,
                                                       disable_pipelining=not pipelining, tree=tree,
-                                                      heads_nodes=heads_nodes),
+                                                      heads_nodes=heads_nodes, prediction=prediction),
     )
     if k is not None:
         request.speculation.k = k

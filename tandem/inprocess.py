@@ -53,6 +53,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     k_max: int | None = None  # None: the generator's SpecOptions.k_max
     adaptive_k: bool | None = None  # None: the generator's SpecOptions.adaptive_k
+    prediction_ids: list[int] = field(default_factory=list)  # what the answer may repeat (tandem.spec.prediction)
     # Called with the tokens each step commits (the prefill's first, then each round's), as they are committed:
     # what `tandem generate` streams in process. It runs on the generator's event loop, so it must not block.
     on_tokens: Callable[[list[int]], None] | None = None
@@ -177,8 +178,10 @@ class SpeculativeGenerator:
                     f"prompt ({token_count_text(len(r.prompt_ids))}) + max_new_tokens ({r.max_new_tokens}) "
                     f"exceeds the model's context of {self.max_len}")
             check_token_ids("prompt", r.prompt_ids, self.target.vocab_size)
+            check_token_ids("prediction", r.prediction_ids, self.target.vocab_size)
             self._check_room(r)
-        states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids))
+        states = [RequestState(r.prompt_ids, r.sampling, StopConditions(r.max_new_tokens, r.stop_token_ids),
+                               prediction=r.prediction_ids)
                   for r in requests]
         asyncio.run(self._run(requests, states))
         return [GenerationResult(s.generated, s.finish_reason or "length", s.stats, s.logprobs, s.prompt_logprobs)

@@ -488,3 +488,41 @@ def test_row_split_prices_both_rules_per_shape_and_prefill_and_checks_the_decode
     assert all(r["ratio"] == r["split ms"] / r["one call ms"] for r in result["calls"])
     assert [(r["prompt tokens"], r["split = decoded"]) for r in result["prefills"]] == [(9, True), (21, True)]
     assert (tmp_path / "row_split.md").exists() and (tmp_path / "row_split.png").exists()
+
+
+def test_predicted_outputs_keeps_target_only_output_and_counts_what_the_prediction_gave(tiny_qwen2_dir, tmp_path):
+    import json
+
+    from benchmarks import predicted_outputs
+    from tandem.config import EngineConfig
+    from tandem.engine import ModelEngine
+    from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+
+    target, draft = (ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32")) for _ in range(2))
+    prompts = [[5, 17, 33], [9, 9, 9, 9, 9, 9]]
+    # Each request's prediction: its own target-only answer (an edit that changed nothing)
+    answers = SpeculativeGenerator(target).generate([GenerationRequest(p, 24) for p in prompts])
+    requests = [(p, a.token_ids) for p, a in zip(prompts, answers)]
+    rows = predicted_outputs.measure(target, draft, requests, predicted_outputs.METHODS, 24, 3)
+    assert len(rows) == 2 * (1 + len(predicted_outputs.METHODS))
+    assert all(r["same_as_target_only"] for r in rows)
+    summary = predicted_outputs.summarize(rows)
+    by = {s["method"]: s for s in summary}
+    assert by["target-only"]["x_target_only"] == 1.0 and by["target-only"]["tokens_per_round"] == 1.0
+    assert by["ngram+prediction"]["prediction_kept"] > 24 and by["ngram"]["prediction_kept"] == 0
+    assert by["ngram+prediction"]["tokens_per_round"] > 2 * by["ngram"]["tokens_per_round"]
+    predicted_outputs.report(rows, summary, {"test": True}, tmp_path, "po")
+    saved = json.loads((tmp_path / "po.json").read_text())
+    assert len(saved["summary"]) == 1 + len(predicted_outputs.METHODS) and "token_ids" not in saved["runs"][0]
+    assert (tmp_path / "po.md").is_file() and (tmp_path / "po.png").is_file()
+
+
+def test_predicted_outputs_tasks_are_files_with_an_instruction():
+    from benchmarks import predicted_outputs
+
+    tasks = predicted_outputs.load_tasks(predicted_outputs.TASKS)
+    assert len(tasks) == 6 and len({t["id"] for t in tasks}) == 6
+    for task in tasks:
+        assert task["instruction"] and task["file"].endswith("\n") and task["language"]
+        prompt = predicted_outputs.INSTRUCTION.format(**task)
+        assert task["file"] in prompt and task["instruction"] in prompt

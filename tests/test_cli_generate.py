@@ -157,6 +157,8 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--addr", "127.0.0.1:1", "--target", "x", "--dtype", "float32", "--ngram-max", "6"],
      "--target, --ngram-max, --dtype: in process only"),
     (["--addr", "127.0.0.1:1", "--method", "early-exit"], "--method early-exit: in process only"),
+    (["--prediction", "/nonexistent/old.py"], "--prediction /nonexistent/old.py: cannot read it"),
+    (["--addr", "127.0.0.1:1", "--prediction", "/nonexistent/old.py"], "--prediction /nonexistent/old.py: cannot read"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store
@@ -185,6 +187,25 @@ def test_a_bad_tools_file_is_refused_naming_what_is_wrong_before_any_call(tmp_pa
         path.write_text(content)
     assert main(["generate", "hi", "--addr", "127.0.0.1:1", "--tools", str(path)]) == 2  # nothing listens there
     assert message in capsys.readouterr().err
+
+
+def test_a_prediction_file_speeds_the_answer_and_changes_none_of_it(tiny_served_dir, tmp_path, capsys):
+    """--prediction FILE (OpenAI's Predicted Outputs): with the target-only answer as prediction, the answer is
+    the same and most of it came from the prediction; an empty file is refused by name."""
+    from tandem.tokenizer import load_tokenizer
+    from tests.references import target_only
+
+    prompt = "Name three colors."
+    expected = target_only(tiny_served_dir, [prompt], dtype="float32", max_new_tokens=24)[prompt]
+    path = tmp_path / "answer.txt"
+    path.write_text(load_tokenizer(tiny_served_dir).decode(expected, skip_special_tokens=True))
+    out = generate_json(capsys, prompt, "--chat", "--target", str(tiny_served_dir), "--method", "ngram",
+                        "--max-new-tokens", "24", "--dtype", "float32", "--prediction", str(path))
+    assert out["token_ids"] == expected
+    assert out["stats"]["prediction_accepted"] >= len(expected) // 2, out["stats"]
+    path.write_text("")
+    assert main(["generate", prompt, "--target", str(tiny_served_dir), "--prediction", str(path)]) == 2
+    assert "--prediction " + str(path) + ": the file is empty" in capsys.readouterr().err
 
 
 def test_unknown_method_is_refused_by_the_parser(capsys):

@@ -29,6 +29,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("speculation.tree", "tandem.tree"),
     ("speculation.heads_nodes", "tandem.heads_nodes"),
     ("speculation.k", "tandem.k"),
+    ("speculation.prediction", "prediction"),
     ("token_ids.ids", "prompt"),
     ("request_id", "x-request-id"),
     ("messages", "messages"),

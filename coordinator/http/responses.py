@@ -248,7 +248,10 @@ def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
     """OpenAI's usage: each prompt once (its ``n`` choices have the same), the completions of all choices, and
     (``prompt_tokens_details.cached_tokens``) the prompt tokens each prompt's first choice's target took from its
     prefix cache. Choices after a prompt's first usually find its prompt cached; OpenAI counts a prompt once, so
-    they are not added."""
+    they are not added. ``completion_tokens_details``: of the request's ``prediction``, the tokens verification
+    kept and those it proposed and did not keep, over every choice (OpenAI counts the prediction's tokens that
+    the answer does not contain as rejected; Tandem counts those it verified: a prediction's tail that the
+    answer never reached is neither)."""
     prompt = cached = 0
     for first in range(0, len(choices), n):
         stats = next((c.stats for c in choices[first:first + n] if c.stats is not None), None)
@@ -256,8 +259,13 @@ def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
             prompt += stats.prompt_tokens
             cached += stats.prompt_tokens_reused
     completion = sum(len(c.token_ids) for c in choices)
+    predicted = [c.stats for c in choices if c.stats is not None]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "accepted_prediction_tokens": sum(s.prediction_accepted for s in predicted),
+                "rejected_prediction_tokens": sum(s.prediction_rejected for s in predicted)}}
 
 
 def tandem_stats(stats: generation_pb2.GenerationStats | None) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.http.errors import ApiError, bad_field, unsupported
-from coordinator.http.schema import ParsedRequest, parse_chat
+from coordinator.http.schema import ParsedRequest, metadata, parse_chat
 from tandem.sampling_params import MAX_LOGPROBS
 
 LOGPROBS = "message.output_text.logprobs"  # the one includable Tandem makes
@@ -73,9 +73,7 @@ def parse_responses(data: dict[str, Any], request_id: str = "") -> ResponsesRequ
             raise unsupported(name)
     _logprobs(chat, body.pop("include", None), body.pop("top_logprobs", None))
     echo["top_logprobs"] = chat.get("top_logprobs", data.get("top_logprobs"))
-    metadata = body.pop("metadata", None)
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_field("metadata", "an object of strings")
+    metadata(body.pop("metadata", None))
     messages = _instructions(body.pop("instructions", None)) + _input(body.pop("input", None))
     chat["messages"] = messages
     up_to_context = body.get("max_output_tokens") is None  # OpenAI's default: as long as the model may write

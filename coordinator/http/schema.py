@@ -21,7 +21,10 @@ clients send only what their user set. ``frequency_penalty``,
 Chat completions take vLLM's ``continue_final_message`` (the answer continues the last turn, an assistant's
 prefill). Completions take a list of prompts and ``echo`` (the prompt's own scores with
 ``logprobs``: ``SamplingOptions.prompt_logprobs``); both endpoints take vLLM's
-``prompt_logprobs`` (each prompt token's score, rank and alternatives, in vLLM's shape).
+``prompt_logprobs`` (each prompt token's score, rank and alternatives, in vLLM's shape). Chat completions take
+OpenAI's ``prediction`` (Predicted Outputs: text the answer is expected to repeat, proposed as drafts,
+``tandem.spec.prediction``) and ``metadata`` (checked as OpenAI checks it, and kept nowhere: Tandem stores no
+completion, so ``store: true`` is refused).
 
 Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
 1 (sampling), ``top_p`` 1. ``max_tokens`` left out is what the context leaves
@@ -66,11 +69,9 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "function_call": _neutral("none"),
     "audio": _neutral(),
     "modalities": _neutral(["text"]),
-    "prediction": _neutral(),
     "reasoning_effort": _neutral(),
     "web_search_options": _neutral(),
     "store": _neutral(False),
-    "metadata": _neutral({}),
     "service_tier": _neutral("auto", "default"),
 }
 UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
@@ -193,6 +194,8 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     _prompt_logprobs(body, parsed)
     response_format(body.take("response_format"), request.sampling)
     structured_outputs(body, parsed.request.sampling, parsed.params)
+    request.speculation.prediction = prediction(body.take("prediction"))
+    metadata(body.take("metadata"))  # tags for stored completions: Tandem stores none (store: true is refused)
     body.refuse(UNSUPPORTED_CHAT)
     body.finish()
     return parsed
@@ -459,6 +462,45 @@ def _tools(body: Fields, request: generation_pb2.GenerateRequest) -> None:
                                            f"got {choice!r}")
         options.choice = choice
     options.single_call = parallel is False
+
+
+def prediction(value: Any) -> str:
+    """OpenAI's Predicted Outputs, ``{"type": "content", "content": text or text parts}``: text the answer is
+    expected to repeat (``speculation.prediction``); "" for none."""
+    if value is None:
+        return ""
+    fields = Fields(object_field("prediction", value), "prediction.")
+    kind = fields.string("type")
+    if kind != "content":
+        raise bad_field("prediction.type", f"must be 'content' (the only kind of prediction), got {kind!r}")
+    content = fields.take("content")
+    if content is None:
+        raise bad_field("prediction.content", "required: the text the answer is expected to repeat")
+    text = _content("prediction", content)
+    fields.finish()
+    return text
+
+
+# OpenAI's bounds on metadata (tags a stored completion is filtered by)
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def metadata(value: Any, where: str = "metadata") -> dict[str, str]:
+    """``metadata``, checked as OpenAI checks it (at most 16 string pairs; keys up to 64 characters, values up to
+    512): tags that change nothing about the answer."""
+    if value is None:
+        return {}
+    pairs = object_field(where, value)
+    if len(pairs) > METADATA_PAIRS:
+        raise bad_field(where, f"at most {METADATA_PAIRS} key-value pairs, got {len(pairs)}")
+    for key, item in pairs.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise bad_field(where, f"keys are at most {METADATA_KEY_CHARS} characters, got {len(key)} ({key[:20]!r}..)")
+        if not isinstance(item, str):
+            raise bad_field(f"{where}.{key}", f"a string, got {kind_of(item)}")
+        if len(item) > METADATA_VALUE_CHARS:
+            raise bad_field(f"{where}.{key}", f"at most {METADATA_VALUE_CHARS} characters, got {len(item)}")
+    return pairs
 
 
 def _content(where: str, value: Any) -> str:

@@ -140,6 +140,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the answer's start, which the model continues (implies --chat): an assistant turn left "
                         "open, as vLLM's continue_final_message (\"```python\", \"{\"); printed first, but not part "
                         "of --json's text")
+    p.add_argument("--prediction", default=None, metavar="FILE",
+                   help="text the answer is expected to repeat, from FILE ('-': standard input): the file an edit "
+                        "rewrites, as OpenAI's Predicted Outputs. Rounds propose what follows in it; the answer is "
+                        "the same without it, and sooner where it copies it")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
     p.add_argument("--addr", default=None, metavar="HOST[:PORT]",
                    help="send the request to a running coordinator instead of loading models here (port: "
@@ -259,6 +263,19 @@ def in_process_flags_given(args: argparse.Namespace) -> list[str]:
             if action.dest not in REQUEST_MODEL_FLAGS and getattr(args, action.dest, action.default) != action.default]
 
 
+def read_prediction(path: str | None) -> str:
+    """``--prediction``'s text ("" without one); a file that cannot be read is named."""
+    if path is None:
+        return ""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"--prediction {path}: cannot read it ({exc})") from None
+    if not text:
+        raise InvalidRequestError(f"--prediction {path}: the file is empty (a prediction proposes its text)")
+    return text
+
+
 def coordinator_address(addr: str) -> str:
     """``--addr`` as gRPC takes it: a bare host gets the coordinator's default port (gRPC's own would be 443)."""
     if "://" in addr or addr.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
@@ -273,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
         args.draft = None
     tools = tool_options_from_args(args)  # (refused in process, before any model loads)
     check_request_flags(args)
+    args.prediction_text = read_prediction(args.prediction)  # (a file that cannot be read: named before any load)
     try:
         return run_remote(args, tools) if args.addr else run_in_process(args)
     except KeyboardInterrupt:  # Ctrl-C mid-answer: end the streamed line, say so (the request's KV is freed)
@@ -307,7 +325,10 @@ def run_in_process(args: argparse.Namespace) -> int:
             stream.push(token)
         print(stream.take(), end="", flush=True)
 
+    prediction = args.prediction_text
     request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids,
+                                prediction_ids=pipeline.tokenizer.encode(prediction, add_special_tokens=False)
+                                if prediction else [],
                                 on_tokens=show if stream is not None else None)
     result = pipeline.generator().generate([request])[0]
     if args.json:
@@ -338,7 +359,8 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
         prompt = [{"role": "user", "content": args.prompt}]
     request = build_request(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, method=method,
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
-                            stop_strings=tuple(args.stop), tree=args.tree, heads_nodes=args.heads_nodes)
+                            stop_strings=tuple(args.stop), tree=args.tree, heads_nodes=args.heads_nodes,
+                            prediction=args.prediction_text)
     if tools is not None:
         request.tools.CopyFrom(tools)
     if args.prefill is not None:

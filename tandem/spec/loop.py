@@ -82,12 +82,14 @@ from tandem.spec.heads_payoff import HeadsPayoff, HeadsVerdicts
 from tandem.spec.heads_trees import heads_budget, heads_proposal, round_tree
 from tandem.spec.ngram import NgramIndex
 from tandem.spec.options import SpecOptions
+from tandem.spec.prediction import PredictionIndex
 from tandem.spec.proposers import (
     CACHE,
     DRAFT,
     GRAMMAR,
     HEADS,
     NGRAM,
+    PREDICTION,
     ContinuationCache,
     DraftProposer,
     Proposal,
@@ -141,6 +143,9 @@ class SpeculationLoop:
         self.match_rates = match_rates  # acceptance per kind of n-gram match (see the module docstring)
         self._learned = max(0, len(state.prompt_ids) - PROMPT_TOKENS_LEARNED)  # history the cache has seen
         self._ngrams = NgramIndex()  # the history's n-grams, indexed as it grows: no rescan per round
+        # The client's prediction of the answer: one more n-gram source, for every method that drafts or looks up
+        self._prediction = (PredictionIndex(state.prompt_ids, state.prediction)
+                            if state.prediction and (options.uses_draft or options.uses_ngram) else None)
         self._in_flight: set[asyncio.Task] = set()
         # Heads rounds ask for the next tree only while that measures faster (adaptive requests only).
         self._payoff = (HeadsPayoff.starting(heads_verdicts, options.heads_fallback)
@@ -214,7 +219,9 @@ class SpeculationLoop:
         else:
             k = self._choose_k(after_tokens=0)
             proposal = await self._proposal(k, ready, self._choose_tree(k))
-        if self._by_evidence():
+        if proposal.source == PREDICTION:
+            k = len(proposal.tokens)  # cut to the k its kind of match earns (``_predicted``), up to its own cap
+        elif self._by_evidence():
             k = min(k, len(proposal.tokens))  # the k the match's kind chose
         chain = proposal.tokens[:k]
         tree = proposal.tree
@@ -342,8 +349,9 @@ class SpeculationLoop:
         """
         s, opts = self.state, self.options
         committed = len(s.history)
-        if k == 0:
-            return Proposal(committed, [])
+        predicted = self._predicted()
+        if k == 0:  # (adaptive k holds the draft model back; a prediction's match is judged on its own)
+            return predicted or Proposal(committed, [])
         branches: list[list[int]] = []  # the request's own other continuations: cut at the tree's depths
         runs: list[list[int]] = []  # the continuation cache's runs after the matched context: whole
         drafter = self._drafter
@@ -361,11 +369,15 @@ class SpeculationLoop:
                     matched = hit.match_len
                 if hit is not None and hit.tokens:
                     runs = [list(hit.tokens[:k]), *(list(run) for run in hit.runs)]
+            if predicted is not None and predicted.match_len >= matched:
+                return predicted  # the client's own evidence of this answer wins a tie
             if self._by_evidence() and proposal.tokens:
                 k = self._evidence_k(proposal, k)
                 proposal.tokens = proposal.tokens[:k]
             if drafter is None or (matched >= opts.hybrid_min_match and proposal.tokens):
                 return self._with_tree(proposal, k, shape, branches, runs)
+        elif predicted is not None:  # a draft model's request: the prediction matched hybrid_min_match+ tokens
+            return predicted
         if ready is not None and ready.base_len == committed:
             return self._with_tree(ready, k, shape, branches, runs)
         extra = 1 if opts.pipelined else 0  # the guess of the target's extra token
@@ -407,6 +419,25 @@ class SpeculationLoop:
             return proposal
         proposal.tree = tree
         return proposal
+
+    def _predicted(self) -> Proposal | None:
+        """The prediction's continuation of the history (``tandem.spec.prediction``), as many of its tokens as
+        its kind of match earns at the round costs (adaptive requests; else the request's fixed k); None where it
+        matches nothing, the request has none, or its room is gone. Matches shorter than ``hybrid_min_match``
+        are not taken where a draft model drafts instead, as the request's own text's are not."""
+        if self._prediction is None:
+            return None
+        s, opts = self.state, self.options
+        room = min(s.remaining, self.max_context - len(s.history)) - 1
+        cap = min(opts.prediction_k_max if opts.adaptive_k else opts.k_max, room)  # (a fixed k is the request's)
+        if cap <= 0:
+            return None
+        min_n = opts.ngram_min if self._drafter is None else opts.hybrid_min_match
+        tokens, matched = self._prediction.lookup(s.history, cap, min_n, max(min_n, opts.ngram_max))
+        if self.match_rates is not None and opts.adaptive_k and tokens:
+            tokens = tokens[:self.match_rates.choose_k(PREDICTION, matched, not s.sampling.is_greedy,
+                                                       self._round_costs(drafting=False), len(tokens))]
+        return Proposal(len(s.history), tokens, source=PREDICTION, match_len=matched) if tokens else None
 
     async def _cache_lookup(self, k: int) -> Any:
         assert self.cache is not None
@@ -617,14 +648,18 @@ class SpeculationLoop:
             stats.drafted += drafted
             stats.accepted += accepted
             stats.rejected += along < chain_len
-            stats.ngram_rounds += source in (NGRAM, CACHE)
+            stats.ngram_rounds += source in (NGRAM, CACHE, PREDICTION)
             stats.cache_rounds += source == CACHE
             stats.forced_tokens += accepted if source == GRAMMAR else 0
+            if source == PREDICTION:
+                stats.prediction_accepted += accepted
+                stats.prediction_rejected += drafted - accepted
             # (a waiting round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
             if not self._draft_waiting and source != GRAMMAR:
                 self.state.tracker.observe(chain_len, along)
-            if self._by_evidence() and source in (NGRAM, CACHE):
-                assert self.match_rates is not None
+            learns = ((source == PREDICTION and self.options.adaptive_k)
+                      or (self._by_evidence() and source in (NGRAM, CACHE)))
+            if self.match_rates is not None and learns:
                 self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,
                                          chain_len, along)
         if self.observer:

@@ -23,6 +23,7 @@ CACHE = "cache"  # the continuation cache: what every request generated (tandem.
 DRAFT = "draft"
 HEADS = "heads"  # the target's own speculation heads (medusa, eagle): a tree from the last Verify's reply
 GRAMMAR = "grammar"  # the tokens a request's grammar forces next, from the last Prefill's or Verify's reply
+PREDICTION = "prediction"  # the client's prediction of the answer (tandem.spec.prediction)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,10 @@ class GenerationStats:
     # Rounds without the draft model while reading what it lacked (a long prompt) would not have paid yet
     draft_wait_rounds: int = 0
     forced_tokens: int = 0  # tokens kept from GRAMMAR proposals: what the grammar forced
+    # Tokens proposed from the client's prediction of the answer (PREDICTION) that verification kept, and that it
+    # did not keep (OpenAI's accepted_prediction_tokens and rejected_prediction_tokens)
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     # Heads rounds (medusa, eagle), per depth d >= 1 of the heads' tree: rounds whose tree reached depth d,
     # and rounds that kept a token at depth d (their ratio: the acceptance of head position d).
     depth_offered: Counter[int] = field(default_factory=Counter)
@@ -122,6 +127,8 @@ class GenerationStats:
             "prompt_tokens_reused": self.prompt_tokens_reused,
             "draft_wait_rounds": self.draft_wait_rounds,
             "forced_tokens": self.forced_tokens,
+            **({"prediction_accepted": self.prediction_accepted, "prediction_rejected": self.prediction_rejected}
+               if self.prediction_accepted or self.prediction_rejected else {}),
             "acceptance_rate": round(self.acceptance_rate, 4),
             **({"depth_acceptance": self.depth_acceptance} if self.depth_offered else {}),
         }
@@ -132,10 +139,11 @@ class RequestState:
 
     ``text`` (a ``tandem.text_stream.TextStream``) is given when the request has
     stop strings or streams text; the in-process generator works on ids alone.
+    ``prediction``: the tokens the client expects the answer to repeat (``tandem.spec.prediction``).
     """
 
     def __init__(self, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
-                 text: Any | None = None) -> None:
+                 text: Any | None = None, prediction: Sequence[int] = ()) -> None:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
         if stop.stop_strings and text is None:
@@ -145,6 +153,7 @@ class RequestState:
         self.sampling = sampling
         self.stop = stop
         self.text = text
+        self.prediction = list(prediction)
         self.tracker = AcceptanceTracker()
         self.stats = GenerationStats()
         self.finish_reason: str | None = None  # "stop" (a stop token or string) or "length"

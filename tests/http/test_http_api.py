@@ -373,6 +373,19 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"continue_final_message": True, "messages": [{"role": "user", "content": "hi"}, {
         "role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages", 400),
+    ({"prediction": "def f(): pass"}, "prediction", 400),
+    ({"prediction": {"type": "text", "content": "x"}}, "prediction.type", 400),
+    ({"prediction": {"type": "content"}}, "prediction.content", 400),
+    ({"prediction": {"type": "content", "content": 5}}, "prediction.content", 400),
+    ({"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, "prediction.content[0].type", 400),
+    ({"prediction": {"type": "content", "content": "x", "mode": "fast"}}, "prediction.mode", 400),
+    ({"prediction": {"type": "content", "content": "a b " * 40}}, "prediction", 400),  # past the context (64)
+    ({"metadata": "team-a"}, "metadata", 400),
+    ({"metadata": {"team": 1}}, "metadata.team", 400),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", 400),
+    ({"metadata": {"note": "v" * 513}}, "metadata.note", 400),
+    ({"store": True, "metadata": {"team": "a"}}, "store", 400),
     ({"model": "gpt-4o"}, "model", 404),
 ])
 def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(tokenizer, change, param, status):
@@ -515,6 +528,27 @@ def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):
                 "logprobs": False, "top_logprobs": 0})
             assert code == 200, body
             assert body["choices"][0]["logprobs"] is None
+    run(go())
+
+
+def test_a_prediction_reaches_the_service_and_metadata_is_taken(tokenizer):
+    """OpenAI's Predicted Outputs: the prediction's text (content parts joined as a message's are) becomes
+    ``speculation.prediction``; the usage counts what verification made of it (nothing here: this target is
+    never sent drafts). Metadata within OpenAI's bounds is taken."""
+    seen = []
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            original = running.service._validate
+            running.service._validate = lambda request: seen.append(request.speculation.prediction) or original(
+                request)
+            parts = {"type": "content", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]}
+            code, body = await post(running.url + "/chat/completions", {
+                **CHAT, "prediction": parts, "metadata": {"team": "search", "k" * 64: "v" * 512}})
+            assert code == 200, body
+            assert seen == ["a b\nc"]
+            assert body["usage"]["completion_tokens_details"] == {
+                "reasoning_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
     run(go())
 
 

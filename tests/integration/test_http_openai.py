@@ -218,6 +218,32 @@ def test_the_extension_field_chooses_speculation_and_reports_it(api, model):
     assert "tandem.method" in str(refused.value)
 
 
+def test_a_prediction_changes_how_soon_the_answer_comes_not_what_it_is(api, model, smollm2_reference):
+    """OpenAI's Predicted Outputs through real workers: the answer with a prediction is target-only's, token for
+    token, whether the prediction is the answer itself or an edit of it; with the answer as prediction, rounds
+    commit many tokens each and the usage counts them. (Those rounds use method draft, which never looks in the
+    continuation cache: the cache learned this answer from the first request, and where its match is longer than
+    the prediction's, as for a repeated request, it proposes instead.)"""
+    prompt = PROMPTS[0]
+    ngram = {"tandem": {"method": "ngram"}}
+    plain = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0, extra_body=ngram)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens == len(smollm2_reference[prompt])
+    edited = text[: len(text) // 2] + " (an edit) " + text[len(text) // 2 + 10:]
+    for prediction in (text, edited):
+        for extra in (ngram, None):  # n-gram rounds; auto (hybrid, beside the draft workers)
+            reply = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0, extra_body=extra,
+                         prediction={"type": "content", "content": prediction})
+            assert reply.choices[0].message.content == text, (prediction, extra)
+    reply = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0,
+                 extra_body={"tandem": {"method": "draft"}}, prediction={"type": "content", "content": text})
+    assert reply.choices[0].message.content == text
+    details, stats = reply.usage.completion_tokens_details, reply.choices[0].model_extra["tandem"]
+    assert details.accepted_prediction_tokens == stats["prediction_accepted"] >= MAX_NEW_TOKENS // 2, stats
+    assert details.rejected_prediction_tokens == stats["prediction_rejected"]
+    assert stats["rounds"] <= plain.choices[0].model_extra["tandem"]["rounds"] // 2, stats
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_kv(api, model, shared_client, shared_cluster):
     from tests.integration.test_services import metric_samples
 
