@@ -51,7 +51,7 @@ NUMERIC_FIELDS = ("temperature", "top_p", "max_tokens", "n", "seed", "presence_p
 # What Tandem refuses (best_of only unless it equals n, at most 3 in these requests; tools with SmolLM2's own chat
 # template, which shows the model none; tool_choice required with nothing to call; completions take neither).
 UNSUPPORTED = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-               "prediction": {"type": "content", "content": "x"}, "suffix": "x", "best_of": 5,
+               "reasoning_effort": "low", "store": True, "suffix": "x", "best_of": 5,
                "functions": [{"name": "f"}], "audio": {"voice": "x"}, "frobnicate": 1}
 
 
