@@ -4,8 +4,7 @@ Six edit requests (benchmarks/data/code_edits): a file and one change; the model
 updated file, so most of its answer copies the file, which the request sends as its prediction
 (``SpeculationOptions.prediction``, ``tandem.spec.prediction``), as an editor plugin does. The file is in the
 prompt too, so plain prompt lookup (``ngram``) can copy it as well; what the prediction adds is a source read
-front to back from the answer's first token, and rounds of up to 15 tokens (the request's k, 4, caps the
-others).
+front to back from the answer's first token (rounds of every lookup source verify up to 15 tokens).
 
 Methods, side by side on each request (greedy, batch 1): ``none`` (target-only: the reference), then in a
 rotating order ``ngram`` and ``hybrid`` without and with the prediction (``+prediction``). Reported per

@@ -16,6 +16,9 @@ alike. Methods:
   spec-*-full       spec-draft, spec-hybrid with the draft drafting all of the k chosen, as before it stopped
                     where it is unsure (tandem.spec.adaptive.stop_below; not run by default)
   spec-*-wide       spec-draft, spec-hybrid with k up to --wide-k (not run by default)
+  spec-*-short      spec-ngram, spec-hybrid with lookup rounds (the text's own repeats, the continuation cache)
+                    verifying at most --k tokens, as before they chose up to 15 by their kind of match (not run
+                    by default)
   spec-*-always     spec-medusa, spec-eagle asking the heads for a tree every round, whether or not that
                     measures faster (the plain methods ask only while it does: tandem.spec.heads_payoff)
   spec-*-hybrid     spec-medusa, spec-eagle with the draft model beside the heads: hybrid rounds while the
@@ -94,7 +97,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from tandem.cli.draft_flags import add_draft_flags, draft_engine_options  # noqa: E402
 from tandem.config import PACKED_WEIGHTS  # noqa: E402
-from tandem.spec.adaptive import expected_tokens  # noqa: E402
+from tandem.spec.adaptive import MAX_K, expected_tokens  # noqa: E402
 
 if TYPE_CHECKING:  # runners imports torch: keep `--help` instant
     from benchmarks.runners import RunOutput
@@ -104,7 +107,7 @@ BASELINE = "target-only"
 HF_BASELINE = "hf-plain"  # transformers' plain generate: every speedup is given over it too
 BASELINES = (BASELINE, HF_BASELINE)
 METHODS = ("target-only", "spec-draft", "spec-hybrid", "spec-draft-full", "spec-hybrid-full", "spec-draft-wide",
-           "spec-hybrid-wide", "spec-ngram",
+           "spec-hybrid-wide", "spec-ngram", "spec-ngram-short", "spec-hybrid-short",
            "spec-early-exit", "spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree", "spec-draft-eager",
            "spec-hybrid-eager", "spec-medusa", "spec-eagle", "spec-medusa-always",
            "spec-eagle-always", "spec-medusa-hybrid", "spec-eagle-hybrid", "hf-plain", "hf-assisted",
@@ -116,12 +119,14 @@ HEADS_METHODS = {"spec-medusa": "medusa", "spec-eagle": "eagle", "spec-medusa-al
 HEADS_WITH_DRAFT = ("spec-medusa-hybrid", "spec-eagle-hybrid")
 FULL_METHODS = ("spec-draft-full", "spec-hybrid-full")  # the draft drafts all of k (no stop where it is unsure)
 WIDE_METHODS = ("spec-draft-wide", "spec-hybrid-wide")  # k up to --wide-k instead of --k
+SHORT_METHODS = ("spec-ngram-short", "spec-hybrid-short")  # lookup rounds capped at --k, not up to 15
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "spec-early-exit" and not m.endswith("-tree")
-                        and m not in HEADS_METHODS and m not in FULL_METHODS + WIDE_METHODS)
+                        and m not in HEADS_METHODS and m not in FULL_METHODS + WIDE_METHODS + SHORT_METHODS)
 OURS_SPEC = {"spec-draft": "draft", "spec-hybrid": "hybrid", "spec-ngram": "ngram", "spec-early-exit": "early-exit",
              "spec-draft-tree": "draft", "spec-hybrid-tree": "hybrid", "spec-ngram-tree": "ngram",
              "spec-draft-eager": "draft", "spec-hybrid-eager": "hybrid", "spec-draft-full": "draft",
-             "spec-hybrid-full": "hybrid", "spec-draft-wide": "draft", "spec-hybrid-wide": "hybrid", **HEADS_METHODS}
+             "spec-hybrid-full": "hybrid", "spec-draft-wide": "draft", "spec-hybrid-wide": "hybrid",
+             "spec-ngram-short": "ngram", "spec-hybrid-short": "hybrid", **HEADS_METHODS}
 EAGER_METHODS = ("spec-draft-eager", "spec-hybrid-eager")  # the draft reads a long prompt at once (no waiting)
 TREE_METHODS = ("spec-draft-tree", "spec-hybrid-tree", "spec-ngram-tree")
 COLUMNS = ("method", "category", "prompts", "tokens", "tokens_per_s", "speedup", "speedup_vs_hf_plain",
@@ -283,7 +288,8 @@ def load_bench(args: argparse.Namespace) -> Bench:
         options = SpecOptions(OURS_SPEC[method], k, not args.fixed_k, ngram_min=args.ngram_min,
                               ngram_max=args.ngram_max, hybrid_min_match=min(3, args.ngram_max), tree=tree,
                               tree_width=args.tree_width, draft_waits=method not in EAGER_METHODS,
-                              draft_stops=method not in FULL_METHODS)
+                              draft_stops=method not in FULL_METHODS,
+                              lookup_k_max=k if method in SHORT_METHODS else MAX_K)
         bench.runners[method] = ours_runner(target, drafter, options, bench.stop_ids, sampling)
         bench.cost_ratio[method] = cost_ratio(target, drafter, args.cost_reps)
     add_hf_runners(bench, args, target_dir, draft_dir)

@@ -337,7 +337,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               draft_stops=self.cfg.draft_stops,
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
                               heads_nodes=spec.heads_nodes, heads_fallback=heads_fallback(requested, method, has_draft),
-                              prediction_k_max=k if spec.HasField("k") else MAX_K)
+                              lookup_k_max=k if spec.HasField("k") else MAX_K)
         text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
         return RequestState(prompt_ids, sampling, stop, text, self._prediction_ids(spec.prediction)), options, tools
 

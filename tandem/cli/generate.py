@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 DEFAULT_TARGET = "qwen-coder-1.5b"
 DEFAULT_COORDINATOR_PORT = 50051  # `tandem up` and `tandem serve coordinator` listen there unless told otherwise
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_K = 4  # draft tokens per round from a draft model, as a coordinator's --k
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -56,8 +57,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the target's speculation heads: a directory (Tandem's layout, the Medusa project's, or "
                         "EAGLE-3 as vLLM's speculators library writes it) or the name of heads prepared with "
                         "`tandem heads prepare`; they must have been trained for this target")
-    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
-                   help="most draft tokens per round (default: %(default)s); 0 disables speculation")
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
+                   help=f"most draft tokens per round (default: {DEFAULT_K} from a draft model; up to {MAX_K} from "
+                        "lookup: the text's own repeats, a prediction, as their kind of match earns); given, it caps "
+                        "both; 0 disables speculation")
     p.add_argument("--no-draft-stops", action="store_true",
                    help="the draft model drafts every token of a round's k instead of stopping where it is unsure "
                         "(in process; a coordinator's own --no-draft-stops decides for its requests)")
@@ -178,7 +181,9 @@ def options_from_args(args: argparse.Namespace, heads: str = "") -> tuple[str, S
     method = resolve_method(args.method, args.draft is not None, heads=heads)
     if args.early_exit_layers is not None and args.early_exit_layers < 1:
         raise InvalidRequestError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
-    return method, SpecOptions(method, args.k, not args.fixed_k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+    k = DEFAULT_K if args.k is None else args.k
+    return method, SpecOptions(method, k, not args.fixed_k, lookup_k_max=MAX_K if args.k is None else k,
+                               ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                                tree=args.tree, tree_width=args.tree_width, heads_nodes=args.heads_nodes,
                                heads_fallback=heads_fallback(args.method, method, args.draft is not None),
                                draft_stops=not args.no_draft_stops)

@@ -50,11 +50,14 @@ other tokens, where a draft could miss them (a lean draft cannot even write a
 special token past its vocabulary). Plain decoding (``none``) and heads
 requests do not use them.
 
-n-gram rounds without a draft model (``match_rates``): k is chosen after the
-lookup, from the acceptance of the kind of match that proposes (its source and
-how long a context matched, learned across the coordinator's requests), not
-from the request's one rate: a long cache match is verified whole while a
-one-token guess is cut or dropped where verification rows are dear.
+Lookup rounds (``match_rates``: the request's own text, the continuation cache,
+the client's prediction, under any method): k is chosen after the lookup, from
+the acceptance of the kind of match that proposes (its source and how long a
+context matched, learned across the coordinator's requests), not from the
+request's one rate: a long cache match is verified whole while a one-token
+guess is cut or dropped where verification rows are dear. It may reach
+``lookup_k_max`` (15) tokens where the draft model's k is 4: a copied run costs
+rows, not draft steps.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ from tandem.spec.proposers import (
     DRAFT,
     GRAMMAR,
     HEADS,
-    NGRAM,
+    LOOKUP_SOURCES,
     PREDICTION,
     ContinuationCache,
     DraftProposer,
@@ -219,10 +222,8 @@ class SpeculationLoop:
         else:
             k = self._choose_k(after_tokens=0)
             proposal = await self._proposal(k, ready, self._choose_tree(k))
-        if proposal.source == PREDICTION:
-            k = len(proposal.tokens)  # cut to the k its kind of match earns (``_predicted``), up to its own cap
-        elif self._by_evidence():
-            k = min(k, len(proposal.tokens))  # the k the match's kind chose
+        if proposal.source in LOOKUP_SOURCES:
+            k = len(proposal.tokens)  # cut to the k its kind of match earns (``_lookup_k``), up to the lookup cap
         chain = proposal.tokens[:k]
         tree = proposal.tree
         if tree is not None:  # the chain is its first branch: nodes 0..len(chain)-1
@@ -341,11 +342,13 @@ class SpeculationLoop:
     async def _proposal(self, k: int, ready: Proposal | None, shape: TreeShape | None) -> Proposal:
         """This round's proposal (the policy, written once), with its token tree when ``shape`` is given.
 
-        n-gram sources first: the request's own text and the continuation cache, the longer
-        match winning (the request's own text on a tie: it is this request's evidence). Under
-        ``hybrid`` an n-gram match of ``hybrid_min_match``+ tokens beats the draft model (a long
-        repeat is as good a guess as the draft's and costs nothing); otherwise the draft drafts.
-        In a tree, the continuations that lost become branches.
+        n-gram sources first: the request's own text, the continuation cache and the client's
+        prediction, the longer match winning (on a tie the prediction, then the request's own text:
+        this request's evidence). Under ``hybrid`` an n-gram match of ``hybrid_min_match``+ tokens
+        beats the draft model (a long repeat is as good a guess as the draft's and costs nothing);
+        otherwise the draft drafts. A lookup's proposal holds up to ``lookup_k_max`` tokens, cut to
+        what its kind of match earns (``_lookup_k``), not to the draft model's k. In a tree, the
+        continuations that lost become branches.
         """
         s, opts = self.state, self.options
         committed = len(s.history)
@@ -356,26 +359,25 @@ class SpeculationLoop:
         runs: list[list[int]] = []  # the continuation cache's runs after the matched context: whole
         drafter = self._drafter
         if opts.uses_ngram or drafter is None:  # (a request whose draft is lost, or waits, goes on with n-grams)
+            reach = self._lookup_cap()
             min_n = opts.ngram_min if opts.method == "ngram" or drafter is None else opts.hybrid_min_match
             max_n = max(min_n, opts.ngram_max)
-            proposal, matched = ngram_proposal(s.history, k, min_n, max_n, self._ngrams)
+            proposal, matched = ngram_proposal(s.history, reach, min_n, max_n, self._ngrams)
             if shape is not None:  # the other continuations of the request's text, of any match length
                 branches = [c for c, _ in self._ngrams.lookup_continuations(s.history, k, opts.ngram_min, max_n,
                                                                              shape.width + 1)]
             if self.cache is not None:
-                hit = await self._cache_lookup(k)
+                hit = await self._cache_lookup(reach)
                 if hit is not None and hit.tokens and hit.match_len > matched:
-                    proposal = Proposal(committed, list(hit.tokens[:k]), source=CACHE, match_len=hit.match_len)
+                    proposal = Proposal(committed, list(hit.tokens[:reach]), source=CACHE, match_len=hit.match_len)
                     matched = hit.match_len
                 if hit is not None and hit.tokens:
-                    runs = [list(hit.tokens[:k]), *(list(run) for run in hit.runs)]
+                    runs = [list(hit.tokens[:reach]), *(list(run) for run in hit.runs)]
             if predicted is not None and predicted.match_len >= matched:
                 return predicted  # the client's own evidence of this answer wins a tie
-            if self._by_evidence() and proposal.tokens:
-                k = self._evidence_k(proposal, k)
-                proposal.tokens = proposal.tokens[:k]
             if drafter is None or (matched >= opts.hybrid_min_match and proposal.tokens):
-                return self._with_tree(proposal, k, shape, branches, runs)
+                proposal.tokens = proposal.tokens[:self._lookup_k(proposal, k)]
+                return self._with_tree(proposal, len(proposal.tokens), shape, branches, runs)
         elif predicted is not None:  # a draft model's request: the prediction matched hybrid_min_match+ tokens
             return predicted
         if ready is not None and ready.base_len == committed:
@@ -396,8 +398,9 @@ class SpeculationLoop:
         """``proposal`` with its token tree: the chain first (sampled nodes before the deterministic ones,
         which the acceptance rule needs), then the draft's next-best tokens at the chain's first
         ``shape.depths`` positions, then the cache's runs, then the request's other continuations (cut
-        at ``shape.depths``), within ``k + shape.extra_nodes`` nodes. Unchanged when nothing but the
-        chain would be in it.
+        at ``shape.depths``), within ``k + shape.extra_nodes`` nodes and the most a round may hold
+        (``MAX_K``, and the context's room: a lookup's chain may be longer than the k the shape was
+        chosen for). Unchanged when nothing but the chain would be in it.
 
         The cache's runs go in whole: they all followed the same (long) context, mostly share the
         chain's first tokens and part from it where earlier samples did, often past ``shape.depths``;
@@ -407,7 +410,7 @@ class SpeculationLoop:
             return proposal
         tree = TokenTree()
         tree.add_path(chain, list(proposal.probs)[:k] or None)
-        budget = len(chain) + shape.extra_nodes
+        budget = min(len(chain) + shape.extra_nodes, MAX_K, self.max_context - len(self.state.history) - 1)
         for depth, alternatives in enumerate(list(proposal.alternatives)[: min(len(chain), shape.depths)]):
             for token in list(alternatives)[: shape.width]:
                 tree.add_path([token], parent=depth - 1 if depth else ROOT, budget=budget)
@@ -421,23 +424,35 @@ class SpeculationLoop:
         return proposal
 
     def _predicted(self) -> Proposal | None:
-        """The prediction's continuation of the history (``tandem.spec.prediction``), as many of its tokens as
-        its kind of match earns at the round costs (adaptive requests; else the request's fixed k); None where it
-        matches nothing, the request has none, or its room is gone. Matches shorter than ``hybrid_min_match``
-        are not taken where a draft model drafts instead, as the request's own text's are not."""
-        if self._prediction is None:
+        """The prediction's continuation of the history (``tandem.spec.prediction``), cut to what its kind of
+        match earns (``_lookup_k``); None where it matches nothing, the request has none, or its room is gone.
+        Matches shorter than ``hybrid_min_match`` are not taken where a draft model drafts instead, as the
+        request's own text's are not."""
+        reach = self._lookup_cap()
+        if self._prediction is None or reach <= 0:
             return None
+        opts = self.options
+        min_n = opts.ngram_min if self._drafter is None else opts.hybrid_min_match
+        tokens, matched = self._prediction.lookup(self.state.history, reach, min_n, max(min_n, opts.ngram_max))
+        proposal = Proposal(len(self.state.history), tokens, source=PREDICTION, match_len=matched)
+        proposal.tokens = tokens[:self._lookup_k(proposal, reach)]
+        return proposal if proposal.tokens else None
+
+    def _lookup_cap(self) -> int:
+        """The most tokens a lookup may propose this round: ``lookup_k_max`` (a fixed k: the request's k), within
+        the request's room."""
         s, opts = self.state, self.options
         room = min(s.remaining, self.max_context - len(s.history)) - 1
-        cap = min(opts.prediction_k_max if opts.adaptive_k else opts.k_max, room)  # (a fixed k is the request's)
-        if cap <= 0:
-            return None
-        min_n = opts.ngram_min if self._drafter is None else opts.hybrid_min_match
-        tokens, matched = self._prediction.lookup(s.history, cap, min_n, max(min_n, opts.ngram_max))
-        if self.match_rates is not None and opts.adaptive_k and tokens:
-            tokens = tokens[:self.match_rates.choose_k(PREDICTION, matched, not s.sampling.is_greedy,
-                                                       self._round_costs(drafting=False), len(tokens))]
-        return Proposal(len(s.history), tokens, source=PREDICTION, match_len=matched) if tokens else None
+        return max(0, min(opts.lookup_k_max if opts.adaptive_k else opts.k_max, room))
+
+    def _lookup_k(self, proposal: Proposal, k: int) -> int:
+        """How many of a lookup's proposed tokens to verify: as many as its kind of match (source, matched
+        length, greedy or sampled) earns at the round costs, learned over every request (``MatchRates``), for an
+        adaptive request; else ``k``."""
+        if self.match_rates is None or not self.options.adaptive_k or not proposal.tokens:
+            return min(k, len(proposal.tokens))
+        return self.match_rates.choose_k(proposal.source, proposal.match_len, not self.state.sampling.is_greedy,
+                                         self._round_costs(drafting=False), len(proposal.tokens))
 
     async def _cache_lookup(self, k: int) -> Any:
         assert self.cache is not None
@@ -494,12 +509,6 @@ class SpeculationLoop:
     def _by_evidence(self) -> bool:
         """Whether this round's k is chosen after the lookup, by the kind of match (n-gram rounds alone)."""
         return self.match_rates is not None and self._drafter is None and self.options.adaptive_k
-
-    def _evidence_k(self, proposal: Proposal, k: int) -> int:
-        """How many of an n-gram proposal's tokens to verify, at its kind's acceptance and the round costs."""
-        assert self.match_rates is not None
-        return self.match_rates.choose_k(proposal.source, proposal.match_len, not self.state.sampling.is_greedy,
-                                         self._round_costs(), min(k, len(proposal.tokens)))
 
     def _choose_k(self, after_tokens: int) -> int:
         s, opts = self.state, self.options
@@ -648,7 +657,7 @@ class SpeculationLoop:
             stats.drafted += drafted
             stats.accepted += accepted
             stats.rejected += along < chain_len
-            stats.ngram_rounds += source in (NGRAM, CACHE, PREDICTION)
+            stats.ngram_rounds += source in LOOKUP_SOURCES
             stats.cache_rounds += source == CACHE
             stats.forced_tokens += accepted if source == GRAMMAR else 0
             if source == PREDICTION:
@@ -657,9 +666,7 @@ class SpeculationLoop:
             # (a waiting round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
             if not self._draft_waiting and source != GRAMMAR:
                 self.state.tracker.observe(chain_len, along)
-            learns = ((source == PREDICTION and self.options.adaptive_k)
-                      or (self._by_evidence() and source in (NGRAM, CACHE)))
-            if self.match_rates is not None and learns:
+            if self.match_rates is not None and self.options.adaptive_k and source in LOOKUP_SOURCES:
                 self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,
                                          chain_len, along)
         if self.observer:

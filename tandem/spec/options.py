@@ -100,11 +100,11 @@ class SpecOptions:
     # An adaptive request's draft model stops drafting where it is unsure (``tandem.spec.adaptive.stop_below``);
     # False: it drafts all of the k chosen (spec_bench's ``*-full`` methods)
     draft_stops: bool = True
-    # Rounds proposed from the client's prediction of the answer (``tandem.spec.prediction``) verify up to this
-    # many of its tokens, as many as their kind of match earns (``MatchRates``), whatever k drafts elsewhere: a
-    # prediction the answer copies is verified a long run at a time. The coordinator sets the request's own k here
-    # when it gives one.
-    prediction_k_max: int = MAX_K
+    # Rounds proposed by lookup (the request's own text, the continuation cache, the client's prediction) verify
+    # up to this many of the tokens found, as many as their kind of match earns (``MatchRates``; adaptive requests),
+    # whatever k the draft model drafts: text the answer copies is verified a long run at a time, where k (4 by
+    # default) is sized for a draft model's steps. The coordinator sets the request's own k here when it gives one.
+    lookup_k_max: int = MAX_K
 
     def __post_init__(self) -> None:
         if self.method not in METHODS or self.method == "auto":
@@ -116,8 +116,8 @@ class SpecOptions:
         if not 1 <= self.hybrid_min_match:
             raise InvalidRequestError(f"hybrid min match must be >= 1, got {self.hybrid_min_match}")
         check_tree_mode(self.tree)
-        if not 0 <= self.prediction_k_max <= MAX_K:
-            raise InvalidRequestError(f"prediction k must be in 0..{MAX_K}, got {self.prediction_k_max}")
+        if not 0 <= self.lookup_k_max <= MAX_K:
+            raise InvalidRequestError(f"lookup k must be in 0..{MAX_K}, got {self.lookup_k_max}")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise InvalidRequestError(f"tree width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
         if not 0 <= self.heads_nodes <= MAX_K:

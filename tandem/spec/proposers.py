@@ -24,6 +24,7 @@ DRAFT = "draft"
 HEADS = "heads"  # the target's own speculation heads (medusa, eagle): a tree from the last Verify's reply
 GRAMMAR = "grammar"  # the tokens a request's grammar forces next, from the last Prefill's or Verify's reply
 PREDICTION = "prediction"  # the client's prediction of the answer (tandem.spec.prediction)
+LOOKUP_SOURCES = (NGRAM, CACHE, PREDICTION)  # proposals found by lookup: k chosen after it, by the kind of match
 
 
 @dataclass(slots=True)

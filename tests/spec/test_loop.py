@@ -443,3 +443,51 @@ def test_an_adaptive_requests_draft_stops_where_it_is_unsure_and_the_output_is_t
     assert state.stats.accepted / state.stats.drafted > full.stats.accepted / full.stats.drafted
     fixed, _, fixed_draft = run(SpecOptions("draft", 4, adaptive_k=False))
     assert set(fixed_draft.stops) == {0.0}  # a fixed k is drafted whole
+
+
+class CheapRowsTarget(FakeTarget):
+    """A target whose verification rows cost almost nothing beside a step (AMX, a GPU at small batch)."""
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.1, 0.0001)
+
+
+def run_repeating(monkeypatch, options: SpecOptions, n: int = 120, rates: MatchRates | None = None):
+    """A target that writes freely for 30 tokens, then repeats its last 20 for good: a long run to copy."""
+    free = target_next
+    monkeypatch.setattr(sys.modules[__name__], "target_next", lambda h: free(h) if len(h) < 30 else h[-20])
+    target, draft = CheapRowsTarget(), FakeDraft()
+    state = RequestState([3, 1, 4, 1, 5], SamplingParams(), StopConditions(n))
+    loop = SpeculationLoop(state, "s", options, target, draft if options.uses_draft else None, CostModel(), 10_000,
+                           match_rates=rates if rates is not None else MatchRates())
+    asyncio.run(loop.run_to_end())
+    assert state.generated == target_only([3, 1, 4, 1, 5], n)
+    return state, draft
+
+
+@pytest.mark.parametrize("method", ["ngram", "hybrid"])
+def test_lookup_rounds_verify_long_runs_past_the_draft_models_k(monkeypatch, method):
+    """Where the text repeats, a lookup's round verifies as many tokens as its kind of match earns (up to
+    ``lookup_k_max``), not the k sized for a draft model's steps; the draft model's own rounds keep k."""
+    state, draft = run_repeating(monkeypatch, SpecOptions(method, 4, hybrid_min_match=3))
+    assert max(state.stats.k_counts) > 4, state.stats.k_counts
+    capped, _ = run_repeating(monkeypatch, SpecOptions(method, 4, hybrid_min_match=3, lookup_k_max=4))
+    assert max(capped.stats.k_counts) <= 4 and capped.stats.rounds > state.stats.rounds
+    fixed, _ = run_repeating(monkeypatch, SpecOptions(method, 4, adaptive_k=False, hybrid_min_match=3))
+    assert max(fixed.stats.k_counts) == 4  # a fixed k is the request's, for every source
+
+
+def test_a_lookup_round_s_tree_stays_within_what_a_round_may_hold(monkeypatch):
+    """A long lookup chain leaves no room for the tree's branches: every round holds at most MAX_K nodes."""
+    from tandem.spec.adaptive import MAX_K
+
+    sent: list[int] = []
+    verify = CheapRowsTarget.verify
+
+    async def counting(self, seq_id, committed_len, draft_tokens, *args, **kwargs):
+        sent.append(len(draft_tokens))
+        return await verify(self, seq_id, committed_len, draft_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(CheapRowsTarget, "verify", counting)
+    state, _ = run_repeating(monkeypatch, SpecOptions("ngram", 4, tree="on", tree_width=2))
+    assert max(sent) == MAX_K and state.stats.tree_rounds > 0
