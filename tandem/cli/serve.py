@@ -181,7 +181,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "and responses that leave it unset get what the context leaves, as OpenAI's "
                             "(default: %(default)s)")
     coord.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4,
-                       help="default most draft tokens per round (default: %(default)s)")
+                       help="default most draft tokens per round from a draft model (default: %(default)s); a "
+                            "request's lookup rounds (its text's repeats, the continuation cache, its prediction) "
+                            "verify up to 15 as their kind of match earns, unless the request sets k")
     coord.add_argument("--no-pipelining", action="store_true",
                        help="draft round r+1 only after round r is verified")
     coord.add_argument("--no-draft-stops", action="store_true",

@@ -221,12 +221,14 @@ def test_the_extension_field_chooses_speculation_and_reports_it(api, model):
 def test_a_prediction_changes_how_soon_the_answer_comes_not_what_it_is(api, model, smollm2_reference):
     """OpenAI's Predicted Outputs through real workers: the answer with a prediction is target-only's, token for
     token, whether the prediction is the answer itself or an edit of it; with the answer as prediction, rounds
-    commit many tokens each and the usage counts them. (Those rounds use method draft, which never looks in the
-    continuation cache: the cache learned this answer from the first request, and where its match is longer than
-    the prediction's, as for a repeated request, it proposes instead.)"""
+    commit many tokens each (at most half as many rounds as plain decoding's) and the usage counts them. (Those
+    rounds use method draft, which never looks in the continuation cache: the cache learned this answer from
+    earlier requests, and where its match is longer than the prediction's, as for a repeated request, it
+    proposes instead.)"""
     prompt = PROMPTS[0]
     ngram = {"tandem": {"method": "ngram"}}
-    plain = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0, extra_body=ngram)
+    plain = chat(api, model, prompt, max_tokens=MAX_NEW_TOKENS, temperature=0,
+                 extra_body={"tandem": {"method": "none"}})  # one token a round: what the rounds below are held to
     text = plain.choices[0].message.content
     assert plain.usage.completion_tokens == len(smollm2_reference[prompt])
     edited = text[: len(text) // 2] + " (an edit) " + text[len(text) // 2 + 10:]
