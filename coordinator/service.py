@@ -40,7 +40,7 @@ from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
 from tandem.structured_output import check_response_format
 from tandem.text_stream import TextStream
-from tandem.tokenizer import encode_messages, encode_prompt
+from tandem.tokenizer import encode_messages, encode_prompt, template_kwargs
 from tandem.tool_call_deltas import ToolCallDelta
 from tandem.tool_calls import HermesFormat, ToolCall, ToolCallParser, ToolUse, check_tool_schemas
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -338,7 +338,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max, tree=tree,
                               heads_nodes=spec.heads_nodes, heads_fallback=heads_fallback(requested, method, has_draft),
                               lookup_k_max=k if spec.HasField("k") else MAX_K)
-        text = TextStream(self.tokenizer, stop.stop_strings, stop_ids)
+        text = TextStream(self.tokenizer, stop.stop_strings, stop_ids, include_stop=stopping.include_stop_string)
         return RequestState(prompt_ids, sampling, stop, text, self._prediction_ids(spec.prediction)), options, tools
 
     def _prediction_ids(self, prediction: str) -> list[int]:
@@ -381,8 +381,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             field = "messages"
             turns = conversation(request.messages.messages)
             shown = [t.template_entry() for t in tools.tools] if tools is not None and tools.shown else None
+            kwargs = _field("messages.template_kwargs", lambda: template_kwargs(request.messages.template_kwargs))
             ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(
-                self.tokenizer, turns, shown, continue_final=request.messages.continue_final_message)))
+                self.tokenizer, turns, shown, continue_final=request.messages.continue_final_message, kwargs=kwargs)))
         else:
             field = "text"
             if not request.text:

@@ -379,7 +379,7 @@ class DraftEngine(SequenceEngine[DraftSequence, "_Plan"]):
         groups: dict[tuple, list[_Plan]] = {}  # rows with the same processing share one probabilities() call
         for plan in plans:
             s = plan.call.sampling
-            groups.setdefault((s.temperature, s.top_p, s.top_k), []).append(plan)
+            groups.setdefault((s.temperature, s.min_p, s.top_p, s.top_k), []).append(plan)
         order = [p for group in groups.values() for p in group]
         q = torch.cat([
             probabilities(torch.cat([rows[p.index] for p in group]), group[0].call.sampling)

@@ -1,7 +1,7 @@
 """Sampling parameters, logits processing and per-request random generators.
 
 Greedy (temperature 0) is an argmax; otherwise logits go through temperature,
-top-k and top-p, in that order, to a probability distribution. The draft and
+min-p, top-k and top-p, in that order (vLLM's), to a probability distribution. The draft and
 the target apply the very same processing, which the rejection sampler needs
 (p and q must be the processed distributions).
 """
@@ -17,7 +17,7 @@ __all__ = ["SamplingParams", "pick_tokens", "probabilities", "draw_coupled", "ex
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``[R, V]`` float32 logits -> ``[R, V]`` float32 probabilities after temperature, top-k, top-p.
+    """``[R, V]`` float32 logits -> ``[R, V]`` float32 probabilities after temperature, min-p, top-k, top-p.
 
     Greedy gives a one-hot at the argmax, so that the rejection sampler
     reduces to exact matching for greedy requests.
@@ -27,6 +27,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # Shift each row so its max is 0 first (softmax does not change): a tiny temperature (float32 goes
     # down to 1e-45) would otherwise overflow the logits to inf and every probability to NaN.
     logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if params.min_p > 0:
+        # Each row's max logit is 0 now, so a token's probability relative to the most likely one's is
+        # exp(logit): it stays when that is >= min_p (the most likely token always does). Compared as
+        # probabilities, as vLLM does, so a ratio that rounds to 1 stays at min_p 1.
+        logits = logits.masked_fill(logits.exp() < params.min_p, float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [R, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

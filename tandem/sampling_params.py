@@ -57,6 +57,10 @@ class SamplingParams:
     json_schema: str = ""
     # Or any grammar in llguidance's Lark dialect (tool calls that must be made are one, tandem.tool_calls).
     grammar: str = ""
+    # min-p (Nguyen et al. 2024; vLLM's, SGLang's, llama.cpp's), applied after temperature and before top-k: a
+    # token less likely than min_p times the most likely one is dropped. 0: none. (Last, so that positional
+    # SamplingParams(temperature, top_p, top_k, seed) calls keep their meaning.)
+    min_p: float = 0.0
 
     @property
     def structured(self) -> bool:
@@ -81,6 +85,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:  # also rejects NaN
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.seed is not None:
             if not -(2**63) <= self.seed < 2**64:
                 raise InvalidRequestError(f"seed must be a 64-bit integer (signed or not), got {self.seed}")

@@ -35,7 +35,9 @@ window), plus two decodes for each further boundary tried.
 Stop strings are looked for in text that can no longer change: the new text
 plus the last ``len(longest stop) - 1`` characters before it, so the earliest
 occurrence is found as soon as its last character is decoded. ``take()`` holds
-back only the longest tail that is a proper prefix of some stop string.
+back only the longest tail that is a proper prefix of some stop string. The
+text ends before the stop string found, or after it with ``include_stop``
+(vLLM's ``include_stop_str_in_output``).
 
 Everything here is plain Python: the tokenizer is the Hugging Face object from
 ``tandem.tokenizer.load_tokenizer``; no torch, no numpy.
@@ -71,11 +73,12 @@ class TextStream:
     RESTART_CANDIDATES = 4  # token boundaries tried for a restart, latest first
 
     def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...] = (),
-                 skip_token_ids: frozenset[int] = frozenset()) -> None:
+                 skip_token_ids: frozenset[int] = frozenset(), include_stop: bool = False) -> None:
         if any(not s for s in stop_strings):
             raise ValueError("a stop string must not be empty")
         self._tokenizer = tokenizer
         self._stops = tuple(dict.fromkeys(stop_strings))
+        self._include_stop = include_stop  # the text ends after the stop string found, not before it (vLLM's)
         self._keep = max((len(s) for s in self._stops), default=1) - 1  # tail a stop string may still need
         # Special tokens add no text and do not touch their neighbours' bytes: drop them with the skipped ids.
         self._skip = frozenset(int(i) for i in skip_token_ids) | decoder_skipped_ids(tokenizer)
@@ -186,9 +189,11 @@ class TextStream:
         """Append text that can no longer change; cut it at the first stop string."""
         if self._stops:
             recent = self._tail + piece
-            cut = min((i for s in self._stops if (i := recent.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                self._stop_at(self._length - len(self._tail) + cut, piece)
+            # The earliest stop string found; of two starting there, the longer (it holds the shorter).
+            found = min(((i, -len(s)) for s in self._stops if (i := recent.find(s)) >= 0), default=None)
+            if found is not None:
+                cut, stop_length = found[0], -found[1] if self._include_stop else 0
+                self._stop_at(self._length - len(self._tail) + cut + stop_length, piece)
                 return
             self._tail = recent[-self._keep:] if self._keep else ""
         self._parts.append(piece)

@@ -125,18 +125,43 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=True))
 
 
+# What the chat template is given by the request itself, or by the tokenizer: a template kwarg may not replace it.
+TEMPLATE_NAMES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                            "continue_final_message", "chat_template", "tokenize", "return_dict", "return_tensors",
+                            "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                            "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"})
+
+
+def template_kwargs(text: str) -> dict[str, Any]:
+    """``ChatMessages.template_kwargs`` (a JSON object's text; empty: none) as the chat template's extra variables,
+    or ValueError naming what is wrong: not a JSON object, or a name the template is already given."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"must be a JSON object of the template's variables, got {type(kwargs).__name__}")
+    taken = sorted(TEMPLATE_NAMES.intersection(kwargs))
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: set by the request itself (its own field), not a template variable")
+    return kwargs
+
+
 def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final: bool = False) -> list[int]:
+                    continue_final: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a conversation (``{"role", "content"[, "name", "tool_calls", "tool_call_id"]}`` turns) through
     the tokenizer's chat template, with ``tools`` (OpenAI's ``tools`` items) shown to the model, ending where the
     assistant's next turn starts; with ``continue_final``, ending inside the last turn (an assistant's, checked by
-    ``check_continuation``), so that the model continues it."""
+    ``check_continuation``), so that the model continues it. ``kwargs``: the template's extra variables
+    (``template_kwargs``; a template ignores the ones it does not read)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt instead")
     if continue_final:
         check_continuation(messages)
     ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=not continue_final,
-                                        continue_final_message=continue_final, tokenize=True)
+                                        continue_final_message=continue_final, tokenize=True, **(kwargs or {}))
     # transformers 5 returns a BatchEncoding here; 4.x a plain list
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

@@ -132,6 +132,7 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["-k", "40"], "k (draft tokens per round) must be in 0..15"),
     (["--heads-nodes", "99"], "heads nodes must be in 0..15"),
     (["--top-k", "-1"], "top_k must be >= 0"),
+    (["--min-p", "1.5"], "min_p must be in [0, 1]"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--method", "draft"], "needs a draft model"),
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),

@@ -35,3 +35,31 @@ def test_any_finite_positive_temperature_gives_a_distribution(temperature, top_p
 def test_non_finite_or_negative_temperature_is_refused(temperature):
     with pytest.raises(InvalidRequestError, match="temperature must be >= 0 and finite"):
         SamplingParams(temperature)
+
+
+@pytest.mark.parametrize("temperature", [float(np.float32(1e-45)), 0.5, 1.0, 1e30])
+@pytest.mark.parametrize("min_p", [1e-30, 0.01, 0.5, 1.0])
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_likeliest(temperature, min_p):
+    """min-p after temperature (vLLM's order): a token stays iff its tempered probability is >= min_p times the
+    likeliest's; what stays keeps its relative weight."""
+    params = SamplingParams(temperature, min_p=min_p, seed=1)
+    probs = probabilities(LOGITS, params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    plain = probabilities(LOGITS, SamplingParams(temperature, seed=1)).double()
+    kept = plain >= min_p * plain.amax(-1, keepdim=True) * (1 - 1e-6)
+    assert torch.equal(probs > 0, kept & (plain > 0))
+    expected = torch.where(kept, plain, 0.0)
+    assert torch.allclose(probs.double(), expected / expected.sum(-1, keepdim=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, math.nan])
+def test_min_p_outside_0_1_is_refused(min_p):
+    with pytest.raises(InvalidRequestError, match="min_p must be in"):
+        SamplingParams(1.0, min_p=min_p)
+
+
+def test_min_p_crosses_the_wire():
+    from tandem.rpc.wire import sampling_from_proto, sampling_to_proto
+
+    params = SamplingParams(0.75, top_k=20, min_p=0.25, seed=3)  # exact in float32, the wire's type
+    assert sampling_to_proto(params).min_p == 0.25 and sampling_from_proto(sampling_to_proto(params)) == params

@@ -230,6 +230,45 @@ def test_the_first_stop_string_to_complete_ends_the_text(tokenizer):
     assert emitted == "x = 1 </"
 
 
+def run_stream(tokenizer, text: str, stops: tuple[str, ...], include_stop: bool) -> str:
+    """What a request's stream emits for ``text``'s tokens, one take() after each push."""
+    stream, emitted = TextStream(tokenizer, stops, include_stop=include_stop), ""
+    for token in encode(tokenizer, text):
+        stopped = stream.push(token)
+        emitted += stream.take()
+        if stopped:
+            break
+    stream.finish()
+    emitted += stream.take()
+    assert emitted == stream.text
+    return emitted
+
+
+@pytest.mark.parametrize("text,stops,before,after", [
+    ("The answer is 42.\nEND OF TEXT and more", ("END OF", "END", "\nEND"), "The answer is 42.",
+     "The answer is 42.\nEND"),  # "\nEND" starts first and completes with "END"
+    ("x = 1 </answer> and more", ("</answer>", "answer"), "x = 1 </", "x = 1 </answer"),  # the first to complete
+    (TEXTS[0], ("crème", "crème brûlée"), TEXTS[0][:TEXTS[0].find("crème")],
+     TEXTS[0][:TEXTS[0].find("crème") + len("crème")]),
+    (TEXTS[3], ("👧‍👦",), TEXTS[3][:TEXTS[3].find("👧‍👦")], TEXTS[3][:TEXTS[3].find("👧‍👦") + len("👧‍👦")]),
+    (TEXTS[0], ("never there",), TEXTS[0], TEXTS[0]),
+])
+def test_include_stop_ends_the_text_after_the_stop_string(tokenizer, text, stops, before, after):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string that ended it."""
+    assert run_stream(tokenizer, text, stops, include_stop=False) == before
+    assert run_stream(tokenizer, text, stops, include_stop=True) == after
+
+
+def test_of_two_stop_strings_completed_by_one_token_at_one_place_the_longer_is_included(tokenizer):
+    ids = encode(tokenizer, "say hello world")
+    stream = TextStream(tokenizer, ("wor", "world", "xyz"), include_stop=True)
+    for token in ids[:-1]:
+        assert not stream.push(token)
+    last = tokenizer.decode(ids[-1:])
+    assert "wor" in last  # " world" is one token: it completes both stop strings at once
+    assert stream.push(ids[-1]) and stream.text == "say hello world"
+
+
 def test_hold_back_is_only_what_a_stop_string_needs(tokenizer):
     stream = TextStream(tokenizer, ("</answer>", "STOP"))
     for token in encode(tokenizer, "x = 1 </ans"):

@@ -174,6 +174,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     request = parsed.request
     request.messages.messages.extend(parse_messages(body.take("messages")))
     request.messages.continue_final_message = _continues_final_message(body)
+    request.messages.template_kwargs = chat_template_kwargs(body)
     _tools(body, request)
     max_tokens, max_completion = body.integer("max_tokens", 1, INT32_MAX), body.integer(
         "max_completion_tokens", 1, INT32_MAX)
@@ -270,6 +271,7 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
     body.string("user")  # an end user's id for the caller's own records: taken, used for nothing
     request.stopping.min_new_tokens = body.integer("min_tokens", 0, INT32_MAX) or 0  # vLLM's
     _penalties(body, sampling)
+    _vllm_extras(body, request, parsed)
     _extension(body.take("tandem"), request, parsed)
     return parsed
 
@@ -286,6 +288,15 @@ def _continues_final_message(body: Fields) -> bool:
         raise bad_field("add_generation_prompt", "false only with continue_final_message: true (the answer is an "
                                                  "assistant's turn: a new one, or the last one continued)")
     return final
+
+
+def chat_template_kwargs(body: Fields) -> str:
+    """vLLM's ``chat_template_kwargs`` (the chat template's extra variables: Qwen3's ``enable_thinking``) as
+    ``ChatMessages.template_kwargs``, a JSON object's text; the service refuses the names a template is given."""
+    kwargs = body.take("chat_template_kwargs")
+    if kwargs is None:
+        return ""
+    return json.dumps(object_field("chat_template_kwargs", kwargs))
 
 
 def _prompt_logprobs(body: Fields, parsed: ParsedRequest) -> None:
@@ -334,6 +345,54 @@ def _penalties(body: Fields, sampling) -> None:
     sampling.logit_bias.update(ids)
 
 
+# vLLM's display options at the values Tandem's text always has (special tokens skipped, as vLLM's defaults do).
+VLLM_DISPLAY_DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "skip_special_tokens": _neutral(True),
+    "spaces_between_special_tokens": _neutral(True),
+}
+
+
+def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:
+    """vLLM's sampling and stopping fields at the body's top level, where vLLM and SGLang take them (what a
+    model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
+    ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
+    ``stop_token_ids``, ``include_stop_str_in_output``; ``skip_special_tokens`` and
+    ``spaces_between_special_tokens`` only at their defaults (true), the text Tandem writes."""
+    top_k = body.integer("top_k", -1, INT32_MAX)
+    if top_k is not None:
+        request.sampling.top_k = max(top_k, 0)
+        parsed.params["top_k"] = "top_k"
+    min_p = body.number("min_p")
+    if min_p is not None:
+        if not 0 <= min_p <= 1:
+            raise bad_field("min_p", f"must be in [0, 1] (0 disables it), got {min_p}")
+        request.sampling.min_p = min_p
+    ignore_eos = body.boolean("ignore_eos")
+    if ignore_eos is not None:
+        request.stopping.ignore_eos = ignore_eos
+        parsed.params["stopping.ignore_eos"] = "ignore_eos"
+    ids = body.take("stop_token_ids")
+    if ids is not None:
+        request.stopping.stop_token_ids.extend(_token_ids("stop_token_ids", ids))
+        parsed.params["stopping.stop_token_ids"] = "stop_token_ids"
+    request.stopping.include_stop_string = bool(body.boolean("include_stop_str_in_output"))
+    for key, neutral in VLLM_DISPLAY_DEFAULTS.items():
+        if not neutral(body.take(key)):
+            raise unsupported(key, " other than true (Tandem's text never holds special tokens)")
+
+
+def _token_ids(param: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(is_int(i) and 0 <= i <= INT32_MAX for i in value):
+        raise bad_field(param, "a list of token ids (integers >= 0)")
+    return value
+
+
+def _same(param: str, given: Any, top_level: str, top_value: Any, is_set: bool) -> None:
+    """``tandem.X`` and vLLM's top-level ``X`` are one option: both given must agree."""
+    if is_set and given != top_value:
+        raise bad_field(param, f"{given!r} differs from {top_level} {top_value!r}: give one")
+
+
 def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: ParsedRequest) -> None:
     """``tandem``: the gRPC API's own options (speculation, top_k, stop token ids, ignore_eos, a deadline)."""
     if value is None:
@@ -353,13 +412,24 @@ def _extension(value: Any, request: generation_pb2.GenerateRequest, parsed: Pars
     if tree is not None and not isinstance(tree, str):
         raise bad_field("tandem.tree", f"one of auto, on, off (or true, false), got {kind_of(tree)}")
     spec.tree = tree or ""
-    request.sampling.top_k = ext.integer("top_k", 0, INT32_MAX) or 0
-    request.stopping.ignore_eos = bool(ext.boolean("ignore_eos"))
+    top_k = ext.integer("top_k", 0, INT32_MAX)
+    if top_k is not None:
+        _same("tandem.top_k", top_k, "top_k", request.sampling.top_k, "top_k" in parsed.params)
+        request.sampling.top_k = top_k
+        parsed.params["top_k"] = "tandem.top_k"
+    ignore_eos = ext.boolean("ignore_eos")
+    if ignore_eos is not None:
+        _same("tandem.ignore_eos", ignore_eos, "ignore_eos", request.stopping.ignore_eos,
+              "stopping.ignore_eos" in parsed.params)
+        request.stopping.ignore_eos = ignore_eos
     ids = ext.take("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(is_int(i) and 0 <= i <= INT32_MAX for i in ids):
-            raise bad_field("tandem.stop_token_ids", "a list of token ids (integers >= 0)")
+        ids = _token_ids("tandem.stop_token_ids", ids)
+        _same("tandem.stop_token_ids", ids, "stop_token_ids", list(request.stopping.stop_token_ids),
+              "stopping.stop_token_ids" in parsed.params)
+        del request.stopping.stop_token_ids[:]
         request.stopping.stop_token_ids.extend(ids)
+        parsed.params["stopping.stop_token_ids"] = "tandem.stop_token_ids"
     timeout = ext.number("timeout_s")
     if timeout is not None and timeout <= 0:
         raise bad_field("tandem.timeout_s", f"must be a positive number of seconds, got {timeout}")

@@ -1,8 +1,9 @@
 """vLLM's tokenizer routes, so that a client can use the served model's tokenizer without having it.
 
 - ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...],
-  "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false}`` (the chat
-  template renders the turns, as chat completions do), either with ``return_token_strs``; the reply is
+  "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false,
+  "chat_template_kwargs": {}}`` (the chat template renders the turns, as chat completions do), either with
+  ``return_token_strs``; the reply is
   ``{"count", "max_model_len", "tokens"[, "token_strs"]}``.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``.
 - ``GET /tokenizer_info``: the tokenizer's class, special tokens, chat template and the served context.
@@ -19,8 +20,9 @@ from typing import Any
 from coordinator.chat import chat_template_refusals, conversation
 from coordinator.http.errors import ApiError, bad_field
 from coordinator.http.fields import Fields
-from coordinator.http.schema import INT32_MAX, parse_messages
+from coordinator.http.schema import INT32_MAX, chat_template_kwargs, parse_messages
 from tandem.errors import InvalidRequestError, check_token_ids
+from tandem.tokenizer import template_kwargs
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -54,12 +56,16 @@ def _render(body: Fields, tokenizer: Any) -> list[int]:
     if final and generation:
         raise bad_field("continue_final_message", "cannot be set with add_generation_prompt: give one")
     special = bool(body.boolean("add_special_tokens"))
+    try:
+        kwargs = template_kwargs(chat_template_kwargs(body))
+    except ValueError as exc:
+        raise bad_field("chat_template_kwargs", str(exc)) from None
     if not getattr(tokenizer, "chat_template", None):
         raise bad_field("messages", "this model's tokenizer has no chat template: send a prompt instead")
     try:
         ids = chat_template_refusals(lambda: tokenizer.apply_chat_template(
             turns, add_generation_prompt=not final if generation is None else generation,
-            continue_final_message=final, tokenize=True, add_special_tokens=special))
+            continue_final_message=final, tokenize=True, add_special_tokens=special, **kwargs))
     except ValueError as exc:  # the template refused these turns (or the final one cannot be continued)
         raise bad_field("messages", str(exc)) from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding

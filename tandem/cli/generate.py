@@ -97,6 +97,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 disables")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the likeliest token (after temperature); in [0, 1], "
+                        "0 disables (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="seed of this request's sampler (reproducible runs)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide (multiply, when negative) the logits of every token already in the text, prompt "
@@ -122,7 +125,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                               presence_penalty=args.presence_penalty, json_object=args.json_object,
-                              json_schema=schema)
+                              json_schema=schema, min_p=args.min_p)
     check_response_format(sampling)
     return sampling
 

@@ -34,6 +34,7 @@ TOKEN = 7  # what the fake target predicts, every time
 REFUSING_TEMPLATE = ("{% if '!' in messages[0]['content'] %}{{ raise_exception('this model takes no "
                      "exclamation marks') }}{% endif %}"
                      "{% for message in messages %}<s>{{ message['content'] }}{% endfor %}"
+                     "{% if greeting is defined %}{{ greeting }}{% endif %}"  # a template variable (its kwargs)
                      "{% if add_generation_prompt %}#{% endif %}")
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import aiohttp
+import grpc
 import openai
 import pytest
 
@@ -386,6 +387,23 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"metadata": {"k" * 65: "v"}}, "metadata", 400),
     ({"metadata": {"note": "v" * 513}}, "metadata.note", 400),
     ({"store": True, "metadata": {"team": "a"}}, "store", 400),
+    ({"top_k": -2}, "top_k", 400),
+    ({"top_k": 1.5}, "top_k", 400),
+    ({"min_p": 1.5}, "min_p", 400),
+    ({"min_p": "low"}, "min_p", 400),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", 400),
+    ({"stop_token_ids": [99999]}, "stop_token_ids", 400),  # the service's check (the vocabulary), named as sent
+    ({"tandem": {"stop_token_ids": [99999]}}, "tandem.stop_token_ids", 400),
+    ({"top_k": 5, "tandem": {"top_k": 6}}, "tandem.top_k", 400),
+    ({"ignore_eos": False, "tandem": {"ignore_eos": True}}, "tandem.ignore_eos", 400),
+    ({"stop_token_ids": [7], "tandem": {"stop_token_ids": [8]}}, "tandem.stop_token_ids", 400),
+    ({"ignore_eos": "yes"}, "ignore_eos", 400),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", 400),
+    ({"skip_special_tokens": False}, "skip_special_tokens", 400),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", 400),
+    ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs", 400),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", 400),  # the request's own field
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", 400),
     ({"model": "gpt-4o"}, "model", 404),
 ])
 def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(tokenizer, change, param, status):
@@ -493,6 +511,119 @@ def test_min_tokens_holds_the_stop_tokens_back_on_the_target(tokenizer):
             code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2})
             assert code == 200 and running.target.samplings[-1].min_tokens == 0
             assert not running.target.samplings[-1].min_tokens_stop_ids
+    run(go())
+
+
+def test_vllms_top_level_sampling_fields_reach_the_target_worker(tokenizer):
+    """vLLM's and SGLang's top-level top_k, min_p, ignore_eos and stop_token_ids (what model cards and ``vllm bench
+    serve`` send in ``extra_body``) are the request's sampling and stopping options, as ``tandem``'s top_k,
+    ignore_eos and stop_token_ids are; the two spellings together must agree. skip_special_tokens at its default
+    is taken."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/chat/completions", {
+                **CHAT, "top_k": 20, "min_p": 0.05, "ignore_eos": True, "stop_token_ids": [7], "min_tokens": 1,
+                "skip_special_tokens": True, "spaces_between_special_tokens": True})
+            assert code == 200, body
+            sampling = running.target.samplings[-1]
+            assert sampling.top_k == 20 and sampling.min_p == pytest.approx(0.05)
+            assert list(sampling.min_tokens_stop_ids) == [7]  # ignore_eos: the model's end token (1) is not one
+            code, body = await post(running.url + "/completions", {
+                "prompt": "hi", "max_tokens": 2, "top_k": -1, "stop_token_ids": [7], "min_tokens": 1,
+                "tandem": {"top_k": 0, "stop_token_ids": [7], "ignore_eos": False}})
+            assert code == 200, body
+            sampling = running.target.samplings[-1]
+            assert sampling.top_k == 0 and sampling.min_p == 0  # -1: none, as vLLM spells it
+            assert list(sampling.min_tokens_stop_ids) == [1, 7]
+    run(go())
+
+
+def test_vllm_bench_serve_payloads_are_taken(tokenizer):
+    """The bodies ``vllm bench serve`` sends (vllm/benchmarks/lib/endpoint_request_func.py): streamed completions
+    with ``repetition_penalty: 1.0``, ``logprobs: null`` and ``--ignore-eos``, chat with text parts and
+    ``max_completion_tokens``, its sampling flags (``--top-k``, ``--min-p``...) at the top level, and an
+    ``x-request-id`` header: each streams its tokens and ends with the usage."""
+    bodies = {
+        "/completions": {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None,
+                         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+                         "top_k": -1, "min_p": 0.0, "top_p": 1.0, "temperature": 0.0},
+        "/chat/completions": {"model": MODEL,
+                              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                              "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                              "ignore_eos": True, "top_k": 20, "min_p": 0.05, "temperature": 0.7},
+    }
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            for route, body in bodies.items():
+                async with aiohttp.ClientSession() as session, session.post(
+                        running.url + route, json=body, headers={"x-request-id": "bench-1"}) as reply:
+                    assert reply.status == 200 and reply.headers["X-Request-Id"] == "bench-1", await reply.text()
+                    events = [line[len("data: "):] for line in (await reply.text()).splitlines()
+                              if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert chunks[-1]["usage"]["completion_tokens"] == 4
+                assert all(c["id"].endswith("cmpl-bench-1") for c in chunks)
+                text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                               for c in chunks if c["choices"])
+                assert text == TEXT
+    run(go())
+
+
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tokenizer):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string that ended it; without it, before;
+    streamed alike."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            stop = [TEXT[1:3]]
+            for include, expected in ((False, TEXT[:1]), (True, TEXT[:3])):
+                code, body = await post(running.url + "/completions", {
+                    "prompt": "hi", "max_tokens": 4, "stop": stop, "include_stop_str_in_output": include})
+                assert code == 200, body
+                assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected, "stop")
+                chunks = [c async for c in await client(running).completions.create(
+                    model=MODEL, prompt="hi", max_tokens=4, stop=stop, stream=True,
+                    extra_body={"include_stop_str_in_output": include})]
+                assert "".join(c.choices[0].text for c in chunks) == expected
+                assert chunks[-1].choices[0].finish_reason == "stop"
+    run(go())
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """vLLM's chat_template_kwargs: extra variables for the chat template (this one writes ``greeting``), on
+    chat completions, gRPC's ``ChatMessages.template_kwargs`` and /tokenize alike; a variable the template does
+    not read changes nothing."""
+    from tandem.rpc.tls import open_channel
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            turns = [{"role": "user", "content": "$"}]
+            plain = list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)["input_ids"])
+            greeted = list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True,
+                                                         greeting="%&")["input_ids"])
+            assert greeted != plain
+            for kwargs, prompt in (({"greeting": "%&"}, greeted), ({"enable_thinking": False}, plain)):
+                code, body = await post(running.url + "/chat/completions", {
+                    "messages": turns, "max_tokens": 2, "chat_template_kwargs": kwargs})
+                assert code == 200, body
+                assert running.target.prompts[-1] == prompt
+                code, body = await post(running.url.removesuffix("/v1") + "/tokenize", {
+                    "messages": turns, "chat_template_kwargs": kwargs})
+                assert code == 200 and body["tokens"] == prompt, body
+            code, body = await post(running.url.removesuffix("/v1") + "/tokenize", {
+                "messages": turns, "chat_template_kwargs": {"messages": []}})
+            assert code == 400 and body["error"]["param"] == "chat_template_kwargs", body
+            async with open_channel(running.grpc_address, None, aio=True) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                request = generation_pb2.GenerateRequest(stopping=generation_pb2.StoppingOptions(max_new_tokens=2))
+                request.messages.messages.add(role="user", content="$")
+                request.messages.template_kwargs = json.dumps({"greeting": "%&"})
+                await stub.Generate(request)
+                assert running.target.prompts[-1] == greeted
+                request.messages.template_kwargs = "[1]"
+                with pytest.raises(grpc.aio.AioRpcError, match="messages.template_kwargs: must be a JSON object"):
+                    await stub.Generate(request)
     run(go())
 
 

@@ -9,6 +9,7 @@ fast, model-free tests of the same API are in tests/http.
 
 from __future__ import annotations
 
+import math
 import time
 
 import openai
@@ -205,6 +206,44 @@ def test_stop_strings_cut_the_text_before_them(api, model):
     cut = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=0, stop=[stop, "never-appears"])
     choice = cut.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == full[:full.index(stop)]
+
+
+def tempered_gaps(reply, temperature: float) -> list[float]:
+    """Each emitted token's log-probability under the tempered law relative to the likeliest token's (0: the
+    likeliest, ties included): log(p / p_max), the quantity top-k 1 and min-p filter on."""
+    return [(t.logprob - t.top_logprobs[0].logprob) / temperature
+            for choice in reply.choices for t in choice.logprobs.content]
+
+
+def test_vllms_sampling_extras_through_real_workers(api, model):
+    """What a vLLM user sends in ``extra_body`` (a model card's top_k and min_p, include_stop_str_in_output,
+    chat_template_kwargs), through the draft and target processes. Hot samples drafted by the draft model keep
+    only what the filter leaves, token by token (read from the target's own log-probabilities): top-k 1 the
+    likeliest (or a tie), min-p 0.5 tokens at least half as likely; unfiltered, the same temperature strays
+    further. A seeded min-p sample is plain seeded decoding's (method none) with the same min-p. The stop string
+    is kept when asked; a template variable this template does not read changes nothing."""
+    hot, scored = 1.5, {"logprobs": True, "top_logprobs": 1, "max_tokens": MAX_NEW_TOKENS, "n": 2}
+    drafted = {"method": "draft", "k": 3, "fixed_k": True}  # (this draft is the target's model: it never pays)
+    top1 = chat(api, model, PROMPTS[1], temperature=hot, extra_body={"top_k": 1, "tandem": drafted}, **scored)
+    assert all(gap == 0 for gap in tempered_gaps(top1, hot))
+    assert all(c.model_extra["tandem"]["drafted"] > 0 for c in top1.choices)
+    half = chat(api, model, PROMPTS[1], temperature=hot, extra_body={"min_p": 0.5, "tandem": drafted}, **scored)
+    assert min(tempered_gaps(half, hot)) >= math.log(0.5) - 1e-4
+    free = chat(api, model, PROMPTS[1], temperature=hot, seed=3, extra_body={"tandem": drafted}, **scored)
+    assert min(tempered_gaps(free, hot)) < math.log(0.5)  # so the bound above is the filter's doing
+
+    def seeded(method: str) -> str:
+        reply = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=hot, seed=5,
+                     extra_body={"min_p": 0.2, "tandem": {"method": method, "k": 3, "fixed_k": True}})
+        return reply.choices[0].message.content
+
+    assert seeded("draft") == seeded("none")
+    greedy = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=0).choices[0].message.content
+    stop = greedy[8:14]
+    kept = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=0, stop=[stop],
+                extra_body={"include_stop_str_in_output": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert kept.choices[0].finish_reason == "stop"
+    assert kept.choices[0].message.content == greedy[:greedy.index(stop) + len(stop)]
 
 
 def test_the_extension_field_chooses_speculation_and_reports_it(api, model):

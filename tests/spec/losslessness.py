@@ -32,6 +32,8 @@ def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
     """p-value of ``samples`` (outcome indices) under the law ``probs`` (any positive scale)."""
     counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
     probs = np.asarray(probs, dtype=np.float64)
+    if counts[probs == 0].any():  # an outcome the law forbids (a filtered token) was drawn: not this law
+        return 0.0
     expected = probs / probs.sum() * len(samples)
     keep = expected >= 5  # merge rare outcomes into one bin so the chi-square approximation holds
     observed = np.append(counts[keep], counts[~keep].sum())
@@ -54,11 +56,13 @@ def save_six_token_pair(root: Path, seeds: tuple[int, int] = PAIR_SEEDS) -> tupl
 
 
 def exact_two_token_distribution(engine, prompt: list[int], temperature: float,
-                                 adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> np.ndarray:
+                                 adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
+                                 min_p: float = 0.0) -> np.ndarray:
     """P(t2, t3) of the target ``ModelEngine`` alone, marginalised over t1, as a flat [vocab * vocab] array.
 
     ``adjust(logits, generated)``: the request's logit processing (penalties) of the ``[vocab]`` logits after
-    the prompt and the tokens ``generated`` so far; None: none."""
+    the prompt and the tokens ``generated`` so far; None: none. ``min_p``: tokens less likely than that times the
+    likeliest are dropped after temperature (computed here on its own, not by ``tandem.sampling``)."""
     from tandem.engine import ForwardItem
 
     vocab = engine.config.vocab_size
@@ -68,7 +72,9 @@ def exact_two_token_distribution(engine, prompt: list[int], temperature: float,
         engine.release("exact")
         if adjust is not None:
             logits = adjust(logits, tokens[len(prompt):])
-        return torch.softmax(logits / temperature, -1).double().numpy()
+        probs = torch.softmax(logits.double() / temperature, -1).numpy()
+        probs[probs < min_p * probs.max()] = 0.0
+        return probs / probs.sum()
 
     joint = np.zeros((vocab, vocab))
     p1 = dist(prompt)

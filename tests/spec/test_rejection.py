@@ -8,11 +8,13 @@ otherwise the test could not tell a correct sampler from a wrong one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, probabilities
 from tandem.spec.rejection import Verdict, verify, verify_greedy, verify_sampled
 from tests.spec.losslessness import SIGNIFICANCE, chi_square_pvalue, exact_two_token_distribution, one_torch_thread
 
@@ -77,6 +79,7 @@ LOOP_SAMPLES = 800
 
 P_LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])  # row 1: the bonus position
 Q = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.15, 0.05])
+MIN_P = 0.3  # the end-to-end min-p case's filter
 
 
 @pytest.mark.parametrize("rule,lossless", [
@@ -105,7 +108,7 @@ def small_vocab_pair(tmp_path_factory):
 
 
 def sample_through_the_loop(pair, monkeypatch, lossless: bool, draft_options: dict, tree: str,
-                            n: int) -> tuple[list[int], np.ndarray]:
+                            n: int, min_p: float = 0.0) -> tuple[list[int], np.ndarray]:
     """Tokens 2 and 3 (``t2 * 6 + t3``) of n seeded requests through the loop, and their exact law under the target."""
     import target_worker.engine as target_engine_module
     from tandem.config import EngineConfig
@@ -118,7 +121,12 @@ def sample_through_the_loop(pair, monkeypatch, lossless: bool, draft_options: di
     target = ModelEngine.load(EngineConfig(target_dir, **cfg))
     draft = ModelEngine.load(EngineConfig(draft_dir, **cfg, **draft_options))
     prompt, temperature = [0, 3, 2, 5], 1.0
-    if not lossless and tree == "on":  # a rejected candidate's mass stays in the residual
+    if not lossless and min_p:  # the target forgets min-p (the draft still applies it)
+        from tandem.spec import rejection
+
+        monkeypatch.setattr(rejection, "probabilities", lambda logits, params: probabilities(
+            logits, dataclasses.replace(params, min_p=0.0)))
+    elif not lossless and tree == "on":  # a rejected candidate's mass stays in the residual
         from tandem.spec import rejection
 
         monkeypatch.setattr(rejection, "_without", lambda residual, token, q: residual)
@@ -130,14 +138,15 @@ def sample_through_the_loop(pair, monkeypatch, lossless: bool, draft_options: di
     # Token 1 comes from the target's prefill, tokens 2 and 3 from speculative rounds.
     # rejection_rule: the rule under test (a seeded request is otherwise kept to its own seeded draws)
     requests = [GenerationRequest(prompt, max_new_tokens=4,
-                                  sampling=SamplingParams(temperature, seed=s, rejection_rule=True)) for s in range(n)]
+                                  sampling=SamplingParams(temperature, seed=s, rejection_rule=True, min_p=min_p))
+                for s in range(n)]
     options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
     with one_torch_thread():
         results = SpeculativeGenerator(target, draft, options).generate(requests)
     assert all(r.stats.k_counts[2] >= 1 for r in results)  # tokens 2-3 come from a k=2 round (or k=1 after it)
     assert all((r.stats.tree_rounds >= 1) == (tree == "on") for r in results)
     samples = [r.token_ids[1] * 6 + r.token_ids[2] for r in results]
-    return samples, exact_two_token_distribution(target, prompt, temperature)
+    return samples, exact_two_token_distribution(target, prompt, temperature, min_p=min_p)
 
 
 @pytest.mark.parametrize("n", [LOOP_SAMPLES, pytest.param(4000, marks=pytest.mark.long)], ids=lambda n: f"n{n}")
@@ -154,5 +163,17 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(small_vocab
                                                                      draft_options, tree, n):
     """In process, through the one loop and the worker engines (the wire format included)."""
     samples, law = sample_through_the_loop(small_vocab_pair, monkeypatch, lossless, draft_options, tree, n)
+    pvalue = chi_square_pvalue(samples, law)
+    assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("lossless,tree", [(True, "off"), (True, "on"), (False, "off")],
+                         ids=["correct", "correct-tree", "broken-target-forgets-min-p"])
+def test_min_p_sampling_matches_the_targets_filtered_distribution(small_vocab_pair, monkeypatch, lossless, tree):
+    """min-p (vLLM's): the output follows the target's law after the filter, chains and trees; a target that
+    verifies without the filter the draft applied fails."""
+    samples, law = sample_through_the_loop(small_vocab_pair, monkeypatch, lossless, {}, tree, LOOP_SAMPLES,
+                                           min_p=MIN_P)
+    assert (law == 0).any()  # the filter drops outcomes here
     pvalue = chi_square_pvalue(samples, law)
     assert (pvalue > SIGNIFICANCE) == lossless, f"p-value {pvalue:.2e}"
