@@ -63,6 +63,7 @@ class _Request:
     emitted_tokens: int = 0
     tool_calls: ToolCallParser | None = None  # with tools shown: the text split into content and calls
     prompt_scores_sent: bool = False  # asked (sampling.prompt_logprobs): the first message carried them
+    prompt_ids_asked: bool = False  # return_prompt_token_ids: the reply carries the prompt's tokens, scored or not
 
 
 class _MetricsObserver:
@@ -139,7 +140,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id=run.request_id, text=text, token_ids=run.state.generated,
             finish_reason=_finish_reason(run), stats=self._stats(run),
             logprobs=logprobs_to_proto(run.state.logprobs), tool_calls=_calls_to_proto(calls),
-            **_prompt_scores(run.state))
+            **_prompt_scores(run.state, run.prompt_ids_asked))
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         async for msg in self.stream(self.start(request, context.time_remaining())):
@@ -189,7 +190,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         parser = None
         if tools is not None and tools.shown:  # auto's calls may be plain JSON too; enforced ones are blocks
             parser = ToolCallParser(frozenset() if tools.enforced else frozenset(t.name for t in tools.callable()))
-        return _Request(request_id, state, options, placement, loop, tool_calls=parser)
+        return _Request(request_id, state, options, placement, loop, tool_calls=parser,
+                        prompt_ids_asked=request.return_prompt_token_ids)
 
     async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """Run a started request: a message per round with what it added; the last has finish_reason and stats.
@@ -215,7 +217,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 msg.logprobs.extend(logprobs_to_proto(state.logprobs[start:run.emitted_tokens]))
             if not run.prompt_scores_sent:
                 run.prompt_scores_sent = True
-                for name, value in _prompt_scores(state).items():
+                for name, value in _prompt_scores(state, run.prompt_ids_asked).items():
                     getattr(msg, name).extend(value)
             if done:
                 msg.finish_reason = _finish_reason(run)
@@ -460,8 +462,9 @@ def _field(name: str, make: Any) -> Any:
         raise InvalidRequestError(f"{name}: {exc}") from None
 
 
-def _prompt_scores(state: RequestState) -> dict[str, Any]:
-    """A reply's prompt log-probabilities and the prompt they score, when the request asked for them."""
+def _prompt_scores(state: RequestState, ids_asked: bool = False) -> dict[str, Any]:
+    """A reply's prompt log-probabilities and the prompt they score, when the request asked for them; the prompt's
+    tokens alone when it asked for those (``return_prompt_token_ids``)."""
     if state.prompt_logprobs is None:
-        return {}
+        return {"prompt_token_ids": state.prompt_ids} if ids_asked else {}
     return {"prompt_logprobs": logprobs_to_proto(state.prompt_logprobs), "prompt_token_ids": state.prompt_ids}

@@ -233,7 +233,8 @@ class HttpApi:
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, parsed.params) from None
             shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs,
-                            echo=parsed.prompts if parsed.echo else None, prompt_logprobs=parsed.prompt_logprobs)
+                            echo=parsed.prompts if parsed.echo else None, prompt_logprobs=parsed.prompt_logprobs,
+                            token_ids=parsed.return_token_ids)
             choices = [Choice(i, parsed.prompt_of(i)) for i in range(parsed.choices)]
             if parsed.stream:
                 return await self._stream(request, runs, choices, shapes, parsed)

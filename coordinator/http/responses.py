@@ -20,6 +20,11 @@ vLLM's ``prompt_logprobs`` (not streamed): per prompt token, ``null`` for the fi
 ``{token id: {logprob, rank, decoded_token}}`` for the token and its most likely alternatives
 (rank: 1 + how many tokens are more likely); on each completions choice, and once at the top of
 a chat completion, as vLLM places them.
+
+vLLM's ``return_token_ids``: the prompt's tokens (``prompt_token_ids``: at the top of a chat completion, on each
+completions choice; streamed, on the first chunk) and each choice's generated tokens (``token_ids``; streamed, each
+chunk's new ones; with echo, the prompt's first), so a client (an RL trainer) has the very tokens the model read
+and wrote, not a re-tokenization of the text.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ class Shapes:
     """The JSON objects of one request's reply (``chat``: the chat endpoint's; else the completions')."""
 
     def __init__(self, chat: bool, request_id: str, model: str, tokenizer: Any, logprobs: int | None,
-                 echo: list[str | list[int]] | None = None, prompt_logprobs: int | None = None) -> None:
+                 echo: list[str | list[int]] | None = None, prompt_logprobs: int | None = None,
+                 token_ids: bool = False) -> None:
         self.chat = chat
         self.echo = echo  # completions' echo: the request's prompts, each choice's text starts with its own
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -90,6 +96,7 @@ class Shapes:
         self.logprobs = logprobs  # None: not asked
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: alternatives per prompt token; None: not asked
         self.texts = TokenTexts(tokenizer)
+        self.token_ids = token_ids  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
 
     # ----- whole -------------------------------------------------------------------
     def completion(self, choices: list[Choice], n: int = 1) -> dict[str, Any]:
@@ -108,11 +115,17 @@ class Shapes:
             item["finish_reason"] = c.finish_reason or "length"
             if self.prompt_logprobs is not None and not self.chat:
                 item["prompt_logprobs"] = self._prompt_scores(c)
+            if self.token_ids:
+                if not self.chat:
+                    item["prompt_token_ids"] = c.prompt_ids
+                item["token_ids"] = [*c.prompt_ids, *c.token_ids] if self.echo is not None else c.token_ids
             item["tandem"] = tandem_stats(c.stats)
             out.append(item)
         body = {**self._head(chat_object="chat.completion"), "choices": out, "usage": usage(choices, n)}
         if self.prompt_logprobs is not None and self.chat:  # vLLM's place: one conversation, scored once
             body["prompt_logprobs"] = self._prompt_scores(choices[0]) if choices else None
+        if self.token_ids and self.chat:  # vLLM's place: the conversation's tokens, once
+            body["prompt_token_ids"] = choices[0].prompt_ids if choices else None
         return body
 
     def _prompt_scores(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
@@ -139,10 +152,21 @@ class Shapes:
         out = []
         asked = self.logprobs is not None
         echo = self._echo(choice)
-        if msg.text or echo or (asked and msg.token_ids):  # tokens with no text yet still bring their logprobs
+        # tokens with no text yet still bring their logprobs, and their ids when asked
+        if msg.text or echo or ((asked or self.token_ids) and msg.token_ids) or (self.token_ids and
+                                                                                 msg.prompt_token_ids):
             logprobs = self._logprobs(choice, list(msg.token_ids), list(msg.logprobs)) if asked else None
             body = {"delta": {"content": msg.text}} if self.chat else {"text": echo + msg.text}
-            out.append(self._chunk({"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}))
+            item = {"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}
+            chunk = self._chunk(item)
+            if self.token_ids:  # vLLM's: the prompt's tokens on the first chunk, each chunk's new tokens
+                prompt = list(msg.prompt_token_ids)
+                if prompt and self.chat:
+                    chunk["prompt_token_ids"] = prompt
+                elif prompt:
+                    item["prompt_token_ids"] = prompt
+                item["token_ids"] = [*prompt, *msg.token_ids] if echo else list(msg.token_ids)
+            out.append(chunk)
         if self.chat and (msg.tool_call_deltas or msg.tool_calls):
             calls = [*(self._delta(choice, d) for d in msg.tool_call_deltas),
                      *(self._whole(choice, c) for c in msg.tool_calls if c.id not in choice.call_index)]

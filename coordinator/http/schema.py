@@ -96,6 +96,7 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text (and log-probabilities) starts with its prompt's
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its scores) only, no new text
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's score, rank and top alternatives
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
 
     @property
     def choices(self) -> int:
@@ -356,7 +357,8 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     """vLLM's sampling and stopping fields at the body's top level, where vLLM and SGLang take them (what a
     model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
     ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
-    ``stop_token_ids``, ``include_stop_str_in_output``; ``skip_special_tokens`` and
+    ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` (the prompt's and the answer's token
+    ids beside the text, as RL frameworks read them); ``skip_special_tokens`` and
     ``spaces_between_special_tokens`` only at their defaults (true), the text Tandem writes."""
     top_k = body.integer("top_k", -1, INT32_MAX)
     if top_k is not None:
@@ -376,6 +378,7 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
         request.stopping.stop_token_ids.extend(_token_ids("stop_token_ids", ids))
         parsed.params["stopping.stop_token_ids"] = "stop_token_ids"
     request.stopping.include_stop_string = bool(body.boolean("include_stop_str_in_output"))
+    parsed.return_token_ids = request.return_prompt_token_ids = bool(body.boolean("return_token_ids"))
     for key, neutral in VLLM_DISPLAY_DEFAULTS.items():
         if not neutral(body.take(key)):
             raise unsupported(key, " other than true (Tandem's text never holds special tokens)")

@@ -571,6 +571,49 @@ def test_vllm_bench_serve_payloads_are_taken(tokenizer):
     run(go())
 
 
+def test_return_token_ids_gives_the_tokens_the_model_read_and_wrote(tokenizer):
+    """vLLM's return_token_ids: ``prompt_token_ids`` (the prompt as the target got it) and each choice's
+    ``token_ids``, whole and streamed (the prompt's on the first chunk, each chunk's new tokens), chat and
+    completions, echo's prompt first; gRPC's ``return_prompt_token_ids`` alike."""
+    from tandem.rpc.tls import open_channel
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            extra = {"return_token_ids": True}
+            chat_reply = await api.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=3,
+                                                           n=2, extra_body=extra)
+            prompt = running.target.prompts[-1]
+            assert chat_reply.model_extra["prompt_token_ids"] == prompt
+            assert [c.model_extra["token_ids"] for c in chat_reply.choices] == [list(TOKENS[:3])] * 2
+            chunks = [c async for c in await api.chat.completions.create(
+                model=MODEL, messages=CHAT["messages"], max_tokens=3, stream=True, extra_body=extra)]
+            assert [c.model_extra.get("prompt_token_ids") for c in chunks if c.model_extra.get("prompt_token_ids")
+                    ] == [prompt]  # once, on the first chunk with tokens
+            assert [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []] == list(TOKENS[:3])
+            whole = await api.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, extra_body=extra)
+            assert whole.choices[0].model_extra["prompt_token_ids"] == [5, 6]
+            assert whole.choices[0].model_extra["token_ids"] == list(TOKENS[:2])
+            echoed = await api.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, echo=True,
+                                                  extra_body=extra)
+            assert echoed.choices[0].model_extra["token_ids"] == [5, 6, *TOKENS[:2]]
+            chunks = [c async for c in await api.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2,
+                                                                    stream=True, extra_body=extra)]
+            assert [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks][0] == [5, 6]
+            assert [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []] == list(TOKENS[:2])
+            plain = await api.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2)
+            assert "token_ids" not in plain.choices[0].model_extra  # not asked: not sent
+            async with open_channel(running.grpc_address, None, aio=True) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                request = generation_pb2.GenerateRequest(text="$%", return_prompt_token_ids=True,
+                                                         stopping=generation_pb2.StoppingOptions(max_new_tokens=2))
+                reply = await stub.Generate(request)
+                assert list(reply.prompt_token_ids) == running.target.prompts[-1] and not reply.prompt_logprobs
+                first = await anext(aiter(stub.GenerateStream(request)))
+                assert list(first.prompt_token_ids) == running.target.prompts[-1]
+    run(go())
+
+
 def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tokenizer):
     """vLLM's include_stop_str_in_output: the text ends after the stop string that ended it; without it, before;
     streamed alike."""
