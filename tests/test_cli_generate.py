@@ -93,6 +93,26 @@ def test_a_system_turn_goes_before_the_prompt_through_the_chat_template(tiny_ser
     assert encode_prompt(load_tokenizer(tiny_served_dir), "Name a color.", chat=True) != ids  # (the turn counts)
 
 
+def test_chat_template_kwargs_reach_the_template(tiny_served_dir, capsys):
+    """--chat-template-kwargs: the template's extra variables (this one writes ``greeting``); a name the template
+    is given by the request itself, or text that is not a JSON object, is refused before any model loads."""
+    from tandem.tokenizer import encode_messages, load_tokenizer
+    from tests.references import target_only
+
+    turns = [{"role": "user", "content": "Name a color."}]
+    tokenizer = load_tokenizer(tiny_served_dir)
+    ids = encode_messages(tokenizer, turns, kwargs={"greeting": "Hello!"})
+    assert ids != encode_messages(tokenizer, turns)
+    expected = target_only(tiny_served_dir, [ids], dtype="float32", max_new_tokens=8)[tuple(ids)]
+    out = generate_json(capsys, "Name a color.", "--chat-template-kwargs", '{"greeting": "Hello!"}', "--target",
+                        str(tiny_served_dir), "--method", "none", "--max-new-tokens", "8", "--dtype", "float32")
+    assert out["token_ids"] == expected
+    for bad, message in (("[1]", "must be a JSON object"), ('{"tools": []}', "tools: set by the request itself"),
+                         ("{oops", "not JSON")):
+        assert main(["generate", "hi", "--chat-template-kwargs", bad, "--target", "/nonexistent"]) == 2
+        assert f"--chat-template-kwargs: {message}" in capsys.readouterr().err
+
+
 def test_a_prefill_is_continued_as_the_assistants_open_turn(tiny_served_dir, capsys):
     """--prefill: the prompt ends inside an assistant turn that starts with it, and the model continues it; the
     plain output prints it first, --json's text holds only the continuation."""

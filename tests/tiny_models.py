@@ -46,6 +46,7 @@ def save_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides) -> P
 
 # A chat template as small as the tokenizer: ``<s>`` and each turn's text, then ``#`` to ask for an answer.
 TINY_CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['content'] }}{% endfor %}"
+                      "{% if greeting is defined %}{{ greeting }}{% endif %}"  # a variable: chat_template_kwargs
                       "{% if add_generation_prompt %}#{% endif %}")
 
 

@@ -29,6 +29,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec.adaptive import MAX_K
 from tandem.spec.options import MAX_TREE_WIDTH, METHODS, TREE_MODES, SpecOptions, heads_fallback, resolve_method
 from tandem.structured_output import check_response_format
+from tandem.tokenizer import template_kwargs
 
 if TYPE_CHECKING:
     from tandem.v1 import generation_pb2
@@ -146,6 +147,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the answer's start, which the model continues (implies --chat): an assistant turn left "
                         "open, as vLLM's continue_final_message (\"```python\", \"{\"); printed first, but not part "
                         "of --json's text")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra variables for the chat template, a JSON object (implies --chat), as vLLM's "
+                        "chat_template_kwargs: '{\"enable_thinking\": false}' for Qwen3; a template ignores the ones "
+                        "it does not read")
     p.add_argument("--prediction", default=None, metavar="FILE",
                    help="text the answer is expected to repeat, from FILE ('-': standard input): the file an edit "
                         "rewrites, as OpenAI's Predicted Outputs. Rounds propose what follows in it; the answer is "
@@ -223,9 +228,9 @@ def configs_from_args(
 
 
 def chat_turns(args: argparse.Namespace) -> list[dict[str, str]] | None:
-    """The conversation ``--system`` and ``--prefill`` make of the prompt (a system turn, the prompt as the user's,
-    the assistant's open turn); None without either."""
-    if args.system is None and args.prefill is None:
+    """The conversation ``--system``, ``--prefill`` and ``--chat-template-kwargs`` make of the prompt (a system
+    turn, the prompt as the user's, the assistant's open turn); None without any."""
+    if args.system is None and args.prefill is None and args.chat_template_kwargs is None:
         return None
     turns = [] if args.system is None else [{"role": "system", "content": args.system}]
     turns.append({"role": "user", "content": args.prompt})
@@ -300,6 +305,10 @@ def run(args: argparse.Namespace) -> int:
     check_request_flags(args)
     args.prediction_text = read_prediction(args.prediction)  # (a file that cannot be read: named before any load)
     try:
+        args.template_kwargs = template_kwargs(args.chat_template_kwargs or "")
+    except ValueError as exc:
+        raise InvalidRequestError(f"--chat-template-kwargs: {exc}") from None
+    try:
         return run_remote(args, tools) if args.addr else run_in_process(args)
     except KeyboardInterrupt:  # Ctrl-C mid-answer: end the streamed line, say so (the request's KV is freed)
         print("\n[interrupted]", file=sys.stderr, flush=True)
@@ -320,7 +329,8 @@ def run_in_process(args: argparse.Namespace) -> int:
     print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     turns = chat_turns(args)
     if turns is not None:
-        prompt_ids = encode_messages(pipeline.tokenizer, turns, continue_final=args.prefill is not None)
+        prompt_ids = encode_messages(pipeline.tokenizer, turns, continue_final=args.prefill is not None,
+                                     kwargs=args.template_kwargs)
     else:
         prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     # The text as it is generated, as with --addr (a decoder's pieces held back until they are whole characters)
@@ -371,6 +381,8 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
                             prediction=args.prediction_text)
     if tools is not None:
         request.tools.CopyFrom(tools)
+    if args.chat_template_kwargs is not None:
+        request.messages.template_kwargs = json.dumps(args.template_kwargs)
     if args.prefill is not None:
         request.messages.continue_final_message = True
         if not args.json:

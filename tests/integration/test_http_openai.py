@@ -215,13 +215,14 @@ def tempered_gaps(reply, temperature: float) -> list[float]:
             for choice in reply.choices for t in choice.logprobs.content]
 
 
-def test_vllms_sampling_extras_through_real_workers(api, model):
+def test_vllms_sampling_extras_through_real_workers(api, model, smollm2_reference):
     """What a vLLM user sends in ``extra_body`` (a model card's top_k and min_p, include_stop_str_in_output,
     chat_template_kwargs), through the draft and target processes. Hot samples drafted by the draft model keep
     only what the filter leaves, token by token (read from the target's own log-probabilities): top-k 1 the
     likeliest (or a tie), min-p 0.5 tokens at least half as likely; unfiltered, the same temperature strays
-    further. A seeded min-p sample is plain seeded decoding's (method none) with the same min-p. The stop string
-    is kept when asked; a template variable this template does not read changes nothing."""
+    further. A seeded min-p sample is plain seeded decoding's (method none) with the same min-p. return_token_ids
+    gives target-only's tokens. The stop string is kept when asked; a template variable this template does not
+    read changes nothing."""
     hot, scored = 1.5, {"logprobs": True, "top_logprobs": 1, "max_tokens": MAX_NEW_TOKENS, "n": 2}
     drafted = {"method": "draft", "k": 3, "fixed_k": True}  # (this draft is the target's model: it never pays)
     top1 = chat(api, model, PROMPTS[1], temperature=hot, extra_body={"top_k": 1, "tandem": drafted}, **scored)
@@ -238,7 +239,11 @@ def test_vllms_sampling_extras_through_real_workers(api, model):
         return reply.choices[0].message.content
 
     assert seeded("draft") == seeded("none")
-    greedy = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=0).choices[0].message.content
+    whole = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=0,
+                 extra_body={"return_token_ids": True})
+    greedy = whole.choices[0].message.content
+    assert whole.choices[0].model_extra["token_ids"] == smollm2_reference[PROMPTS[1]]  # target-only's tokens
+    assert len(whole.model_extra["prompt_token_ids"]) == whole.usage.prompt_tokens
     stop = greedy[8:14]
     kept = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=0, stop=[stop],
                 extra_body={"include_stop_str_in_output": True, "chat_template_kwargs": {"enable_thinking": False}})
