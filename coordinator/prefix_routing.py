@@ -27,7 +27,11 @@ the same replica:
   and so the sum.
 
 A prompt shorter than one routing block has no key: nothing of it is worth
-routing for, so the pool's load score decides (``WorkerPool.pick``). The key
+routing for, so the pool's load score decides (``WorkerPool.pick``). A client
+may name the key itself (``GenerateRequest.cache_key``, OpenAI's
+``prompt_cache_key``: ``client_key``): requests that share a long prefix only
+after their first tokens differ, or a conversation from its first short turn,
+then meet on one replica. The key
 stops at ``KEY_BLOCKS`` blocks (64 tokens) because every request that shares
 those shares a prefix worth caching: a chat's turns (each re-sends the
 conversation, answers included), the samples of one prompt, questions after
@@ -81,6 +85,12 @@ def routing_key(token_ids: Sequence[int], block_size: int = ROUTING_BLOCK,
         tokens = token_ids[b * block_size:(b + 1) * block_size]
         digest = hashlib.blake2b(digest + struct.pack(f"<{block_size}I", *tokens), digest_size=_DIGEST_BYTES).digest()
     return digest
+
+
+def client_key(name: str) -> bytes:
+    """The routing key of a client's cache key (``GenerateRequest.cache_key``, OpenAI's ``prompt_cache_key``): the
+    same name, the same replica, whatever the prompt; never equal to a prompt's key (its own domain)."""
+    return hashlib.blake2b(name.encode("utf-8"), digest_size=_DIGEST_BYTES, person=b"tandem-cachekey").digest()
 
 
 def weight(key: bytes, address: str) -> int:

@@ -22,7 +22,7 @@ import grpc
 
 from coordinator.chat import chat_template_refusals, conversation, tool_use
 from coordinator.placement import Placement
-from coordinator.prefix_routing import routing_key
+from coordinator.prefix_routing import client_key, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 # A client's request id is echoed in every reply chunk and carried in every worker call's sequence id and log line.
 MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_KEY_CHARS = 256  # GenerateRequest.cache_key (OpenAI's prompt_cache_key): a name, hashed for routing
 
 
 @dataclass(slots=True)
@@ -172,7 +173,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
-                              key=self._routing_key(state.prompt_ids),
+                              key=self._routing_key(state.prompt_ids, request.cache_key),
                               max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS)
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
@@ -275,6 +276,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                       f"got {len(request.request_id)}")
         if not request.request_id.isprintable():  # a newline in it would forge lines in every log that names it
             raise InvalidRequestError("request_id: printable characters only (no control or format characters)")
+        if len(request.cache_key) > MAX_CACHE_KEY_CHARS:
+            raise InvalidRequestError(f"cache_key: at most {MAX_CACHE_KEY_CHARS} characters, "
+                                      f"got {len(request.cache_key)}")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         spec = request.speculation
         # auto drafts with a model only while a draft replica is healthy (n-gram until one is); an explicit
@@ -419,10 +423,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         rooms = [room for c in self.targets.clients if c.routable and (room := c.sequence_room()) is not None]
         return min(rooms) if rooms else None
 
-    def _routing_key(self, prompt_ids: list[int]) -> bytes | None:
-        """The prompt's prefix key (None with --placement load); not at the targets' KV block size (the module
-        doc of coordinator/prefix_routing.py says why)."""
-        return routing_key(prompt_ids) if self.cfg.placement == "prefix" else None
+    def _routing_key(self, prompt_ids: list[int], cache_key: str = "") -> bytes | None:
+        """The client's cache key's routing key, else the prompt's prefix key (None with --placement load); not at
+        the targets' KV block size (the module doc of coordinator/prefix_routing.py says why)."""
+        if self.cfg.placement != "prefix":
+            return None
+        return client_key(cache_key) if cache_key else routing_key(prompt_ids)
 
     def _present(self) -> set[tuple[str, str]]:
         """(role, address) of every replica the pools hold now, leaving ones included."""

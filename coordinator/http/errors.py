@@ -32,6 +32,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("speculation.prediction", "prediction"),
     ("token_ids.ids", "prompt"),
     ("request_id", "x-request-id"),
+    ("cache_key", "prompt_cache_key"),
     ("messages.template_kwargs", "chat_template_kwargs"),
     ("messages", "messages"),
     ("prompt", "prompt"),

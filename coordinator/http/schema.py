@@ -57,6 +57,7 @@ INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # an int64 or uint64 seed; negative ones wrap into the service's uint64
 ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling (the gRPC API's default is greedy)
+MAX_SAFETY_IDENTIFIER = 128  # characters, as OpenAI bounds it
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -73,6 +74,9 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _neutral(),
     "store": _neutral(False),
     "service_tier": _neutral("auto", "default"),
+    "verbosity": _neutral("medium"),  # GPT-5's; medium is its default
+    "prompt_cache_retention": _neutral("in_memory"),  # Tandem's prefix caches are in memory, least recently used out
+    "prompt_cache_options": _neutral(),
 }
 UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _neutral(""),
@@ -198,6 +202,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     structured_outputs(body, parsed.request.sampling, parsed.params)
     request.speculation.prediction = prediction(body.take("prediction"))
     metadata(body.take("metadata"))  # tags for stored completions: Tandem stores none (store: true is refused)
+    request.cache_key = prompt_cache_key(body)
     body.refuse(UNSUPPORTED_CHAT)
     body.finish()
     return parsed
@@ -270,6 +275,9 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
             raise bad_field("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         request.stopping.stop_strings.extend(strings)
     body.string("user")  # an end user's id for the caller's own records: taken, used for nothing
+    identifier = body.string("safety_identifier")  # OpenAI's successor of user, for its abuse checks: taken alike
+    if identifier is not None and len(identifier) > MAX_SAFETY_IDENTIFIER:
+        raise bad_field("safety_identifier", f"at most {MAX_SAFETY_IDENTIFIER} characters, got {len(identifier)}")
     request.stopping.min_new_tokens = body.integer("min_tokens", 0, INT32_MAX) or 0  # vLLM's
     _penalties(body, sampling)
     _vllm_extras(body, request, parsed)
@@ -289,6 +297,12 @@ def _continues_final_message(body: Fields) -> bool:
         raise bad_field("add_generation_prompt", "false only with continue_final_message: true (the answer is an "
                                                  "assistant's turn: a new one, or the last one continued)")
     return final
+
+
+def prompt_cache_key(body: Fields) -> str:
+    """OpenAI's ``prompt_cache_key``: requests with the same key go to the same target replica (where their shared
+    prefix is cached) as ``GenerateRequest.cache_key``; the service bounds its length."""
+    return body.string("prompt_cache_key") or ""
 
 
 def chat_template_kwargs(body: Fields) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import random
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from coordinator.placement import Placement
@@ -174,19 +176,25 @@ def test_the_service_keys_in_routing_blocks_whatever_the_targets_block_size_and_
     assert GenerationService._routing_key(service, first_turn) is None
 
 
-def test_through_the_service_each_prompt_stays_on_one_target_and_prompts_spread(tmp_path):
+@contextlib.asynccontextmanager
+async def two_targets(tmp_path):
+    """A coordinator over two fake target replicas, both healthy: its Generation stub."""
     tokenizer = tiny_tokenizer(tmp_path)
-    fingerprint = tokenizer_fingerprint(tokenizer)
+    async with warm_coordinator(tokenizer) as (coordinator, _, stub), \
+            fake_target(tokenizer_fingerprint(tokenizer)) as (_, _, second):
+        targets = coordinator.targets
+        targets.update({*(c.address for c in targets.clients), second})
+        while sum(c.healthy for c in targets.clients) < 2:
+            await asyncio.sleep(0.01)
+        yield stub
+
+
+def test_through_the_service_each_prompt_stays_on_one_target_and_prompts_spread(tmp_path):
     rng = random.Random(11)
     prompts = [[rng.randrange(2, 40) for _ in range(20)] for _ in range(16)]  # one full block each
 
     async def scenario():
-        async with warm_coordinator(tokenizer) as (coordinator, _, stub), \
-                fake_target(fingerprint) as (_, _, second):
-            targets = coordinator.targets
-            targets.update({*(c.address for c in targets.clients), second})
-            while sum(c.healthy for c in targets.clients) < 2:
-                await asyncio.sleep(0.01)
+        async with two_targets(tmp_path) as stub:
             placed = collections.defaultdict(set)
             for _ in range(2):
                 for i, prompt in enumerate(prompts):
@@ -198,6 +206,30 @@ def test_through_the_service_each_prompt_stays_on_one_target_and_prompts_spread(
                     placed[i].add(reply.stats.target_worker)
             assert all(len(names) == 1 for names in placed.values())  # a prompt's requests meet its cache
             assert len(set.union(*placed.values())) == 2  # different prompts use both replicas
+
+    asyncio.run(scenario())
+
+
+def test_a_clients_cache_key_puts_its_requests_on_one_target_whatever_their_prompts(tmp_path):
+    """GenerateRequest.cache_key (OpenAI's prompt_cache_key): different prompts with one key meet on one replica,
+    short prompts (no prefix key of their own) included; different keys spread over the replicas."""
+    rng = random.Random(5)
+
+    async def scenario():
+        async with two_targets(tmp_path) as stub:
+            async def target_of(key: str, length: int) -> str:
+                prompt = [rng.randrange(2, 40) for _ in range(length)]
+                request = generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=prompt), cache_key=key,
+                    stopping=generation_pb2.StoppingOptions(max_new_tokens=2),
+                    speculation=generation_pb2.SpeculationOptions(method="none"))
+                return (await stub.Generate(request, timeout=5)).stats.target_worker
+
+            for key in ("tenant-a", "tenant-b"):
+                assert len({await target_of(key, length) for length in (3, 20, 40, 3, 20, 40)}) == 1
+            assert len({await target_of(f"user-{i}", 20) for i in range(16)}) == 2
+            with pytest.raises(grpc.aio.AioRpcError, match="cache_key: at most 256 characters"):
+                await target_of("k" * 257, 3)
 
     asyncio.run(scenario())
 

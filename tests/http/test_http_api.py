@@ -404,6 +404,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs", 400),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", 400),  # the request's own field
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", 400),
+    ({"prompt_cache_key": 7}, "prompt_cache_key", 400),
+    ({"prompt_cache_key": "k" * 257}, "prompt_cache_key", 400),  # the service's bound, named as this field
+    ({"safety_identifier": "u" * 129}, "safety_identifier", 400),
+    ({"verbosity": "low"}, "verbosity", 400),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention", 400),
+    ({"prompt_cache_options": {"ttl": "1h"}}, "prompt_cache_options", 400),
     ({"model": "gpt-4o"}, "model", 404),
 ])
 def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(tokenizer, change, param, status):
@@ -699,9 +705,28 @@ def test_neutral_values_of_unsupported_fields_are_taken(tokenizer):
             code, body = await post(running.url + "/chat/completions", {
                 **CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": None, "tools": [],
                 "response_format": {"type": "text"}, "n": 1, "stream": False, "user": "u-1", "seed": None,
-                "logprobs": False, "top_logprobs": 0})
+                "logprobs": False, "top_logprobs": 0, "safety_identifier": "u" * 128, "verbosity": "medium",
+                "prompt_cache_retention": "in_memory", "prompt_cache_options": None})
             assert code == 200, body
             assert body["choices"][0]["logprobs"] is None
+    run(go())
+
+
+def test_a_prompt_cache_key_reaches_the_service_as_its_routing_key(tokenizer):
+    """OpenAI's prompt_cache_key is ``GenerateRequest.cache_key`` (tests/coordinator/test_prefix_routing.py routes
+    by it), on chat completions and the Responses API."""
+    seen = []
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            original = running.service._validate
+            running.service._validate = lambda request: seen.append(request.cache_key) or original(request)
+            code, body = await post(running.url + "/chat/completions", {**CHAT, "prompt_cache_key": "tenant-7"})
+            assert code == 200, body
+            code, body = await post(running.url + "/responses", {"input": "hi", "max_output_tokens": 2,
+                                                                 "prompt_cache_key": "tenant-8"})
+            assert code == 200, body
+            assert seen == ["tenant-7", "tenant-8"]
     run(go())
 
 
