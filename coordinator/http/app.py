@@ -234,7 +234,8 @@ class HttpApi:
                 raise from_domain(exc, parsed.params) from None
             shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs,
                             echo=parsed.prompts if parsed.echo else None, prompt_logprobs=parsed.prompt_logprobs,
-                            token_ids=parsed.return_token_ids)
+                            token_ids=parsed.return_token_ids, tokens_as_ids=parsed.tokens_as_ids,
+                            continuous_usage=parsed.continuous_usage)
             choices = [Choice(i, parsed.prompt_of(i)) for i in range(parsed.choices)]
             if parsed.stream:
                 return await self._stream(request, runs, choices, shapes, parsed)

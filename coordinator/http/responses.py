@@ -86,7 +86,7 @@ class Shapes:
 
     def __init__(self, chat: bool, request_id: str, model: str, tokenizer: Any, logprobs: int | None,
                  echo: list[str | list[int]] | None = None, prompt_logprobs: int | None = None,
-                 token_ids: bool = False) -> None:
+                 token_ids: bool = False, tokens_as_ids: bool = False, continuous_usage: bool = False) -> None:
         self.chat = chat
         self.echo = echo  # completions' echo: the request's prompts, each choice's text starts with its own
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -95,8 +95,9 @@ class Shapes:
         self.tokenizer = tokenizer
         self.logprobs = logprobs  # None: not asked
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: alternatives per prompt token; None: not asked
-        self.texts = TokenTexts(tokenizer)
+        self.texts = TokenTexts(tokenizer, tokens_as_ids)
         self.token_ids = token_ids  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
+        self.continuous_usage = continuous_usage  # vLLM's stream_options.continuous_usage_stats: usage on each chunk
 
     # ----- whole -------------------------------------------------------------------
     def completion(self, choices: list[Choice], n: int = 1) -> dict[str, Any]:
@@ -133,9 +134,10 @@ class Shapes:
         token's and its ``prompt_logprobs`` most likely tokens' ``{logprob, rank, decoded_token}`` by token id."""
         out: list[dict[str, dict[str, Any]] | None] = [None] if choice.prompt_ids else []
         for token, score in zip(choice.prompt_ids[1:], choice.prompt_logprobs):
-            entry = {str(token): {"logprob": score.logprob, "rank": score.rank, "decoded_token": self._text(token)}}
+            label = self.texts.label
+            entry = {str(token): {"logprob": score.logprob, "rank": score.rank, "decoded_token": label(token)}}
             for place, (other, logprob) in enumerate(zip(score.top_ids, score.top_logprobs), start=1):
-                entry.setdefault(str(other), {"logprob": logprob, "rank": place, "decoded_token": self._text(other)})
+                entry.setdefault(str(other), {"logprob": logprob, "rank": place, "decoded_token": label(other)})
             out.append(entry)
         return out
 
@@ -166,6 +168,9 @@ class Shapes:
                 elif prompt:
                     item["prompt_token_ids"] = prompt
                 item["token_ids"] = [*prompt, *msg.token_ids] if echo else list(msg.token_ids)
+            if self.continuous_usage:  # this choice's so far (its prompt's tokens came with its first message)
+                chunk["usage"] = {"prompt_tokens": len(choice.prompt_ids), "completion_tokens": len(choice.token_ids),
+                                  "total_tokens": len(choice.prompt_ids) + len(choice.token_ids)}
             out.append(chunk)
         if self.chat and (msg.tool_call_deltas or msg.tool_calls):
             calls = [*(self._delta(choice, d) for d in msg.tool_call_deltas),
@@ -222,9 +227,10 @@ class Shapes:
         for t, _ in entries:
             offsets.append(choice.text_offset)
             choice.text_offset += len(self._text(t))
-        return {"tokens": [self._text(t) for t, _ in entries],
+        label = self.texts.label
+        return {"tokens": [label(t) for t, _ in entries],
                 "token_logprobs": [None if s is None else s.logprob for _, s in entries],
-                "top_logprobs": [None if s is None else {self._text(i): lp for i, lp in zip(s.top_ids, s.top_logprobs)}
+                "top_logprobs": [None if s is None else {label(i): lp for i, lp in zip(s.top_ids, s.top_logprobs)}
                                  for _, s in entries] if self.logprobs else None,
                 "text_offset": offsets}
 
@@ -241,10 +247,12 @@ class Shapes:
 
 
 class TokenTexts:
-    """Tokens as log-probabilities show them: each decoded alone, once per request."""
+    """Tokens as log-probabilities show them: each decoded alone, once per request; or, with ``as_ids`` (vLLM's
+    ``return_tokens_as_token_ids``), as ``token_id:ID``, which names a token whose bytes are not a character."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self._texts: dict[int, str] = {}  # token id -> its text alone
 
     def text(self, token_id: int) -> str:
@@ -253,8 +261,12 @@ class TokenTexts:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def label(self, token_id: int) -> str:
+        """The token as log-probabilities name it: its text, or ``token_id:ID``."""
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
     def token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token_id)
+        text = self.label(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def entries(self, token_ids: list[int], scores: list[common_pb2.TokenLogprobs]) -> list[dict[str, Any]]:

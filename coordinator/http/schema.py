@@ -101,6 +101,8 @@ class ParsedRequest:
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its scores) only, no new text
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's score, rank and top alternatives
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens token_id:ID
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
 
     @property
     def choices(self) -> int:
@@ -253,6 +255,8 @@ def _common(body: Fields, chat: bool, request_id: str) -> ParsedRequest:
             raise bad_field("stream_options", "only with stream: true")
         options = Fields(object_field("stream_options", options), "stream_options.")
         parsed.include_usage = bool(options.boolean("include_usage"))
+        # vLLM's: each chunk carries its choice's usage so far, when the usage is asked at all (as vLLM reads it)
+        parsed.continuous_usage = parsed.include_usage and bool(options.boolean("continuous_usage_stats"))
         options.finish()
     sampling = request.sampling
     temperature = body.number("temperature")
@@ -372,7 +376,8 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
     ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
     ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` (the prompt's and the answer's token
-    ids beside the text, as RL frameworks read them); ``skip_special_tokens`` and
+    ids beside the text, as RL frameworks read them), ``return_tokens_as_token_ids`` (log-probabilities name each
+    token ``token_id:ID``); ``skip_special_tokens`` and
     ``spaces_between_special_tokens`` only at their defaults (true), the text Tandem writes."""
     top_k = body.integer("top_k", -1, INT32_MAX)
     if top_k is not None:
@@ -392,7 +397,10 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
         request.stopping.stop_token_ids.extend(_token_ids("stop_token_ids", ids))
         parsed.params["stopping.stop_token_ids"] = "stop_token_ids"
     request.stopping.include_stop_string = bool(body.boolean("include_stop_str_in_output"))
-    parsed.return_token_ids = request.return_prompt_token_ids = bool(body.boolean("return_token_ids"))
+    parsed.return_token_ids = bool(body.boolean("return_token_ids"))
+    # the prompt's tokens: returned, or counted in each chunk's usage
+    request.return_prompt_token_ids = parsed.return_token_ids or parsed.continuous_usage
+    parsed.tokens_as_ids = bool(body.boolean("return_tokens_as_token_ids"))
     for key, neutral in VLLM_DISPLAY_DEFAULTS.items():
         if not neutral(body.take(key)):
             raise unsupported(key, " other than true (Tandem's text never holds special tokens)")

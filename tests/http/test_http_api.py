@@ -620,6 +620,40 @@ def test_return_token_ids_gives_the_tokens_the_model_read_and_wrote(tokenizer):
     run(go())
 
 
+def test_tokens_as_token_ids_and_continuous_usage(tokenizer):
+    """vLLM's return_tokens_as_token_ids (log-probabilities name each token ``token_id:ID``, chat and completions)
+    and stream_options.continuous_usage_stats (each chunk carries its choice's usage so far, with include_usage)."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            api = client(running)
+            ids = {"return_tokens_as_token_ids": True}
+            reply = await api.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=3,
+                                                      logprobs=True, top_logprobs=1, extra_body=ids)
+            content = reply.choices[0].logprobs.content
+            assert [t.token for t in content] == [f"token_id:{t}" for t in TOKENS[:3]]
+            assert all(t.top_logprobs[0].token.startswith("token_id:") for t in content)
+            assert content[0].bytes == list(f"token_id:{TOKENS[0]}".encode())
+            assert reply.choices[0].message.content == TEXT[:3]  # the text is still text
+            completion = await api.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
+                                                      extra_body=ids)
+            assert completion.choices[0].logprobs.tokens == [f"token_id:{t}" for t in TOKENS[:2]]
+            assert completion.choices[0].logprobs.text_offset == [0, 1]  # offsets count the text
+            chunks = [c async for c in await api.chat.completions.create(
+                model=MODEL, messages=CHAT["messages"], max_tokens=3, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})]
+            prompt = len(running.target.prompts[-1])
+            counted = [c.usage for c in chunks if c.choices and c.choices[0].delta.content]
+            assert counted and all(u.prompt_tokens == prompt for u in counted)
+            assert [u.completion_tokens for u in counted] == sorted(u.completion_tokens for u in counted)
+            assert counted[-1].completion_tokens == chunks[-1].usage.completion_tokens == 3
+            assert "prompt_token_ids" not in chunks[1].model_extra  # counted, not returned (not asked)
+            plain = [c async for c in await api.chat.completions.create(
+                model=MODEL, messages=CHAT["messages"], max_tokens=3, stream=True,
+                stream_options={"include_usage": True})]
+            assert all(c.usage is None for c in plain[:-1])
+    run(go())
+
+
 def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tokenizer):
     """vLLM's include_stop_str_in_output: the text ends after the stop string that ended it; without it, before;
     streamed alike."""
