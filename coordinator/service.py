@@ -323,6 +323,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_new = room - len(prompt_ids)  # a default: as many as fit (the prompt itself fits, checked before)
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
+        check_token_ids("allowed_token_ids", sampling.allowed_token_ids, self.vocab_size)
         check_response_format(sampling)  # a schema the workers could not compile is the client's error, named here
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")

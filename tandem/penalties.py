@@ -16,6 +16,10 @@ The rules, in vLLM's order (its sampler; OpenAI's definitions of the last two):
 3. ``frequency_penalty`` f and ``presence_penalty`` p: ``logit -= f * count + p * (count > 0)``, counts
    over the generated tokens of the row's context (the prompt is not counted).
 
+And vLLM's ``allowed_token_ids``: every other token's logit is -inf, on every row (first, so that nothing after
+it can bring a token back; ids past a draft's smaller vocabulary are left out, and a draft that holds none of
+them proposes unmasked, since its proposals are only proposals).
+
 And vLLM's ``min_tokens``: a row predicting generated position n < ``min_tokens`` (n: the committed
 output's length plus the row's path) gets -inf for each of ``min_tokens_stop_ids``, so no stop token
 ends the text early, whatever was drafted before it.
@@ -61,6 +65,7 @@ def adjust_logits(
     assert len(row_paths) == rows, f"{len(row_paths)} row paths for {rows} rows"
     device = logits.device
     out = logits.float().clone()
+    _keep_allowed(out, params.allowed_token_ids)
     _hold_stop_tokens(out, params, len(output), row_paths)
     if params.logit_bias:
         kept = [(t, b) for t, b in params.logit_bias if t < vocab]
@@ -103,6 +108,17 @@ def adjust_logits(
     sub = sub - params.frequency_penalty * counts - params.presence_penalty * present.to(out.dtype)
     out[:, cols] = sub
     return out
+
+
+def _keep_allowed(out: torch.Tensor, allowed: Sequence[int]) -> None:
+    """allowed_token_ids: every other column -inf, in place (none of them in this vocabulary: left as it is)."""
+    ids = [t for t in allowed if t < out.shape[1]]
+    if not ids:
+        return
+    cols = torch.tensor(ids, dtype=torch.int64, device="cpu").to(out.device, non_blocking=True)
+    kept = out[:, cols]  # [R, A]
+    out.fill_(float("-inf"))
+    out[:, cols] = kept
 
 
 def _hold_stop_tokens(out: torch.Tensor, params: SamplingParams, committed: int,

@@ -61,6 +61,9 @@ class SamplingParams:
     # token less likely than min_p times the most likely one is dropped. 0: none. (Last, so that positional
     # SamplingParams(temperature, top_p, top_k, seed) calls keep their meaning.)
     min_p: float = 0.0
+    # vLLM's allowed_token_ids: every other token's logit is -inf on every row (after the bias and penalties
+    # change nothing of these), so the text holds only these ids. Distinct, ascending; () allows every id.
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def structured(self) -> bool:
@@ -71,7 +74,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty or a bias changes this request's logits (else they go to temperature untouched)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
+                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids))
+                or bool(self.allowed_token_ids))
 
     @property
     def exact_seed(self) -> bool:
@@ -112,6 +116,16 @@ class SamplingParams:
         self._check_logit_bias()
         if self.json_object and self.json_schema:
             raise InvalidRequestError("response_format: give json_object or json_schema, not both")
+        if any(b <= a for a, b in zip(self.allowed_token_ids, self.allowed_token_ids[1:])) or (
+                self.allowed_token_ids and self.allowed_token_ids[0] < 0):
+            raise InvalidRequestError("allowed_token_ids: token ids must be >= 0, distinct and ascending")
+        if self.allowed_token_ids and (self.json_object or self.json_schema or self.grammar):
+            raise InvalidRequestError("allowed_token_ids: not with a response format, grammar or required tool call "
+                                      "(the two could leave no token): give one")
+        if self.allowed_token_ids and self.min_tokens and set(self.allowed_token_ids) <= set(
+                self.min_tokens_stop_ids):
+            raise InvalidRequestError("allowed_token_ids: only stop tokens, which min_tokens holds back: no token "
+                                      "would be left")
         if self.grammar and (self.json_object or self.json_schema):
             raise InvalidRequestError("grammar: give a grammar or a response format, not both")
         if self.json_schema:

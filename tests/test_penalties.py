@@ -122,3 +122,28 @@ def test_min_tokens_masks_the_stop_tokens_on_rows_before_it():
     assert sampling_from_proto(msg) == params and msg.min_tokens == 3
     with pytest.raises(InvalidRequestError, match="min_tokens must be >= 0"):
         SamplingParams(min_tokens=-1)
+
+
+def test_allowed_token_ids_leave_every_other_token_at_minus_infinity():
+    logits = torch.randn(3, VOCAB)
+    params = SamplingParams(allowed_token_ids=(2, 5, 7), logit_bias=logit_bias_pairs({5: 1.5, 9: 4.0}))
+    assert params.adjusts_logits
+    out = adjust_logits(logits, params, frozenset(), [], [[], [2], [2, 5]])
+    others = [t for t in range(VOCAB) if t not in (2, 5, 7)]
+    assert torch.isinf(out[:, others]).all() and (out[:, others] < 0).all()  # a bias brings none of them back
+    assert torch.equal(out[:, [2, 7]], logits[:, [2, 7]]) and torch.allclose(out[:, 5], logits[:, 5] + 1.5)
+    # A draft whose vocabulary holds none of them proposes unmasked (never a row of -inf alone).
+    assert torch.equal(adjust_logits(logits[:, :2], SamplingParams(allowed_token_ids=(5,)), frozenset(), [],
+                                     [[], [], []]), logits[:, :2])
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"allowed_token_ids": (5, 3)}, "distinct and ascending"),
+    ({"allowed_token_ids": (-1, 3)}, "must be >= 0"),
+    ({"allowed_token_ids": (3,), "json_object": True}, "not with a response format"),
+    ({"allowed_token_ids": (1,), "min_tokens": 2, "min_tokens_stop_ids": (1,)}, "only stop tokens"),
+])
+def test_allowed_token_ids_that_leave_nothing_or_are_malformed_are_refused(fields, named):
+    with pytest.raises(InvalidRequestError, match=f"allowed_token_ids: .*{named}"):
+        SamplingParams(**fields)

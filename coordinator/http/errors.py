@@ -41,6 +41,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("top_p", "top_p"),
     ("top_k", "tandem.top_k"),
     ("min_p", "min_p"),
+    ("allowed_token_ids", "allowed_token_ids"),
     ("logprobs", "logprobs"),
     ("seed", "seed"),
     ("repetition_penalty", "repetition_penalty"),

@@ -375,9 +375,9 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     """vLLM's sampling and stopping fields at the body's top level, where vLLM and SGLang take them (what a
     model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
     ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
-    ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` (the prompt's and the answer's token
-    ids beside the text, as RL frameworks read them), ``return_tokens_as_token_ids`` (log-probabilities name each
-    token ``token_id:ID``); ``skip_special_tokens`` and
+    ``stop_token_ids``, ``allowed_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` (the prompt's
+    and the answer's token ids beside the text, as RL frameworks read them), ``return_tokens_as_token_ids``
+    (log-probabilities name each token ``token_id:ID``); ``skip_special_tokens`` and
     ``spaces_between_special_tokens`` only at their defaults (true), the text Tandem writes."""
     top_k = body.integer("top_k", -1, INT32_MAX)
     if top_k is not None:
@@ -396,6 +396,9 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     if ids is not None:
         request.stopping.stop_token_ids.extend(_token_ids("stop_token_ids", ids))
         parsed.params["stopping.stop_token_ids"] = "stop_token_ids"
+    allowed = body.take("allowed_token_ids")
+    if allowed is not None:
+        request.sampling.allowed_token_ids.extend(_token_ids("allowed_token_ids", allowed))
     request.stopping.include_stop_string = bool(body.boolean("include_stop_str_in_output"))
     parsed.return_token_ids = bool(body.boolean("return_token_ids"))
     # the prompt's tokens: returned, or counted in each chunk's usage

@@ -404,6 +404,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs", 400),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", 400),  # the request's own field
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", 400),
+    ({"allowed_token_ids": [3, "a"]}, "allowed_token_ids", 400),
+    ({"allowed_token_ids": [99999]}, "allowed_token_ids", 400),  # the service's check: past the vocabulary
+    ({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}, "allowed_token_ids", 400),
     ({"prompt_cache_key": 7}, "prompt_cache_key", 400),
     ({"prompt_cache_key": "k" * 257}, "prompt_cache_key", 400),  # the service's bound, named as this field
     ({"safety_identifier": "u" * 129}, "safety_identifier", 400),
@@ -529,10 +532,11 @@ def test_vllms_top_level_sampling_fields_reach_the_target_worker(tokenizer):
         async with http_coordinator(tokenizer) as running:
             code, body = await post(running.url + "/chat/completions", {
                 **CHAT, "top_k": 20, "min_p": 0.05, "ignore_eos": True, "stop_token_ids": [7], "min_tokens": 1,
-                "skip_special_tokens": True, "spaces_between_special_tokens": True})
+                "skip_special_tokens": True, "spaces_between_special_tokens": True, "allowed_token_ids": [9, 7, 9]})
             assert code == 200, body
             sampling = running.target.samplings[-1]
             assert sampling.top_k == 20 and sampling.min_p == pytest.approx(0.05)
+            assert sorted(set(sampling.allowed_token_ids)) == [7, 9]
             assert list(sampling.min_tokens_stop_ids) == [7]  # ignore_eos: the model's end token (1) is not one
             code, body = await post(running.url + "/completions", {
                 "prompt": "hi", "max_tokens": 2, "top_k": -1, "stop_token_ids": [7], "min_tokens": 1,

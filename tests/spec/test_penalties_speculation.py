@@ -127,3 +127,31 @@ def test_min_tokens_holds_stop_tokens_back_and_speculation_agrees(target, tiny_q
         results = run(target, draft, method.removesuffix("-same"), n=12, stop=frozenset({stop}), sampling=held,
                       k_max=4, ngram_max=3, hybrid_min_match=2, tree=tree, tree_width=2)
         assert [r.token_ids for r in results] == plain, method
+
+
+# vLLM's allowed_token_ids: a small set, the repeats an n-gram lookup finds included.
+ALLOWED = SamplingParams(allowed_token_ids=(3, 9, 17, 21, 33, 40, 52))
+
+
+def test_allowed_token_ids_equal_transformers_and_every_method(target, tiny_qwen2_dir, tiny_qwen2_other_dir):
+    """Plain decoding with allowed_token_ids is transformers' generate with the same ids allowed at every step
+    (its prefix_allowed_tokens_fn), and every speculative method, trees included, gives that same text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32).eval()
+    plain = [r.token_ids for r in run(target, None, sampling=ALLOWED, n=24)]
+    for prompt, ours in zip(PROMPTS, plain):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                              prefix_allowed_tokens_fn=lambda batch, ids: list(ALLOWED.allowed_token_ids),
+                              pad_token_id=0)
+        assert ours == out[0, len(prompt):].tolist()
+        assert set(ours) <= set(ALLOWED.allowed_token_ids)
+    assert plain != [r.token_ids for r in run(target, None, n=24)]  # the mask decided tokens
+    for method, tree in (("draft", "off"), ("hybrid", "on"), ("ngram", "off"), ("draft", "on")):
+        draft = None if method == "ngram" else load(tiny_qwen2_other_dir)
+        results = run(target, draft, method, sampling=ALLOWED, n=24, k_max=4, ngram_max=3, hybrid_min_match=2,
+                      tree=tree, tree_width=2)
+        assert [r.token_ids for r in results] == plain, (method, tree)
+        assert sum(r.stats.accepted for r in results) > 0  # drafts within the allowed ids were kept
