@@ -225,7 +225,8 @@ def test_vllms_sampling_extras_through_real_workers(api, model, smollm2_referenc
     read changes nothing."""
     hot, scored = 1.5, {"logprobs": True, "top_logprobs": 1, "max_tokens": MAX_NEW_TOKENS, "n": 2}
     drafted = {"method": "draft", "k": 3, "fixed_k": True}  # (this draft is the target's model: it never pays)
-    top1 = chat(api, model, PROMPTS[1], temperature=hot, extra_body={"top_k": 1, "tandem": drafted}, **scored)
+    top1 = chat(api, model, PROMPTS[1], temperature=hot, extra_body={"top_k": 1, "tandem": drafted},
+                **{**scored, "n": 1})
     assert all(gap == 0 for gap in tempered_gaps(top1, hot))
     assert all(c.model_extra["tandem"]["drafted"] > 0 for c in top1.choices)
     half = chat(api, model, PROMPTS[1], temperature=hot, extra_body={"min_p": 0.5, "tandem": drafted}, **scored)
@@ -234,7 +235,7 @@ def test_vllms_sampling_extras_through_real_workers(api, model, smollm2_referenc
     assert min(tempered_gaps(free, hot)) < math.log(0.5)  # so the bound above is the filter's doing
 
     def seeded(method: str) -> str:
-        reply = chat(api, model, PROMPTS[1], max_tokens=MAX_NEW_TOKENS, temperature=hot, seed=5,
+        reply = chat(api, model, PROMPTS[1], max_tokens=24, temperature=hot, seed=5,
                      extra_body={"min_p": 0.2, "tandem": {"method": method, "k": 3, "fixed_k": True}})
         return reply.choices[0].message.content
 
