@@ -40,7 +40,7 @@ from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
 from tandem.structured_output import check_response_format
 from tandem.text_stream import TextStream
-from tandem.tokenizer import encode_messages, encode_prompt, template_kwargs
+from tandem.tokenizer import bad_word_ids, encode_messages, encode_prompt, template_kwargs
 from tandem.tool_call_deltas import ToolCallDelta
 from tandem.tool_calls import HermesFormat, ToolCall, ToolCallParser, ToolUse, check_tool_schemas
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -280,6 +280,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(f"cache_key: at most {MAX_CACHE_KEY_CHARS} characters, "
                                       f"got {len(request.cache_key)}")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
+        if request.sampling.bad_words:
+            sampling = replace(sampling, bad_word_ids=(*sampling.bad_word_ids,
+                                                       *_field("bad_words", lambda: bad_word_ids(
+                                                           self.tokenizer, request.sampling.bad_words))))
         spec = request.speculation
         # auto drafts with a model only while a draft replica is healthy (n-gram until one is); an explicit
         # draft method needs one that is at least usable.
@@ -324,6 +328,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
         check_token_ids("allowed_token_ids", sampling.allowed_token_ids, self.vocab_size)
+        check_token_ids("bad_words", (t for word in sampling.bad_word_ids for t in word), self.vocab_size)
         check_response_format(sampling)  # a schema the workers could not compile is the client's error, named here
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")

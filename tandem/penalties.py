@@ -20,6 +20,10 @@ And vLLM's ``allowed_token_ids``: every other token's logit is -inf, on every ro
 it can bring a token back; ids past a draft's smaller vocabulary are left out, and a draft that holds none of
 them proposes unmasked, since its proposals are only proposals).
 
+And vLLM's ``bad_words`` (``bad_word_ids``): a one-token word's token is -inf on every row; a longer word's last
+token is -inf on each row whose generated text (the committed output, then the row's path) ends with the word's
+other tokens, so no row writes the word's end, whatever was drafted before it.
+
 And vLLM's ``min_tokens``: a row predicting generated position n < ``min_tokens`` (n: the committed
 output's length plus the row's path) gets -inf for each of ``min_tokens_stop_ids``, so no stop token
 ends the text early, whatever was drafted before it.
@@ -66,6 +70,7 @@ def adjust_logits(
     device = logits.device
     out = logits.float().clone()
     _keep_allowed(out, params.allowed_token_ids)
+    _ban_bad_words(out, params.bad_word_ids, output, row_paths)
     _hold_stop_tokens(out, params, len(output), row_paths)
     if params.logit_bias:
         kept = [(t, b) for t, b in params.logit_bias if t < vocab]
@@ -119,6 +124,31 @@ def _keep_allowed(out: torch.Tensor, allowed: Sequence[int]) -> None:
     kept = out[:, cols]  # [R, A]
     out.fill_(float("-inf"))
     out[:, cols] = kept
+
+
+def _ban_bad_words(out: torch.Tensor, words: Sequence[Sequence[int]], output: Sequence[int],
+                   row_paths: Sequence[Sequence[int]]) -> None:
+    """bad_words: each row's banned ends -inf, in place: a word's last token where the row's generated text (the
+    committed output, then its path) ends with the word's other tokens (a one-token word: always)."""
+    if not words:
+        return
+    vocab = out.shape[1]
+    longest = max(len(w) for w in words) - 1
+    tail = list(output[-longest:]) if longest else []  # all any row's match can reach into the committed output
+    rows: list[int] = []
+    cols: list[int] = []
+    for r, path in enumerate(row_paths):
+        context = [*tail, *path]
+        for word in words:
+            head, last = word[:-1], word[-1]
+            if last < vocab and (not head or (len(context) >= len(head) and context[len(context) - len(head):]
+                                              == list(head))):
+                rows.append(r)
+                cols.append(last)
+    if rows:
+        flat = torch.tensor([*rows, *cols], dtype=torch.int64, device="cpu").to(out.device, non_blocking=True)
+        r_idx, c_idx = flat.split([len(rows), len(cols)])
+        out[r_idx, c_idx] = float("-inf")
 
 
 def _hold_stop_tokens(out: torch.Tensor, params: SamplingParams, committed: int,

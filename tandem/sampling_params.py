@@ -64,6 +64,9 @@ class SamplingParams:
     # vLLM's allowed_token_ids: every other token's logit is -inf on every row (after the bias and penalties
     # change nothing of these), so the text holds only these ids. Distinct, ascending; () allows every id.
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words, as token ids (the coordinator tokenizes the words): a one-token word's token is -inf on
+    # every row; a longer word's last token on each row whose generated text ends with the word's other tokens.
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def structured(self) -> bool:
@@ -75,7 +78,7 @@ class SamplingParams:
         """Whether a penalty or a bias changes this request's logits (else they go to temperature untouched)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids))
-                or bool(self.allowed_token_ids))
+                or bool(self.allowed_token_ids) or bool(self.bad_word_ids))
 
     @property
     def exact_seed(self) -> bool:
@@ -126,6 +129,8 @@ class SamplingParams:
                 self.min_tokens_stop_ids):
             raise InvalidRequestError("allowed_token_ids: only stop tokens, which min_tokens holds back: no token "
                                       "would be left")
+        if any(not word or min(word) < 0 for word in self.bad_word_ids):
+            raise InvalidRequestError("bad_words: each word needs at least one token id, every id >= 0")
         if self.grammar and (self.json_object or self.json_schema):
             raise InvalidRequestError("grammar: give a grammar or a response format, not both")
         if self.json_schema:

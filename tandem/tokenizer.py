@@ -149,6 +149,25 @@ def template_kwargs(text: str) -> dict[str, Any]:
     return kwargs
 
 
+MAX_BAD_WORDS = 128  # words one request may ban (each one or two token runs, checked on every scored row)
+
+
+def bad_word_ids(tokenizer: Any, words: list[str] | tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token runs: each word as it starts a text and after a space (a byte-level BPE spells
+    the two with different tokens), distinct; ValueError naming an empty word or too many."""
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+    runs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        if not word.strip():
+            raise ValueError("a bad word must hold some text, got an empty or blank one")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                runs[ids] = None
+    return tuple(runs)
+
+
 def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     continue_final: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a conversation (``{"role", "content"[, "name", "tool_calls", "tool_call_id"]}`` turns) through

@@ -147,3 +147,26 @@ def test_allowed_token_ids_leave_every_other_token_at_minus_infinity():
 def test_allowed_token_ids_that_leave_nothing_or_are_malformed_are_refused(fields, named):
     with pytest.raises(InvalidRequestError, match=f"allowed_token_ids: .*{named}"):
         SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("parents", [None, [-1, 0, -1, 2, 0]], ids=["chain", "tree"])
+def test_bad_words_ban_a_words_end_on_rows_whose_text_ends_with_its_start(parents):
+    """vLLM's bad_words: a one-token word everywhere; a longer word's last token where the row's generated text
+    (the committed output, then the row's own path) ends with the word's other tokens."""
+    words = ((4,), (1, 2, 3), (6, 7), (2, 9))
+    output, drafts = [5, 1], [2, 6, 2, 1, 6]
+    paths = row_paths_of(drafts, parents)
+    logits = torch.randn(len(paths), VOCAB)
+    out = adjust_logits(logits, SamplingParams(bad_word_ids=words), frozenset([6]), output, paths)
+    for r, path in enumerate(paths):
+        text = [*output, *path]
+        banned = {w[-1] for w in words if text[len(text) - len(w) + 1:] == list(w[:-1]) or len(w) == 1}
+        for token in range(VOCAB):
+            assert torch.isinf(out[r, token]) == (token in banned), (r, path, token)
+    # A word whose head is in the prompt only is not matched there (the generated text alone counts, as vLLM's).
+    assert not torch.isinf(adjust_logits(logits[:1], SamplingParams(bad_word_ids=((6, 7),)), frozenset([6]), [],
+                                         [[]])).any()
+    params = SamplingParams(bad_word_ids=words)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    with pytest.raises(InvalidRequestError, match="bad_words: each word needs"):
+        SamplingParams(bad_word_ids=((),))

@@ -109,3 +109,16 @@ def test_byte_identical_tokenizer_files_are_the_same_tokenizer_and_anything_else
     (twin / "special_tokens_map.json").write_text("{}")  # a file only one of them has
     assert not same_tokenizer_files(first, twin) and not same_tokenizer_files(twin, first)
     assert not same_tokenizer_files(first, tmp_path / "missing")
+
+
+def test_bad_words_become_the_token_runs_of_the_word_alone_and_after_a_space(smollm2_dir) -> None:
+    """vLLM's bad_words: a byte-level BPE spells "hello" and " hello" with different tokens; both are banned."""
+    from tandem.tokenizer import bad_word_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    runs = bad_word_ids(tokenizer, [" hello", "hello"])  # (leading space stripped first: one word, twice)
+    assert runs == (tuple(tokenizer.encode("hello", add_special_tokens=False)),
+                    tuple(tokenizer.encode(" hello", add_special_tokens=False)))
+    assert runs[0] != runs[1]
+    with pytest.raises(ValueError, match="empty or blank"):
+        bad_word_ids(tokenizer, ["\t"])

@@ -42,6 +42,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("top_k", "tandem.top_k"),
     ("min_p", "min_p"),
     ("allowed_token_ids", "allowed_token_ids"),
+    ("bad_words", "bad_words"),
     ("logprobs", "logprobs"),
     ("seed", "seed"),
     ("repetition_penalty", "repetition_penalty"),

@@ -24,7 +24,10 @@ prefill). Completions take a list of prompts and ``echo`` (the prompt's own scor
 ``prompt_logprobs`` (each prompt token's score, rank and alternatives, in vLLM's shape). Chat completions take
 OpenAI's ``prediction`` (Predicted Outputs: text the answer is expected to repeat, proposed as drafts,
 ``tandem.spec.prediction``) and ``metadata`` (checked as OpenAI checks it, and kept nowhere: Tandem stores no
-completion, so ``store: true`` is refused).
+completion, so ``store: true`` is refused), ``prompt_cache_key`` (a routing key: ``GenerateRequest.cache_key``),
+``safety_identifier`` (taken, as ``user``) and vLLM's ``chat_template_kwargs``. Both endpoints take vLLM's
+top-level sampling and output fields (``_vllm_extras``: ``top_k``, ``min_p``, ``allowed_token_ids``,
+``return_token_ids``...), as vLLM and SGLang do.
 
 Defaults are OpenAI's where they differ from the gRPC API's: ``temperature``
 1 (sampling), ``top_p`` 1. ``max_tokens`` left out is what the context leaves
@@ -375,9 +378,9 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     """vLLM's sampling and stopping fields at the body's top level, where vLLM and SGLang take them (what a
     model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
     ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
-    ``stop_token_ids``, ``allowed_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` (the prompt's
-    and the answer's token ids beside the text, as RL frameworks read them), ``return_tokens_as_token_ids``
-    (log-probabilities name each token ``token_id:ID``); ``skip_special_tokens`` and
+    ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``, ``return_token_ids``
+    (the prompt's and the answer's token ids beside the text, as RL frameworks read them),
+    ``return_tokens_as_token_ids`` (log-probabilities name each token ``token_id:ID``); ``skip_special_tokens`` and
     ``spaces_between_special_tokens`` only at their defaults (true), the text Tandem writes."""
     top_k = body.integer("top_k", -1, INT32_MAX)
     if top_k is not None:
@@ -391,7 +394,7 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     ignore_eos = body.boolean("ignore_eos")
     if ignore_eos is not None:
         request.stopping.ignore_eos = ignore_eos
-        parsed.params["stopping.ignore_eos"] = "ignore_eos"
+        parsed.params["stopping.ignore_eos"] = "ignore_eos"  # (also how ``tandem.ignore_eos`` sees it was given)
     ids = body.take("stop_token_ids")
     if ids is not None:
         request.stopping.stop_token_ids.extend(_token_ids("stop_token_ids", ids))
@@ -399,6 +402,11 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     allowed = body.take("allowed_token_ids")
     if allowed is not None:
         request.sampling.allowed_token_ids.extend(_token_ids("allowed_token_ids", allowed))
+    bad_words = body.take("bad_words")
+    if bad_words is not None:
+        if not isinstance(bad_words, list) or not all(isinstance(w, str) for w in bad_words):
+            raise bad_field("bad_words", f"a list of strings, got {kind_of(bad_words)}")
+        request.sampling.bad_words.extend(bad_words)
     request.stopping.include_stop_string = bool(body.boolean("include_stop_str_in_output"))
     parsed.return_token_ids = bool(body.boolean("return_token_ids"))
     # the prompt's tokens: returned, or counted in each chunk's usage

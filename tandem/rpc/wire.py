@@ -23,6 +23,7 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
         top_k=msg.top_k,
         min_p=msg.min_p,
         allowed_token_ids=tuple(sorted(set(msg.allowed_token_ids))),
+        bad_word_ids=tuple(tuple(word.ids) for word in msg.bad_word_ids),
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
@@ -42,6 +43,7 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingParams:
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
     msg = common_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                      min_p=params.min_p, allowed_token_ids=params.allowed_token_ids,
+                                     bad_word_ids=[common_pb2.TokenSequence(ids=w) for w in params.bad_word_ids],
                                      rejection_rule=params.rejection_rule,
                                      repetition_penalty=params.repetition_penalty,
                                      frequency_penalty=params.frequency_penalty,

@@ -407,6 +407,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"allowed_token_ids": [3, "a"]}, "allowed_token_ids", 400),
     ({"allowed_token_ids": [99999]}, "allowed_token_ids", 400),  # the service's check: past the vocabulary
     ({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}, "allowed_token_ids", 400),
+    ({"bad_words": "damn"}, "bad_words", 400),
+    ({"bad_words": ["ok", " "]}, "bad_words", 400),  # the service's check: a blank word
+    ({"bad_words": ["w"] * 129}, "bad_words", 400),
     ({"prompt_cache_key": 7}, "prompt_cache_key", 400),
     ({"prompt_cache_key": "k" * 257}, "prompt_cache_key", 400),  # the service's bound, named as this field
     ({"safety_identifier": "u" * 129}, "safety_identifier", 400),
@@ -537,6 +540,11 @@ def test_vllms_top_level_sampling_fields_reach_the_target_worker(tokenizer):
             sampling = running.target.samplings[-1]
             assert sampling.top_k == 20 and sampling.min_p == pytest.approx(0.05)
             assert sorted(set(sampling.allowed_token_ids)) == [7, 9]
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2,
+                                                                    "bad_words": ["(", "*,"]})
+            assert code == 200, body
+            # tokenized by the coordinator (this tokenizer spells a word the same after a space): 9 is "("
+            assert [list(w.ids) for w in running.target.samplings[-1].bad_word_ids] == [[9], [11, 13]]
             assert list(sampling.min_tokens_stop_ids) == [7]  # ignore_eos: the model's end token (1) is not one
             code, body = await post(running.url + "/completions", {
                 "prompt": "hi", "max_tokens": 2, "top_k": -1, "stop_token_ids": [7], "min_tokens": 1,
