@@ -556,24 +556,29 @@ def test_vllms_top_level_sampling_fields_reach_the_target_worker(tokenizer):
     run(go())
 
 
-def test_vllm_bench_serve_payloads_are_taken(tokenizer):
-    """The bodies ``vllm bench serve`` sends (vllm/benchmarks/lib/endpoint_request_func.py): streamed completions
-    with ``repetition_penalty: 1.0``, ``logprobs: null`` and ``--ignore-eos``, chat with text parts and
-    ``max_completion_tokens``, its sampling flags (``--top-k``, ``--min-p``...) at the top level, and an
-    ``x-request-id`` header: each streams its tokens and ends with the usage."""
-    bodies = {
-        "/completions": {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None,
-                         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-                         "top_k": -1, "min_p": 0.0, "top_p": 1.0, "temperature": 0.0},
-        "/chat/completions": {"model": MODEL,
-                              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                              "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
-                              "ignore_eos": True, "top_k": 20, "min_p": 0.05, "temperature": 0.7},
-    }
+def test_benchmark_clients_payloads_are_taken(tokenizer):
+    """The bodies serving benchmarks send. ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py):
+    streamed completions with ``repetition_penalty: 1.0``, ``logprobs: null`` and ``--ignore-eos``, chat with
+    text parts and ``max_completion_tokens``, its sampling flags (``--top-k``, ``--min-p``...) at the top level,
+    and an ``x-request-id`` header. guidellm 0.8 (its openai_http backend): ``stop: null``, ``ignore_eos`` and
+    ``stream_options.continuous_usage_stats``; every one of its requests was a 400 before Tandem took those.
+    Each streams its tokens and ends with the usage."""
+    bodies = [
+        ("/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 4,
+                          "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+                          "ignore_eos": True, "top_k": -1, "min_p": 0.0, "top_p": 1.0, "temperature": 0.0}),
+        ("/chat/completions", {"model": MODEL,
+                               "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                               "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                               "ignore_eos": True, "top_k": 20, "min_p": 0.05, "temperature": 0.7}),
+        ("/chat/completions", {"model": MODEL, "stream": True, "max_completion_tokens": 4, "stop": None,
+                               "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}],
+                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ]
 
     async def go():
         async with http_coordinator(tokenizer) as running:
-            for route, body in bodies.items():
+            for route, body in bodies:
                 async with aiohttp.ClientSession() as session, session.post(
                         running.url + route, json=body, headers={"x-request-id": "bench-1"}) as reply:
                     assert reply.status == 200 and reply.headers["X-Request-Id"] == "bench-1", await reply.text()
