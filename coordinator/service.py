@@ -405,6 +405,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not ids:  # text a tokenizer drops entirely would reach the target as an empty prompt
                 raise InvalidRequestError("text: the prompt has no tokens")
         limit = self.cfg.max_prompt_tokens
+        if request.HasField("truncate_prompt_tokens"):
+            ids = self._truncated(ids, request.truncate_prompt_tokens)
         if limit is not None and len(ids) > limit:
             raise PromptTooLongError(f"{field}: the prompt is {len(ids)} tokens; this server takes at most {limit}")
         if len(ids) >= self.max_context:
@@ -415,6 +417,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise PromptTooLongError(f"prompt: {len(ids)} tokens is more than a target worker's KV cache holds for "
                                      f"one sequence with its answer ({room} tokens; the workers' --kv-cache-tokens)")
         return ids
+
+    def _truncated(self, ids: list[int], keep: int) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens; -1: as many as this server takes."""
+        if keep == -1:
+            keep = self.served_context() - 1  # (one token of room for the answer)
+            if self.cfg.max_prompt_tokens is not None:
+                keep = min(keep, self.cfg.max_prompt_tokens)
+        if keep < 1:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (as many as this server takes) or >= 1, "
+                                      f"got {keep}")
+        return ids[-keep:]
 
     def served_context(self) -> int:
         """The longest prompt and answer this coordinator takes: the model's context, or less where the targets' KV

@@ -33,6 +33,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("token_ids.ids", "prompt"),
     ("request_id", "x-request-id"),
     ("cache_key", "prompt_cache_key"),
+    ("truncate_prompt_tokens", "truncate_prompt_tokens"),
     ("messages.template_kwargs", "chat_template_kwargs"),
     ("messages", "messages"),
     ("prompt", "prompt"),

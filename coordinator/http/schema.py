@@ -227,6 +227,8 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     if logprobs is not None:
         parsed.logprobs = request.sampling.logprobs = logprobs
     parsed.echo = bool(body.boolean("echo"))
+    if parsed.echo and request.HasField("truncate_prompt_tokens"):
+        raise bad_field("truncate_prompt_tokens", "not with echo (the echoed prompt is the one sent, not the one cut)")
     if max_tokens == 0:  # OpenAI's legacy "score the prompt, write nothing": the target's one token is dropped
         if not parsed.echo:
             raise bad_field("max_tokens", "must be in 1..2147483647 (0 only with echo: the prompt scored alone)")
@@ -378,7 +380,8 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     """vLLM's sampling and stopping fields at the body's top level, where vLLM and SGLang take them (what a
     model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
     ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
-    ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``, ``return_token_ids``
+    ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
+    ``include_stop_str_in_output``, ``return_token_ids``
     (the prompt's and the answer's token ids beside the text, as RL frameworks read them),
     ``return_tokens_as_token_ids`` (log-probabilities name each token ``token_id:ID``); ``skip_special_tokens`` and
     ``spaces_between_special_tokens`` only at their defaults (true), the text Tandem writes."""
@@ -402,6 +405,9 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     allowed = body.take("allowed_token_ids")
     if allowed is not None:
         request.sampling.allowed_token_ids.extend(_token_ids("allowed_token_ids", allowed))
+    truncate = body.integer("truncate_prompt_tokens", -1, INT32_MAX)
+    if truncate is not None:
+        request.truncate_prompt_tokens = truncate
     bad_words = body.take("bad_words")
     if bad_words is not None:
         if not isinstance(bad_words, list) or not all(isinstance(w, str) for w in bad_words):

@@ -671,6 +671,28 @@ def test_tokens_as_token_ids_and_continuous_usage(tokenizer):
     run(go())
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
+    """vLLM's truncate_prompt_tokens: the target reads the prompt's last k tokens; -1 cuts a prompt longer than
+    the context to the longest the server takes (the whole is a 413 otherwise)."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            code, body = await post(running.url + "/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 2,
+                                                                    "truncate_prompt_tokens": 2})
+            assert code == 200 and running.target.prompts[-1] == [7, 8], body
+            assert body["usage"]["prompt_tokens"] == 2
+            long = [5 + i % 30 for i in range(100)]  # past this model's context of 64
+            code, body = await post(running.url + "/completions", {"prompt": long, "max_tokens": 1})
+            assert code == 413, body
+            code, body = await post(running.url + "/completions", {"prompt": long, "max_tokens": 1,
+                                                                    "truncate_prompt_tokens": -1})
+            assert code == 200 and running.target.prompts[-1] == long[-63:], body
+            for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
+                        {"truncate_prompt_tokens": 2, "echo": True}):
+                code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 1, **bad})
+                assert code == 400 and body["error"]["param"] == "truncate_prompt_tokens", (bad, body)
+    run(go())
+
+
 def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tokenizer):
     """vLLM's include_stop_str_in_output: the text ends after the stop string that ended it; without it, before;
     streamed alike."""
