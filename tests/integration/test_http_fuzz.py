@@ -47,7 +47,8 @@ UNICODE = ("\u0000", "\u200b", "\u202e", "\ufeff", "\U0001f600", "e\u0301", "\u4
            "<|im_start|>", "<|endoftext|>", "\\u0000", "' OR 1=1 --", "\ud800")
 ABSURD = (-1, 0, 1, 2**31, 2**64, -(2**70), 1e308, -1e308, 1e-320, 0.5, 3.0, "", "1", True, None, [], {})
 NUMERIC_FIELDS = ("temperature", "top_p", "max_tokens", "n", "seed", "presence_penalty", "top_logprobs",
-                  "max_completion_tokens", "frequency_penalty", "repetition_penalty")
+                  "max_completion_tokens", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
+                  "truncate_prompt_tokens")
 # What Tandem refuses (best_of only unless it equals n, at most 3 in these requests; tools with SmolLM2's own chat
 # template, which shows the model none; tool_choice required with nothing to call; completions take neither).
 UNSUPPORTED = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
