@@ -796,10 +796,13 @@ def test_a_prompt_cache_key_reaches_the_service_as_its_routing_key(tokenizer):
             running.service._validate = lambda request: seen.append(request.cache_key) or original(request)
             code, body = await post(running.url + "/chat/completions", {**CHAT, "prompt_cache_key": "tenant-7"})
             assert code == 200, body
+            await client(running).chat.completions.create(  # the official SDK's typed fields, as it sends them
+                model=MODEL, messages=CHAT["messages"], max_tokens=2, prompt_cache_key="tenant-9",
+                safety_identifier="user-hash-1", verbosity="medium", prompt_cache_retention="in_memory")
             code, body = await post(running.url + "/responses", {"input": "hi", "max_output_tokens": 2,
                                                                  "prompt_cache_key": "tenant-8"})
             assert code == 200, body
-            assert seen == ["tenant-7", "tenant-8"]
+            assert seen == ["tenant-7", "tenant-9", "tenant-8"]
     run(go())
 
 
