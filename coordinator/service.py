@@ -394,8 +394,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             turns = conversation(request.messages.messages)
             shown = [t.template_entry() for t in tools.tools] if tools is not None and tools.shown else None
             kwargs = _field("messages.template_kwargs", lambda: template_kwargs(request.messages.template_kwargs))
-            ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(
-                self.tokenizer, turns, shown, continue_final=request.messages.continue_final_message, kwargs=kwargs)))
+            try:
+                ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(
+                    self.tokenizer, turns, shown, continue_final=request.messages.continue_final_message,
+                    kwargs=kwargs)))
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a template that works without the client's variables
+                if not kwargs:  # (the model's template is broken: not the client's doing)
+                    raise
+                raise InvalidRequestError(f"messages.template_kwargs: the chat template failed with these variables "
+                                          f"({type(exc).__name__}: {exc})") from None
         else:
             field = "text"
             if not request.text:

@@ -68,6 +68,11 @@ def _render(body: Fields, tokenizer: Any) -> list[int]:
             continue_final_message=final, tokenize=True, add_special_tokens=special, **kwargs))
     except ValueError as exc:  # the template refused these turns (or the final one cannot be continued)
         raise bad_field("messages", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a template that works without the client's variables
+        if not kwargs:
+            raise
+        raise bad_field("chat_template_kwargs", f"the chat template failed with these variables "
+                                               f"({type(exc).__name__}: {exc})") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
 
 

@@ -35,6 +35,7 @@ REFUSING_TEMPLATE = ("{% if '!' in messages[0]['content'] %}{{ raise_exception('
                      "exclamation marks') }}{% endif %}"
                      "{% for message in messages %}<s>{{ message['content'] }}{% endfor %}"
                      "{% if greeting is defined %}{{ greeting }}{% endif %}"  # a template variable (its kwargs)
+                     "{% if repeat is defined %}{{ '$' * repeat }}{% endif %}"  # one that needs a number
                      "{% if add_generation_prompt %}#{% endif %}")
 
 

@@ -404,6 +404,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs", 400),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", 400),  # the request's own field
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", 400),
+    ({"chat_template_kwargs": {"repeat": "x"}}, "chat_template_kwargs", 400),  # the template fails on it: a 400
     ({"allowed_token_ids": [3, "a"]}, "allowed_token_ids", 400),
     ({"allowed_token_ids": [99999]}, "allowed_token_ids", 400),  # the service's check: past the vocabulary
     ({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}, "allowed_token_ids", 400),
@@ -733,9 +734,10 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
                 code, body = await post(running.url.removesuffix("/v1") + "/tokenize", {
                     "messages": turns, "chat_template_kwargs": kwargs})
                 assert code == 200 and body["tokens"] == prompt, body
-            code, body = await post(running.url.removesuffix("/v1") + "/tokenize", {
-                "messages": turns, "chat_template_kwargs": {"messages": []}})
-            assert code == 400 and body["error"]["param"] == "chat_template_kwargs", body
+            for bad in ({"messages": []}, {"repeat": "x"}):  # a name the template is given; a value it fails on
+                code, body = await post(running.url.removesuffix("/v1") + "/tokenize", {
+                    "messages": turns, "chat_template_kwargs": bad})
+                assert code == 400 and body["error"]["param"] == "chat_template_kwargs", body
             async with open_channel(running.grpc_address, None, aio=True) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 request = generation_pb2.GenerateRequest(stopping=generation_pb2.StoppingOptions(max_new_tokens=2))
