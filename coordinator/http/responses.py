@@ -154,9 +154,8 @@ class Shapes:
         out = []
         asked = self.logprobs is not None
         echo = self._echo(choice)
-        # tokens with no text yet still bring their logprobs, and their ids when asked
-        if msg.text or echo or ((asked or self.token_ids) and msg.token_ids) or (self.token_ids and
-                                                                                 msg.prompt_token_ids):
+        shows_ids = self.token_ids and bool(msg.token_ids or msg.prompt_token_ids)
+        if msg.text or echo or (asked and msg.token_ids) or shows_ids:  # (tokens with no text yet: their scores, ids)
             logprobs = self._logprobs(choice, list(msg.token_ids), list(msg.logprobs)) if asked else None
             body = {"delta": {"content": msg.text}} if self.chat else {"text": echo + msg.text}
             item = {"index": choice.index, **body, "logprobs": logprobs, "finish_reason": None}
