@@ -161,16 +161,16 @@ def test_bad_words_keep_out_of_the_text_and_every_method_agrees(target, tiny_qwe
     """vLLM's bad_words (as the coordinator's token runs): a one-token word and a two-token run that the plain
     text holds are absent from the banned text, and every speculative method, trees included, gives that text
     (each row bans for its own path, drafts included)."""
-    free = [r.token_ids for r in run(target, None, n=24)]
+    free = [r.token_ids for r in run(target, None, n=16)]
     single = free[0][3]
     pair = next((a, b) for text in free for a, b in zip(text, text[1:]) if single not in (a, b))
     banned = SamplingParams(bad_word_ids=((single,), pair))
-    plain = [r.token_ids for r in run(target, None, sampling=banned, n=24)]
+    plain = [r.token_ids for r in run(target, None, sampling=banned, n=16)]
     assert plain != free
     for text in plain:
         assert single not in text and pair not in list(zip(text, text[1:]))
-    for method, tree in (("draft", "off"), ("hybrid", "on"), ("ngram", "off"), ("draft", "on")):
+    for method, tree in (("draft", "off"), ("hybrid", "on"), ("ngram", "off")):
         draft = None if method == "ngram" else load(tiny_qwen2_other_dir)
-        results = run(target, draft, method, sampling=banned, n=24, k_max=4, ngram_max=3, hybrid_min_match=2,
+        results = run(target, draft, method, sampling=banned, n=16, k_max=4, ngram_max=3, hybrid_min_match=2,
                       tree=tree, tree_width=2)
         assert [r.token_ids for r in results] == plain, (method, tree)
