@@ -67,18 +67,27 @@ def _earlier_call(where: str, call: generation_pb2.ToolCall) -> ToolCall:
     return ToolCall(call.id, call.name, call.arguments or "{}")
 
 
-def chat_template_refusals(encode: Any) -> Any:
+class TemplateVariablesError(Exception):
+    """The chat template failed on the client's own variables (``chat_template_kwargs``): the client's fault."""
+
+
+def chat_template_refusals(encode: Any, kwargs: dict[str, Any] | None = None) -> Any:
     """Run ``encode``; the chat template refusing the client's messages is a ``ValueError`` naming why.
 
     A template stops on messages it does not take (``raise_exception("Conversation roles must
     alternate...")``, a field it needs): that is the request's fault and the template's message
-    says what to change. A template that does not parse is the model's, not the client's: INTERNAL.
+    says what to change. A template that fails otherwise while rendering the client's ``kwargs`` (text
+    where it multiplies a number) is ``TemplateVariablesError``. A template that does not parse, or fails
+    with no client variables, is the model's, not the client's: INTERNAL.
     """
     try:
         return encode()
     except Exception as exc:
         if _is_template_refusal(exc):
             raise ValueError(f"the model's chat template refused this prompt: {exc}") from None
+        if kwargs and not isinstance(exc, ValueError):
+            raise TemplateVariablesError(f"the chat template failed with these variables "
+                                         f"({type(exc).__name__}: {exc})") from None
         raise
 
 

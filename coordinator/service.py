@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.chat import chat_template_refusals, conversation, tool_use
+from coordinator.chat import TemplateVariablesError, chat_template_refusals, conversation, tool_use
 from coordinator.placement import Placement
 from coordinator.prefix_routing import client_key, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
@@ -397,14 +397,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             try:
                 ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(
                     self.tokenizer, turns, shown, continue_final=request.messages.continue_final_message,
-                    kwargs=kwargs)))
-            except InvalidRequestError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a template that works without the client's variables
-                if not kwargs:  # (the model's template is broken: not the client's doing)
-                    raise
-                raise InvalidRequestError(f"messages.template_kwargs: the chat template failed with these variables "
-                                          f"({type(exc).__name__}: {exc})") from None
+                    kwargs=kwargs), kwargs))
+            except TemplateVariablesError as exc:
+                raise InvalidRequestError(f"messages.template_kwargs: {exc}") from None
         else:
             field = "text"
             if not request.text:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.chat import chat_template_refusals, conversation
+from coordinator.chat import TemplateVariablesError, chat_template_refusals, conversation
 from coordinator.http.errors import ApiError, bad_field
 from coordinator.http.fields import Fields
 from coordinator.http.schema import INT32_MAX, chat_template_kwargs, parse_messages
@@ -65,14 +65,11 @@ def _render(body: Fields, tokenizer: Any) -> list[int]:
     try:
         ids = chat_template_refusals(lambda: tokenizer.apply_chat_template(
             turns, add_generation_prompt=not final if generation is None else generation,
-            continue_final_message=final, tokenize=True, add_special_tokens=special, **kwargs))
+            continue_final_message=final, tokenize=True, add_special_tokens=special, **kwargs), kwargs)
     except ValueError as exc:  # the template refused these turns (or the final one cannot be continued)
         raise bad_field("messages", str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - a template that works without the client's variables
-        if not kwargs:
-            raise
-        raise bad_field("chat_template_kwargs", f"the chat template failed with these variables "
-                                               f"({type(exc).__name__}: {exc})") from None
+    except TemplateVariablesError as exc:
+        raise bad_field("chat_template_kwargs", str(exc)) from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
 
 
