@@ -40,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
     write_markdown,
 )
 from benchmarks.sampling_settings import add_flags, load_models, run_settings  # noqa: E402
+from benchmarks.side_by_side import per_method, rotating_runs  # noqa: E402
 
 NAME = "predicted_outputs"
 TASKS = _REPO_ROOT / "benchmarks" / "data" / "code_edits" / "tasks.json"
@@ -76,8 +77,6 @@ def measure(target: Any, draft: Any, requests: Sequence[tuple[list[int], list[in
             max_new_tokens: int, k: int, stop_ids: frozenset[int] = frozenset(),
             adaptive_k: bool = True) -> list[dict[str, Any]]:
     """One row per request and run: target-only first, then each method (rotating)."""
-    from tqdm import tqdm
-
     from tandem.inprocess import GenerationRequest, SpeculativeGenerator
     from tandem.spec.options import SpecOptions
 
@@ -97,38 +96,15 @@ def measure(target: Any, draft: Any, requests: Sequence[tuple[list[int], list[in
                 "seconds": seconds, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
                 "prediction_accepted": s.prediction_accepted, "prediction_rejected": s.prediction_rejected}
 
-    rows = []
-    for i in tqdm(range(len(requests)), desc=NAME, unit="request", file=sys.stderr):
-        plain = one(i, "none")
-        plain["same_as_target_only"] = True
-        rows.append(plain)
-        shift = i % len(methods)
-        for method in [*methods[shift:], *methods[:shift]]:
-            row = one(i, method)
-            row["same_as_target_only"] = row["token_ids"] == plain["token_ids"]
-            rows.append(row)
-    return rows
+    return rotating_runs(len(requests), methods, one, NAME)
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per method, over every request: tokens/s, its ratio to target-only, tokens per round, acceptance, the
     prediction's tokens kept and not kept, and answers equal to target-only's."""
-    out = []
-    plain_rate = None
-    for method in dict.fromkeys(r["method"] for r in rows):
-        group = [r for r in rows if r["method"] == method]
-        tokens, seconds = sum(r["tokens"] for r in group), sum(r["seconds"] for r in group)
-        drafted, accepted = sum(r["drafted"] for r in group), sum(r["accepted"] for r in group)
-        rate = tokens / seconds
-        plain_rate = plain_rate or rate  # target-only comes first
-        out.append({"method": "target-only" if method == "none" else method, "requests": len(group),
-                    "tokens": tokens, "tokens_per_s": rate, "x_target_only": rate / plain_rate,
-                    "tokens_per_round": tokens / max(1, sum(r["rounds"] + 1 for r in group)),
-                    "acceptance": accepted / drafted if drafted else None,
-                    "prediction_kept": sum(r["prediction_accepted"] for r in group),
-                    "prediction_not_kept": sum(r["prediction_rejected"] for r in group),
-                    "same_as_target_only": sum(r["same_as_target_only"] for r in group)})
-    return out
+    return per_method(rows, "requests", lambda group: {
+        "prediction_kept": sum(r["prediction_accepted"] for r in group),
+        "prediction_not_kept": sum(r["prediction_rejected"] for r in group)})
 
 
 def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], settings: dict[str, Any], out: Path,

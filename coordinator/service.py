@@ -27,6 +27,7 @@ from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
 from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_ids, token_count_text
+from tandem.infill import InfillFormat, no_infill_message
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
 from tandem.rpc.wire import logprobs_to_proto, sampling_from_proto
@@ -112,6 +113,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.heads_verdicts = HeadsVerdicts()  # which way (the heads or not) the requests here found faster
         self.public_name = ReplicaNames(cfg.expose_worker_addresses, self._present)
         self.tool_format = HermesFormat.of(tokenizer)  # None: the chat template shows the model no tools
+        self.infill_format = InfillFormat.of(tokenizer)  # None: the model has no fill-in-the-middle tokens
         self._releases: set[asyncio.Task] = set()  # ended requests' sequences being released on their workers
 
     # ----- releases --------------------------------------------------------
@@ -332,7 +334,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         check_response_format(sampling)  # a schema the workers could not compile is the client's error, named here
         if any(not s for s in stopping.stop_strings):
             raise InvalidRequestError("stopping.stop_strings: empty strings are not allowed")
-        stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self.model_stop_ids)
+        stop_ids = frozenset(stopping.stop_token_ids) | (frozenset() if stopping.ignore_eos else self._end_ids(request))
         if not 0 <= stopping.min_new_tokens <= max_new:
             raise InvalidRequestError(f"stopping.min_new_tokens must be in 0..{max_new} (the request's max new "
                                       f"tokens), got {stopping.min_new_tokens}")
@@ -400,6 +402,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     kwargs=kwargs), kwargs))
             except TemplateVariablesError as exc:
                 raise InvalidRequestError(f"messages.template_kwargs: {exc}") from None
+        elif which == "infill":
+            field = "infill"
+            if self.infill_format is None:
+                raise InvalidRequestError(no_infill_message("infill"))
+            if not request.infill.prefix and not request.infill.suffix:
+                raise InvalidRequestError("infill: both prefix and suffix are empty: give the text around the gap")
+            if request.chat:
+                raise InvalidRequestError("chat: not with infill (a fill-in-the-middle prompt has no chat template)")
+            if request.HasField("truncate_prompt_tokens"):  # (a cut front would take the prefix marker with it)
+                raise InvalidRequestError("truncate_prompt_tokens: not with infill; shorten the prefix instead")
+            ids = self.infill_format.prompt_ids(self.tokenizer, request.infill.prefix, request.infill.suffix)
         else:
             field = "text"
             if not request.text:
@@ -421,6 +434,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise PromptTooLongError(f"prompt: {len(ids)} tokens is more than a target worker's KV cache holds for "
                                      f"one sequence with its answer ({room} tokens; the workers' --kv-cache-tokens)")
         return ids
+
+    def _end_ids(self, request: generation_pb2.GenerateRequest) -> frozenset[int]:
+        """The tokens that end the answer as the model's own end: its end tokens, and for an infill its format's (a
+        middle ends at Qwen's ``<|endoftext|>`` or a ``<|file_sep|>``, where a chat answer ends at ``<|im_end|>``)."""
+        if request.WhichOneof("input") == "infill" and self.infill_format is not None:
+            return self.model_stop_ids | self.infill_format.stop_ids
+        return self.model_stop_ids
 
     def _truncated(self, ids: list[int], keep: int) -> list[int]:
         """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens; -1: as many as this server takes."""

@@ -180,6 +180,8 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--addr", "127.0.0.1:1", "--method", "early-exit"], "--method early-exit: in process only"),
     (["--prediction", "/nonexistent/old.py"], "--prediction /nonexistent/old.py: cannot read it"),
     (["--addr", "127.0.0.1:1", "--prediction", "/nonexistent/old.py"], "--prediction /nonexistent/old.py: cannot read"),
+    (["--suffix", "x", "--chat"], "--suffix: not with --chat"),
+    (["--addr", "127.0.0.1:1", "--suffix", "x", "--system", "s", "--prefill", "p"], "not with --system, --prefill"),
 ])
 def test_bad_flags_fail_fast_with_a_named_error(flags, message, capsys, monkeypatch):
     from tandem import model_store
@@ -293,6 +295,54 @@ def test_an_empty_prompt_is_refused_before_any_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(model_store, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
     assert main(["generate", "", "--target", "/nonexistent"]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_fim_dir(tmp_path_factory):
+    """The tiny served model, its tokenizer with Qwen2.5-Coder's fill-in-the-middle markers."""
+    from tests.tiny_models import save_tiny_served_model
+
+    return save_tiny_served_model(tmp_path_factory.mktemp("tiny-fim"), fim=True)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "hybrid"])
+def test_suffix_fills_the_middle_in_the_models_format_and_its_end_token_ends_it(tiny_fim_dir, method, capsys):
+    """--suffix: the answer is target-only's on the prompt spelled with the markers (independently of
+    tandem.infill), up to and with the format's end token, which is no stop of the model's own; for every method.
+    The tiny random model writes <|endoftext|> 31st after "f(" and ")"."""
+    from tandem.tokenizer import load_tokenizer
+    from tests.references import target_only
+    from tests.tiny_models import TINY_FIM_SPECIALS
+
+    end = next(i for i, name in TINY_FIM_SPECIALS.items() if name == "<|endoftext|>")
+    ids = load_tokenizer(tiny_fim_dir).encode("<|fim_prefix|>f(<|fim_suffix|>)<|fim_middle|>", add_special_tokens=True)
+    unstopped = target_only(tiny_fim_dir, [ids], dtype="float32", max_new_tokens=40)[tuple(ids)]
+    assert end in unstopped[:-1]  # (what makes the stop below a stop)
+    draft = (["--draft", str(tiny_fim_dir), "--fixed-k", "--draft-quantization", "none", "--draft-dtype", "float32"]
+             if method == "hybrid" else [])
+    out = generate_json(capsys, "f(", "--suffix", ")", "--target", str(tiny_fim_dir), "--method", method, *draft,
+                        "--max-new-tokens", "40", "--dtype", "float32")
+    assert out["token_ids"] == unstopped[:unstopped.index(end) + 1]
+    assert out["finish_reason"] == "stop"
+
+
+def test_suffix_on_a_model_without_markers_is_refused_before_its_weights_load(tiny_served_dir, capsys, monkeypatch):
+    from tandem import pipeline
+
+    monkeypatch.setattr(pipeline.LocalPipeline, "load", lambda *a, **k: pytest.fail("the weights were loaded"))
+    assert main(["generate", "f(", "--suffix", ")", "--target", str(tiny_served_dir)]) == 2
+    assert "--suffix: this model's tokenizer has no fill-in-the-middle tokens" in capsys.readouterr().err
+    assert main(["generate", "", "--suffix", "", "--target", str(tiny_served_dir)]) == 2
+    assert "--suffix and the prompt are both empty" in capsys.readouterr().err
+
+
+def test_suffix_with_addr_sends_the_prompt_and_suffix_as_an_infill(monkeypatch, capsys):
+    from tandem.client import TandemClient
+
+    sent = []
+    monkeypatch.setattr(TandemClient, "stream", lambda self, request: sent.append(request) or iter(()))
+    assert main(["generate", "", "--suffix", ")", "--addr", "127.0.0.1:1"]) == 0  # (an empty prefix: top of a file)
+    assert sent[0].WhichOneof("input") == "infill" and (sent[0].infill.prefix, sent[0].infill.suffix) == ("", ")")
 
 
 def test_the_flags_a_request_carries_pass_with_addr_and_reach_the_request(capsys):

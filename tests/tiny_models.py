@@ -51,14 +51,16 @@ TINY_CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['content'] }}{
 
 
 def save_tiny_tokenizer(out_dir: Path, vocab_size: int, eos_token_id: int = TINY_COMMON["eos_token_id"],
-                        bos_token_id: int | None = TINY_COMMON["bos_token_id"], chat: bool = False) -> Path:
+                        bos_token_id: int | None = TINY_COMMON["bos_token_id"], chat: bool = False,
+                        extra_specials: dict[int, str] | None = None) -> Path:
     """Write a real ``tokenizers`` WordLevel tokenizer (tokenizer.json + tokenizer_config.json); returns ``out_dir``.
 
     Ids ``eos_token_id`` and ``bos_token_id`` are the special tokens ``</s>`` and ``<s>``, the
     highest other id is ``<unk>``, and every other id is one printable ASCII character (``!``,
     ``"``, ``#``...; ids past those 94 are ``w{id}``). Text is read character by character, so
     ``"!#"`` is two tokens. With ``chat`` it carries ``TINY_CHAT_TEMPLATE``, so that requests with
-    ``chat=True`` work as on a real model. ``tandem.tokenizer.load_tokenizer`` loads it with the same ids
+    ``chat=True`` work as on a real model. ``extra_specials`` names more ids as special tokens (a code model's
+    fill-in-the-middle markers). ``tandem.tokenizer.load_tokenizer`` loads it with the same ids
     whatever the model's family: for Qwen2 directories transformers insists on its own
     byte-level BPE class, which rebuilds the model from this vocabulary with no merges, and
     for single ASCII characters that reads text the same way.
@@ -70,6 +72,7 @@ def save_tiny_tokenizer(out_dir: Path, vocab_size: int, eos_token_id: int = TINY
     specials = {eos_token_id: "</s>"}
     if bos_token_id is not None:
         specials[bos_token_id] = "<s>"
+    specials.update(extra_specials or {})
     specials[max(i for i in range(vocab_size) if i not in specials)] = "<unk>"
     chars = iter(chr(c) for c in range(33, 127))
     names = {i: specials.get(i) or next(chars, f"w{i}") for i in range(vocab_size)}
@@ -93,9 +96,16 @@ def save_tiny_tokenizer(out_dir: Path, vocab_size: int, eos_token_id: int = TINY
     return out_dir
 
 
-def save_tiny_served_model(out_dir: Path, seed: int = 11, max_positions: int = 2048) -> Path:
+# A code model's fill-in-the-middle markers and end token (Qwen2.5-Coder's spelling), on ids the tiny tokenizer
+# would otherwise give to the characters '"', '#', '$' and '%'.
+TINY_FIM_SPECIALS = {3: "<|fim_prefix|>", 4: "<|fim_suffix|>", 5: "<|fim_middle|>", 6: "<|endoftext|>"}
+
+
+def save_tiny_served_model(out_dir: Path, seed: int = 11, max_positions: int = 2048, fim: bool = False) -> Path:
     """A tiny Llama with a real tokenizer and chat template: what the plumbing tests serve through real
     processes (faults, fuzz, TLS, discovery, soak). Loads and answers in milliseconds, so the tests
-    measure the system, not the model; ``max_positions`` leaves room for long streams."""
+    measure the system, not the model; ``max_positions`` leaves room for long streams. ``fim``: its tokenizer has
+    fill-in-the-middle markers (``TINY_FIM_SPECIALS``)."""
     save_tiny_model(out_dir, "llama", seed=seed, max_position_embeddings=max_positions)
-    return save_tiny_tokenizer(out_dir, TINY_COMMON["vocab_size"], chat=True)
+    return save_tiny_tokenizer(out_dir, TINY_COMMON["vocab_size"], chat=True,
+                               extra_specials=TINY_FIM_SPECIALS if fim else None)

@@ -38,6 +38,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("messages", "messages"),
     ("prompt", "prompt"),
     ("text", "prompt"),
+    ("infill", "suffix"),
     ("temperature", "temperature"),
     ("top_p", "top_p"),
     ("top_k", "tandem.top_k"),

@@ -8,7 +8,7 @@ validation, the one the gRPC API runs (coordinator/service.py); its messages
 are renamed to these fields by ``errors.from_domain``.
 
 A field Tandem cannot honour is refused with a 400 that names it, never
-ignored: ``functions``, ``suffix``... A neutral value (``functions: []``, ``null``
+ignored: ``functions``, ``audio``... A neutral value (``functions: []``, ``null``
 for any optional field) asks for nothing and is taken, since SDKs send some of
 them by default. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become
 the request's ``ToolOptions`` (``tandem.tool_calls`` says what each choice
@@ -19,7 +19,9 @@ clients send only what their user set. ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's; ``repetition_penalty`` and
 ``min_tokens`` are vLLM's extensions of the body, taken as vLLM takes them.
 Chat completions take vLLM's ``continue_final_message`` (the answer continues the last turn, an assistant's
-prefill). Completions take a list of prompts and ``echo`` (the prompt's own scores with
+prefill). Completions take OpenAI's ``suffix`` (fill in the middle: each prompt and the suffix become a
+``GenerateRequest.infill``, which the service writes in the model's own format, ``tandem.infill``), a list of
+prompts and ``echo`` (the prompt's own scores with
 ``logprobs``: ``SamplingOptions.prompt_logprobs``); both endpoints take vLLM's
 ``prompt_logprobs`` (each prompt token's score, rank and alternatives, in vLLM's shape). Chat completions take
 OpenAI's ``prediction`` (Predicted Outputs: text the answer is expected to repeat, proposed as drafts,
@@ -81,9 +83,6 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "prompt_cache_retention": _neutral("in_memory"),  # Tandem's prefix caches are in memory, least recently used out
     "prompt_cache_options": _neutral(),
 }
-UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
-    "suffix": _neutral(""),
-}
 
 
 @dataclass(slots=True)
@@ -100,6 +99,7 @@ class ParsedRequest:
     timeout_s: float | None = None  # tandem.timeout_s: the deadline of every worker call made for it
     params: dict[str, str] = field(default_factory=dict)  # the service's field names -> this request's
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: its prompts, n choices each
+    suffix: str = ""  # completions' suffix: each prompt is the prefix of a fill-in-the-middle request
     echo: bool = False  # completions: each choice's text (and log-probabilities) starts with its prompt's
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its scores) only, no new text
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's score, rank and top alternatives
@@ -135,7 +135,7 @@ class ParsedRequest:
         request = generation_pb2.GenerateRequest()
         request.CopyFrom(self.request)
         if prompt:
-            _set_prompt(request, self.prompts[prompt])
+            _set_prompt(request, self.prompts[prompt], self.suffix)
         if seeded:
             request.sampling.seed = (self.request.sampling.seed + sample) % 2**64
         if unscored:
@@ -221,12 +221,19 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
     if len(parsed.prompts) * parsed.n > MAX_BATCH:
         raise bad_field("prompt", f"{len(parsed.prompts)} prompts x n {parsed.n} is {len(parsed.prompts) * parsed.n} "
                                   f"completions; one request takes at most {MAX_BATCH}")
-    _set_prompt(request, parsed.prompts[0])
+    parsed.suffix = _suffix(body, parsed.prompts)
+    _set_prompt(request, parsed.prompts[0], parsed.suffix)
     max_tokens = body.integer("max_tokens", 0, INT32_MAX)
     logprobs = body.integer("logprobs", 0, INT32_MAX)
     if logprobs is not None:
         parsed.logprobs = request.sampling.logprobs = logprobs
     parsed.echo = bool(body.boolean("echo"))
+    if parsed.suffix and parsed.echo:
+        raise bad_field("echo", "not with suffix (the prompt the model reads is the prefix and suffix in its own "
+                                "fill-in-the-middle format, not the text sent)")
+    if parsed.suffix and request.HasField("truncate_prompt_tokens"):
+        raise bad_field("truncate_prompt_tokens", "not with suffix (a cut prompt would lose the prefix's marker): "
+                                                  "shorten the prompt instead")
     if parsed.echo and request.HasField("truncate_prompt_tokens"):
         raise bad_field("truncate_prompt_tokens", "not with echo (the echoed prompt is the one sent, not the one cut)")
     if max_tokens == 0:  # OpenAI's legacy "score the prompt, write nothing": the target's one token is dropped
@@ -242,7 +249,6 @@ def parse_completion(data: dict[str, Any], request_id: str = "") -> ParsedReques
         raise unsupported("best_of", " unless it equals n (each choice is one sample)")
     response_format(body.take("response_format"), request.sampling)  # not OpenAI's here, but vLLM's: taken alike
     structured_outputs(body, parsed.request.sampling, parsed.params)
-    body.refuse(UNSUPPORTED_COMPLETION)
     body.finish()
     return parsed
 
@@ -656,8 +662,21 @@ def _prompt(value: Any, where: str) -> str | list[int]:
     raise bad_field("prompt", f"{where}: a string, or a list of token ids, got {kind_of(value)}")
 
 
-def _set_prompt(request: generation_pb2.GenerateRequest, prompt: str | list[int]) -> None:
-    if isinstance(prompt, str):
+def _suffix(body: Fields, prompts: list[str | list[int]]) -> str:
+    """OpenAI's ``suffix``: the text after the completion, so that the model fills in the middle between each prompt
+    and it (``GenerateRequest.infill``); empty or null asks for nothing. Text prompts only: the model's markers go
+    between texts the service tokenizes."""
+    suffix = body.string("suffix") or ""
+    if suffix and not all(isinstance(p, str) for p in prompts):
+        raise bad_field("suffix", "needs text prompts (the prefix before the gap), not token ids")
+    return suffix
+
+
+def _set_prompt(request: generation_pb2.GenerateRequest, prompt: str | list[int], suffix: str = "") -> None:
+    if suffix:
+        assert isinstance(prompt, str)  # (``_suffix`` refuses token-id prompts with a suffix)
+        request.infill.prefix, request.infill.suffix = prompt, suffix
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids[:] = prompt

@@ -151,6 +151,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="extra variables for the chat template, a JSON object (implies --chat), as vLLM's "
                         "chat_template_kwargs: '{\"enable_thinking\": false}' for Qwen3; a template ignores the ones "
                         "it does not read")
+    p.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: the answer is the text between the prompt and TEXT (the code before and "
+                        "after an editor's cursor), asked in the model's own fill-in-the-middle tokens (Qwen2.5-Coder, "
+                        "StarCoder, DeepSeek-Coder); a model without them is refused. The prompt may then be empty")
     p.add_argument("--prediction", default=None, metavar="FILE",
                    help="text the answer is expected to repeat, from FILE ('-': standard input): the file an edit "
                         "rewrites, as OpenAI's Predicted Outputs. Rounds propose what follows in it; the answer is "
@@ -241,7 +245,16 @@ def chat_turns(args: argparse.Namespace) -> list[dict[str, str]] | None:
 
 def check_request_flags(args: argparse.Namespace) -> None:
     """What both paths refuse alike, before anything connects or loads."""
-    if not args.prompt:
+    if args.suffix is not None:
+        chat_flags = {"--chat": args.chat, "--system": args.system is not None, "--prefill": args.prefill is not None,
+                      "--chat-template-kwargs": args.chat_template_kwargs is not None, "--tools": bool(args.tools)}
+        given = [flag for flag, on in chat_flags.items() if on]
+        if given:
+            raise InvalidRequestError(f"--suffix: not with {', '.join(given)} (a fill-in-the-middle prompt is the "
+                                      "code around the gap, with no chat template)")
+        if not args.prompt and not args.suffix:
+            raise InvalidRequestError("--suffix and the prompt are both empty: give the text around the gap")
+    elif not args.prompt:
         raise InvalidRequestError("the prompt is empty: give the text to continue")
     if args.max_new_tokens <= 0:  # (on the wire 0 means "unset": the server would give the default)
         raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -317,24 +330,34 @@ def run(args: argparse.Namespace) -> int:
 
 def run_in_process(args: argparse.Namespace) -> int:
     """Load the models here and stream the answer as it is generated."""
+    from tandem.infill import InfillFormat, no_infill_message
     from tandem.inprocess import GenerationRequest
     from tandem.pipeline import LocalPipeline
     from tandem.text_stream import TextStream
-    from tandem.tokenizer import encode_messages, encode_prompt
+    from tandem.tokenizer import encode_messages, encode_prompt, load_tokenizer
 
     sampling, options, target_cfg, draft_cfg = configs_from_args(args)
+    infill = None
+    if args.suffix is not None:  # (a model without markers refused from its tokenizer, before the weights load)
+        infill = InfillFormat.of(load_tokenizer(target_cfg.model_dir))
+        if infill is None:
+            raise InvalidRequestError(no_infill_message("--suffix"))
     t0 = time.perf_counter()
     pipeline = LocalPipeline.load(target_cfg, options.method, options, draft_cfg, args.early_exit_layers,
                                   heads_path=args.heads)
     print(f"loaded {pipeline.method} pipeline in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     turns = chat_turns(args)
-    if turns is not None:
+    stop_ids = pipeline.stop_ids
+    if infill is not None:
+        prompt_ids = infill.prompt_ids(pipeline.tokenizer, args.prompt, args.suffix)
+        stop_ids = stop_ids | infill.stop_ids  # (the format's end tokens end a middle, as the coordinator's do)
+    elif turns is not None:
         prompt_ids = encode_messages(pipeline.tokenizer, turns, continue_final=args.prefill is not None,
                                      kwargs=args.template_kwargs)
     else:
         prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     # The text as it is generated, as with --addr (a decoder's pieces held back until they are whole characters)
-    stream = None if args.json else TextStream(pipeline.tokenizer, skip_token_ids=pipeline.stop_ids)
+    stream = None if args.json else TextStream(pipeline.tokenizer, skip_token_ids=stop_ids)
     if stream is not None and args.prefill:
         print(args.prefill, end="", flush=True)
 
@@ -344,7 +367,7 @@ def run_in_process(args: argparse.Namespace) -> int:
         print(stream.take(), end="", flush=True)
 
     prediction = args.prediction_text
-    request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, pipeline.stop_ids,
+    request = GenerationRequest(prompt_ids, args.max_new_tokens, sampling, stop_ids,
                                 prediction_ids=pipeline.tokenizer.encode(prediction, add_special_tokens=False)
                                 if prediction else [],
                                 on_tokens=show if stream is not None else None)
@@ -381,6 +404,8 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
                             prediction=args.prediction_text)
     if tools is not None:
         request.tools.CopyFrom(tools)
+    if args.suffix is not None:  # (replaces the text in the request's input)
+        request.infill.prefix, request.infill.suffix = args.prompt, args.suffix
     if args.chat_template_kwargs is not None:
         request.messages.template_kwargs = json.dumps(args.template_kwargs)
     if args.prefill is not None:
