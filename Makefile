@@ -126,6 +126,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/structured_output.py
 	$(PYTHON) benchmarks/tool_calls.py
 	$(PYTHON) benchmarks/predicted_outputs.py
+	$(PYTHON) benchmarks/infill_bench.py
 	$(PYTHON) benchmarks/greedy_equivalence.py
 	$(PYTHON) benchmarks/distributed_bench.py
 
