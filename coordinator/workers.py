@@ -104,6 +104,8 @@ class WorkerClient:
         self.closed = False  # its channel is closed: a poll still holding it gets no answer, and no error
         self.prompt_blocks = PrefixMirror()  # a draft's: the prompts this coordinator has seen it cache
         self._asking: asyncio.Future | None = None  # an Info asked for calls past their hang timeout (``computing``)
+        self._polls_started = 0  # Info polls asked, numbered in the order they were sent
+        self._poll_judged = 0  # the number of the newest poll whose answer (or failure) was taken
         self.busy_waits = 0  # times a call here outlasted its hang timeout and waited on, the worker computing
 
     async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False) -> Any:
@@ -148,15 +150,24 @@ class WorkerClient:
         return left if left >= 0 else None
 
     async def refresh(self) -> grpc.StatusCode:
-        """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role)."""
+        """Ask its Info; the call's status (UNIMPLEMENTED: the server there is no worker of this role).
+
+        Polls overlap (discovery's first one, the periodic one, a look at a slow call), and an answer can come after
+        that of a poll sent later: a refusal sent while the worker was still warming up, arriving once a later poll
+        found it serving, made a serving worker unhealthy. Only an answer newer than the last one taken counts."""
         self.placed_since_poll = 0
         if self.closed:
             self.healthy = False
             return grpc.StatusCode.UNAVAILABLE
+        self._polls_started += 1
+        number = self._polls_started
         try:
             # Naming the owner makes the poll the heartbeat that renews this coordinator's lease there.
-            self.info = await self.stub.Info(common_pb2.WorkerInfoRequest(owner=self.owner), timeout=INFO_TIMEOUT_S)
+            info = await self.stub.Info(common_pb2.WorkerInfoRequest(owner=self.owner), timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
+            if number < self._poll_judged:
+                return exc.code()  # stale: a poll sent after it has answered
+            self._poll_judged = number
             self.healthy = False
             self.last_failure = f"{exc.code().name}: {exc.details()}"
             return exc.code()
@@ -169,6 +180,10 @@ class WorkerClient:
                 raise
             self.healthy = False
             return grpc.StatusCode.UNAVAILABLE
+        if number < self._poll_judged:
+            return grpc.StatusCode.OK  # stale: a poll sent after it has answered, and its answer stands
+        self._poll_judged = number
+        self.info = info
         if not self.healthy:
             self.prompt_blocks.clear()  # it stopped answering: it may be back with an empty cache
         self.healthy, self.last_failure = True, ""
