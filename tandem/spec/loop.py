@@ -155,6 +155,8 @@ class SpeculationLoop:
                         if options.uses_heads and options.adaptive_k else None)
         self._rounds_at_zero = 0  # rounds adaptive k held a draft model at k = 0 (see _choose_k)
         self._draft_waiting = False  # this round goes without the draft model (see _draft_waits)
+        # What the rounds without the draft cost (priced by the cost model) and the tokens they committed
+        self._waiting_priced_s, self._waiting_tokens = 0.0, 0
         self._heads_last_round = options.uses_heads  # the round before was a heads round (or the Prefill)
         # Where the sequence's release runs once the request ends: None awaits it before ``run`` ends. A server
         # hands it to a task of its own, so that a reply's end does not wait for the workers' queues (a release
@@ -251,6 +253,9 @@ class SpeculationLoop:
         self._record(k, len(drafts), len(kept), proposal, len(chain), along)
         if tree is not None:
             self._record_tree(tree, len(chain), kept, along)
+        if self._draft_waiting:
+            self._waiting_priced_s += self._round_costs(drafting=False).round_seconds(len(drafts))
+            self._waiting_tokens += len(s.history) - committed
 
         next_proposal = None
         if ahead is not None:
@@ -617,9 +622,13 @@ class SpeculationLoop:
         The answer's length is unknown, so this is a ski rental: the request runs n-gram rounds (a
         ``draft`` request: its own text's repeats) until the tokens still expected, taken as
         the ones generated so far (at least ``DRAFT_WAIT_FLOOR_TOKENS``, at most what is left), times
-        what drafting saves per token (the cost model at the request's rate, which waiting rounds do
-        not move: ``_record``) exceed the catch-up at the draft worker's measured price of a prompt
-        token (``PromptTokenCost``, first priced by the warm-up). A long answer then loses at most about
+        what drafting saves per token exceed the catch-up at the draft worker's measured price of a prompt
+        token (``PromptTokenCost``, first priced by the warm-up). Drafting saves against what the waiting
+        rounds have cost per token: a plain step's price at first, less where their lookups commit runs of
+        the prompt's text (the cost model at the request's rate, which waiting rounds do not move:
+        ``_record``). Counted against plain steps, the tokens of one lookup round that copied the prompt's
+        text made the draft read an 805-token rag prompt after that round, and the 19-token answer took
+        19 s to decode where waiting took 7 (Spec-Bench rag, fp32 on a Zen 1). A long answer loses at most about
         the catch-up's price; a short one never pays it. A prompt of a few hundred tokens is read at
         once. The tokens to read are those the draft lacks less the prompt blocks the draft's own prefix
         cache holds (``DraftProposer.unread``): one long system prompt before every question is read once,
@@ -641,7 +650,10 @@ class SpeculationLoop:
         k = choose_k(rate, costs, opts.k_max)
         if k == 0:
             return False  # drafting does not pay at all: adaptive k holds the draft at 0 (and explores)
-        saved_per_token = costs.round_seconds(0) - costs.round_seconds(k) / expected_tokens(rate, k)
+        without_draft = costs.round_seconds(0)  # a plain step per token
+        if self._waiting_tokens:
+            without_draft = min(without_draft, self._waiting_priced_s / self._waiting_tokens)
+        saved_per_token = without_draft - costs.round_seconds(k) / expected_tokens(rate, k)
         to_come = min(s.remaining, max(s.num_generated, DRAFT_WAIT_FLOOR_TOKENS))
         return to_come * saved_per_token < behind * fit.prompt_token_s
 
