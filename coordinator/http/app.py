@@ -354,12 +354,21 @@ class HttpApi:
         except web.HTTPException as exc:  # routing: 404 no such path, 405 method
             if exc.status < 400:
                 raise
-            error = ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower()
-                             .replace(" ", "_"))
+            message = f"{request.method} {request.path}: {exc.reason}"
+            if exc.status in (404, 405):  # (an embeddings or audio client pointed here learns what is served)
+                message += f"; this server answers {_routes(request.app)}"
+            error = ApiError(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
         except Exception as exc:  # noqa: BLE001 - from_domain maps it; an unexpected one is a 500, logged with its id
             error = from_domain(exc, where=request.path)
         headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
         return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def _routes(app: web.Application) -> str:
+    """Every route as "METHOD path", for a 404's message."""
+    routes = {(route.resource.canonical, route.method) for route in app.router.routes()
+              if route.method != "HEAD" and route.resource is not None}
+    return ", ".join(f"{method} {path}" for path, method in sorted(routes))
 
 
 def ssl_context(tls: ServerTLS) -> ssl.SSLContext:

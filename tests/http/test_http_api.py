@@ -854,9 +854,12 @@ def test_routes_and_methods_that_do_not_exist_answer_in_openai_shape(tokenizer):
     async def go():
         async with http_coordinator(tokenizer) as running, aiohttp.ClientSession() as session:
             async with session.post(running.url + "/embeddings", json={}) as reply:
-                assert reply.status == 404 and "error" in await reply.json()
+                message = (await reply.json())["error"]["message"]
+                assert reply.status == 404 and message.startswith("POST /v1/embeddings: Not Found; this server answers")
+                assert "POST /v1/chat/completions" in message and "GET /v1/models" in message  # what is served
             async with session.get(running.url + "/chat/completions") as reply:
-                assert reply.status == 405 and "error" in await reply.json()
+                message = (await reply.json())["error"]["message"]
+                assert reply.status == 405 and "POST /v1/chat/completions" in message
     run(go())
 
 
