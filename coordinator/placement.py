@@ -14,7 +14,9 @@ With a routing ``key`` (``coordinator.prefix_routing``: the prompt's first
 blocks) every choice, the first and a move after a fault, goes to the replica
 of each role likely to hold the prompt's prefix, within the bound on load; a
 move for capacity (a full KV pool) goes by free KV instead, since the replica
-the key favours is the one that just ran out.
+the key favours is the one that just ran out. Every choice takes a replica
+whose whole KV pool holds the request (its ``max_len``) where there is one: in
+a fleet of unequal replicas, a long request goes to the larger ones.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class Placement:
         self.max_moves = max_moves
         self.move_wait_s = move_wait_s  # how long a moving request waits for a healthy target
         self.on_move = on_move  # on_move(role): metrics
-        self.target: WorkerClient = targets.pick(key=key)
-        self.draft: WorkerClient | None = drafts.pick(key=key) if uses_draft else None
+        # (replicas whose KV pools hold the whole request first: in a fleet of unequal ones, the larger)
+        self.target: WorkerClient = targets.pick(key=key, tokens=max_len)
+        self.draft: WorkerClient | None = drafts.pick(key=key, tokens=max_len) if uses_draft else None
         self.target_moves = self.draft_moves = 0
         self._entered = False
 
@@ -62,11 +65,11 @@ class Placement:
     # ----- ReplicaSource -----------------------------------------------------
     async def replace_target(self, faulty: bool) -> RequestChannel | None:
         if not faulty:  # capacity, not a fault: the best replica now, this one included
-            return self._switch_target(self.targets.pick())
+            return self._switch_target(self.targets.pick(tokens=self.max_len))
         if self.target_moves >= self.max_moves:
             return None
         self.target_moves += 1
-        replacement = await self.targets.replacement(self.target, self.move_wait_s, key=self.key)
+        replacement = await self.targets.replacement(self.target, self.move_wait_s, key=self.key, tokens=self.max_len)
         if replacement is None:
             return None
         if self.on_move:
@@ -83,7 +86,7 @@ class Placement:
         if self.on_move:
             self.on_move("draft")
         # No waiting for a draft: n-gram proposals carry the request meanwhile.
-        replacement = await self.drafts.replacement(old, wait_s=0.0, key=self.key)
+        replacement = await self.drafts.replacement(old, wait_s=0.0, key=self.key, tokens=self.max_len)
         if replacement is None:
             return None
         self.draft = replacement

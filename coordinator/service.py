@@ -460,11 +460,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return self.max_context if room is None else min(self.max_context, room)
 
     def sequence_room(self) -> int | None:
-        """The most tokens (prompt and answer) one sequence may reach on every usable target: the smallest KV pool
-        among them, less the tokens a round may hold in flight; None while none has answered. A request past it
-        would wait for room that never comes (refused as full, retried, and failed as "retry later" minutes on)."""
+        """The most tokens (prompt and answer) one sequence may reach on a usable target: the largest KV pool among
+        them, less the tokens a round may hold in flight; None while none has answered. A request past it would
+        wait for room that never comes (refused as full, retried, and failed as "retry later" minutes on). One
+        that only the larger replicas hold is placed on them (``WorkerPool.pick``); the smallest bounded every
+        request before, so one small replica made a fleet refuse what its others could serve."""
         rooms = [room for c in self.targets.clients if c.routable and (room := c.sequence_room()) is not None]
-        return min(rooms) if rooms else None
+        return max(rooms) if rooms else None
 
     def _routing_key(self, prompt_ids: list[int], cache_key: str = "") -> bytes | None:
         """The client's cache key's routing key, else the prompt's prefix key (None with --placement load); not at

@@ -215,10 +215,21 @@ class WorkerClient:
     def sequence_room(self) -> int | None:
         """The most tokens one sequence may reach here: the worker's whole KV pool (from its Info) less the tokens a
         round may hold in flight; None until its Info says."""
+        pool = self.pool_tokens()
+        return None if pool is None else pool - IN_FLIGHT_TOKENS
+
+    def pool_tokens(self) -> int | None:
+        """The tokens its whole KV pool holds (from its Info); None until its Info says."""
         info = self.info
         if info is None or info.total_blocks <= 0 or info.block_size <= 0:
             return None
-        return info.total_blocks * info.block_size - IN_FLIGHT_TOKENS
+        return info.total_blocks * info.block_size
+
+    def holds(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` (a round in flight included: a request's ``max_len``) fits this replica's
+        whole KV pool; yes while its Info has not said."""
+        pool = self.pool_tokens()
+        return pool is None or tokens <= pool
 
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
         """Leading tokens of ``token_ids`` this (draft) replica should hold in its prefix cache, as far as
@@ -415,13 +426,16 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()  # first Info calls and closes, held until done
         self._closed_busy_waits = 0  # the busy waits of replicas closed since (``busy_waits``)
 
-    def pick(self, avoid: WorkerClient | None = None, key: bytes | None = None) -> WorkerClient:
+    def pick(self, avoid: WorkerClient | None = None, key: bytes | None = None, tokens: int = 0) -> WorkerClient:
         """The replica a request should use now; ``avoid`` (one that failed the request) only as a last resort.
         With a prompt's routing ``key``: the one likely to hold its prefix, within a bound on load
-        (``coordinator.prefix_routing``); without: the best load score."""
+        (``coordinator.prefix_routing``); without: the best load score. ``tokens``: the most the request's sequence
+        may reach; replicas whose whole KV pool holds that come first (in a pool of unequal replicas a request
+        only the larger ones hold goes there, where a smaller one would refuse it as full on every call)."""
         routable = [c for c in self.clients if c.routable]
         if not routable:
             raise WorkerUnavailableError(f"no {self.role} workers available")
+        routable = [c for c in routable if c.holds(tokens)] or routable
         healthy = [c for c in routable if c.healthy]
         candidates = [c for c in healthy if c is not avoid] or healthy or routable
         best = prefix_routing.choose(key, candidates) if key is not None else max(candidates, key=lambda c: c.score())
@@ -429,15 +443,15 @@ class WorkerPool:
         return best
 
     async def replacement(self, failed: WorkerClient | None, wait_s: float,
-                          key: bytes | None = None) -> WorkerClient | None:
-        """A healthy replica other than ``failed``, waiting up to ``wait_s`` for one (a restarting
-        replica, ``failed`` itself included once it answers again); None if none turns up. ``key``: as for
-        ``pick`` (a moved request's next choice for its prefix)."""
+                          key: bytes | None = None, tokens: int = 0) -> WorkerClient | None:
+        """A healthy replica other than ``failed`` that holds ``tokens``, waiting up to ``wait_s`` for one (a
+        restarting replica, ``failed`` itself included once it answers again); None if none turns up. ``key``
+        and ``tokens``: as for ``pick`` (a moved request's next choice for its prefix, and its length)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            if any(c.routable and c.healthy and c is not failed for c in self.clients):
-                return self.pick(avoid=failed, key=key)
+            if any(c.routable and c.healthy and c is not failed and c.holds(tokens) for c in self.clients):
+                return self.pick(avoid=failed, key=key, tokens=tokens)
             if loop.time() >= deadline:
                 return None
             await asyncio.sleep(REPLACEMENT_POLL_S)

@@ -54,12 +54,13 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
         self.fingerprint = fingerprint
         self.calls: collections.Counter[str] = collections.Counter()
         self.free_blocks = 90
+        self.total_blocks = 100  # its KV pool: 100 blocks of 16 tokens
         self.release_gate: asyncio.Event | None = None  # a test's: each Release waits for it (a worker mid-step)
 
     async def Info(self, request, context):
         self.calls["Info"] += 1
         return common_pb2.WorkerInfo(role="target", model="fake-target", vocab_size=VOCAB, max_context=MAX_CONTEXT,
-                                     total_blocks=100, free_blocks=self.free_blocks, block_size=16,
+                                     total_blocks=self.total_blocks, free_blocks=self.free_blocks, block_size=16,
                                      tokenizer_fingerprint=self.fingerprint, stop_token_ids=[1])
 
     async def Prefill(self, request, context):

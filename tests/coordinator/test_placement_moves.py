@@ -25,10 +25,10 @@ class FakePool:
         self.names = (f"{role}-{i}" for i in itertools.count())
         self.offered: list[FakeClient] = []
 
-    def pick(self, avoid=None, key=None) -> FakeClient:
+    def pick(self, avoid=None, key=None, tokens=0) -> FakeClient:
         return FakeClient(next(self.names))
 
-    async def replacement(self, old, wait_s: float, key=None) -> FakeClient:
+    async def replacement(self, old, wait_s: float, key=None, tokens=0) -> FakeClient:
         self.offered.append(FakeClient(next(self.names)))
         return self.offered[-1]
 
