@@ -1,6 +1,7 @@
 """vLLM's tokenizer routes, so that a client can use the served model's tokenizer without having it.
 
-- ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...],
+- ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}``, ``{"prompt": text, "suffix": text}`` (the
+  fill-in-the-middle prompt completions' ``suffix`` sends, in the model's marker tokens), or ``{"messages": [...],
   "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false,
   "chat_template_kwargs": {}}`` (the chat template renders the turns, as chat completions do), either with
   ``return_token_strs``; the reply is
@@ -22,12 +23,16 @@ from coordinator.http.errors import ApiError, bad_field
 from coordinator.http.fields import Fields
 from coordinator.http.schema import INT32_MAX, chat_template_kwargs, parse_messages
 from tandem.errors import InvalidRequestError, check_token_ids
+from tandem.infill import InfillFormat, no_infill_message
 from tandem.tokenizer import template_kwargs
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int) -> dict[str, Any]:
+def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int, infill: InfillFormat | None = None
+             ) -> dict[str, Any]:
+    """The ``/tokenize`` reply to ``data``; ``infill``: the model's fill-in-the-middle format (None: it has none, and a
+    ``suffix`` is refused naming it)."""
     body = Fields(data)
     body.string("model")  # checked by the caller against the served model
     strings = bool(body.boolean("return_token_strs"))
@@ -40,12 +45,27 @@ def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int) -> dict[str
         if prompt is None:
             raise bad_field("prompt", "required: the text to tokenize (or messages: a conversation)")
         special = body.boolean("add_special_tokens")
-        ids = list(tokenizer.encode(prompt, add_special_tokens=True if special is None else special))
+        suffix = body.string("suffix")
+        if suffix:
+            ids = _infill(prompt, suffix, special, tokenizer, infill)
+        else:
+            ids = list(tokenizer.encode(prompt, add_special_tokens=True if special is None else special))
     body.finish()
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": max_context, "tokens": ids}
     if strings:
         reply["token_strs"] = list(tokenizer.convert_ids_to_tokens(ids))
     return reply
+
+
+def _infill(prefix: str, suffix: str, special: bool | None, tokenizer: Any, fmt: InfillFormat | None) -> list[int]:
+    """The fill-in-the-middle prompt completions' ``suffix`` sends (``tandem.infill``): what it counts, and whether
+    it fits. The model's marker tokens decide what goes around the texts, so ``add_special_tokens`` has no say."""
+    if special is not None:
+        raise bad_field("add_special_tokens", "not with suffix: the model's fill-in-the-middle format decides the "
+                                              "tokens around the texts; leave it out")
+    if fmt is None:
+        raise ApiError(400, no_infill_message("suffix"), "suffix")
+    return fmt.prompt_ids(tokenizer, prefix, suffix)
 
 
 def _render(body: Fields, tokenizer: Any) -> list[int]:

@@ -90,6 +90,24 @@ def test_what_an_infill_cannot_honour_is_refused_by_name(fim_tokenizer, extra, p
     run(go())
 
 
+def test_tokenize_with_a_suffix_gives_the_prompt_a_completion_with_it_sends(fim_tokenizer):
+    """An editor sizes what it sends by /tokenize: with ``suffix``, the infill prompt, its markers counted."""
+    async def go():
+        async with http_coordinator(fim_tokenizer, info=INFO) as running:
+            code, body = await post(running.root + "/tokenize", {"model": MODEL, "prompt": PREFIX, "suffix": SUFFIX})
+            assert code == 200 and body["tokens"] == infill_ids(fim_tokenizer, PREFIX, SUFFIX), body
+            assert body["count"] == len(body["tokens"])
+            running.target.script = [END]
+            await client(running).completions.create(model=MODEL, prompt=PREFIX, suffix=SUFFIX, max_tokens=4)
+            assert running.target.prompts[-1] == body["tokens"]
+            code, plain = await post(running.root + "/tokenize", {"prompt": PREFIX, "suffix": ""})
+            assert code == 200 and plain["tokens"] == fim_tokenizer.encode(PREFIX)  # an empty suffix asks nothing
+            code, refused = await post(running.root + "/tokenize", {"prompt": PREFIX, "suffix": SUFFIX,
+                                                                    "add_special_tokens": False})
+            assert code == 400 and refused["error"]["param"] == "add_special_tokens", refused
+    run(go())
+
+
 def test_a_model_without_markers_refuses_a_suffix_naming_it(tmp_path):
     tokenizer = tiny_tokenizer(tmp_path)
 
@@ -100,6 +118,9 @@ def test_a_model_without_markers_refuses_a_suffix_naming_it(tmp_path):
             error = refused.value.body
             assert error["param"] == "suffix" and "no fill-in-the-middle tokens" in error["message"], error
             assert not running.target.prompts
+            code, body = await post(running.root + "/tokenize", {"prompt": PREFIX, "suffix": SUFFIX})
+            assert code == 400 and body["error"]["param"] == "suffix", body
+            assert "no fill-in-the-middle tokens" in body["error"]["message"]
     run(go())
 
 
