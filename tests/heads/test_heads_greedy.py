@@ -75,9 +75,9 @@ def test_auto_with_heads_and_a_draft_model_keeps_output(target, plain, tiny_qwen
     loop probes hybrid rounds after its first heads rounds, keeps the faster way, and every token is
     still the target's."""
     monkeypatch.setattr(inprocess.LocalDraft, "fitted_cost", lambda self: FittedCost(1e-4, 1e-5))
-    # and a target priced as a step and its rows are on a CPU: the tiny target's own fit, from its wall times, made
-    # adaptive k hold the draft at 0 in some runs (four requests share a step, and the draft's catch-up of each
-    # prompt, charged to all four, looked dear), and such a request never drafted
+    # and the target at fixed prices too (a step 1 ms, a row 0.01 ms): the tiny target's own fit, from its wall
+    # times, made adaptive k hold the draft at 0 in some runs (four requests share a step, and the draft's catch-up
+    # of each prompt, charged to all four, looked dear), and such a request never drafted
     monkeypatch.setattr(inprocess.LocalTarget, "fitted_cost", lambda self: FittedCost(1e-3, 1e-5))
     draft = load(tiny_qwen2_dir, "float32")
     drafter = drafter_for(tiny_heads(target, "eagle"), target)
