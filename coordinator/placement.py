@@ -27,9 +27,10 @@ from coordinator.workers import RequestChannel, WorkerClient, WorkerPool
 class Placement:
     def __init__(self, targets: WorkerPool, drafts: WorkerPool, uses_draft: bool, deadline: float | None,
                  max_moves: int, move_wait_s: float, on_move=None, key: bytes | None = None,
-                 max_len: int = 0) -> None:
+                 max_len: int = 0, priority: int = 0) -> None:
         self.targets, self.drafts = targets, drafts
         self.max_len = max_len  # the most tokens the request's KV may reach, told to each target (0: not said)
+        self.priority = priority  # told to each target with every Prefill (GenerateRequest.priority)
         self.key = key  # the prompt's routing key; None: load alone decides
         self.deadline = deadline  # the client's deadline (event-loop time), bounding every call
         self.max_moves = max_moves
@@ -43,7 +44,7 @@ class Placement:
 
     # ----- the channels the loop starts with -----------------------------------
     def verifier(self) -> RequestChannel:
-        return self.target.for_request(self.deadline, self.max_len)
+        return self.target.for_request(self.deadline, self.max_len, self.priority)
 
     def draft_channel(self) -> RequestChannel | None:
         return self.draft.for_request(self.deadline) if self.draft else None
@@ -99,4 +100,4 @@ class Placement:
             self.target.active -= 1
             client.active += 1
         self.target = client
-        return client.for_request(self.deadline, self.max_len)
+        return client.for_request(self.deadline, self.max_len, self.priority)

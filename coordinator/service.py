@@ -176,7 +176,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
                               key=self._routing_key(state.prompt_ids, request.cache_key),
-                              max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS)
+                              max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS,
+                              priority=request.priority)
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
@@ -281,6 +282,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if len(request.cache_key) > MAX_CACHE_KEY_CHARS:
             raise InvalidRequestError(f"cache_key: at most {MAX_CACHE_KEY_CHARS} characters, "
                                       f"got {len(request.cache_key)}")
+        if request.priority and self.cfg.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority: this server schedules first come, first served, so a priority "
+                                      f"must be 0, got {request.priority} (start the coordinator with "
+                                      "--scheduling-policy priority to use them)")
         sampling = _field("sampling", lambda: sampling_from_proto(request.sampling))
         if request.sampling.bad_words:
             sampling = replace(sampling, bad_word_ids=(*sampling.bad_word_ids,

@@ -37,6 +37,9 @@ DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtyp
 # How the coordinator picks a new request's replicas (coordinator/prefix_routing.py): prefix (the replica likely to
 # hold the prompt's first blocks, within a bound on load) or load (most free KV, shortest queue).
 PLACEMENT_MODES = ("prefix", "load")
+# How a target's KV pool is shared where it runs short: fcfs (oldest sequences first; a request's priority must be
+# 0, as vLLM's default refuses others) or priority (vLLM's: lower GenerateRequest.priority first, then fcfs).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "reference")
 QUANTIZATIONS = ("auto", "none", "int8")
 # Linear weights reordered once for oneDNN (tandem/models/packed.py): row-invariant and cheap per extra
@@ -455,6 +458,7 @@ class CoordinatorConfig:
     max_moves: int = 3  # times one request may move to another replica of a role after a fault
     move_wait_s: float = 30.0  # how long a moving request waits for a healthy target replica
     placement: str = "prefix"  # PLACEMENT_MODES
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
     # Security and limits (README "Security", "Bad input"). TLS files and tokens are validated where
     # they are read (ClientTLS, BearerAuth), before this is built.
     worker_tls: ClientTLS | None = None  # TLS (mutual with a client certificate) to every worker; None: plaintext
@@ -499,6 +503,9 @@ class CoordinatorConfig:
         if self.placement not in PLACEMENT_MODES:
             raise InvalidRequestError(f"--placement must be one of {', '.join(PLACEMENT_MODES)}, "
                                       f"got {self.placement!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                                      f"got {self.scheduling_policy!r}")
         if self.call_timeout_s <= 0 or self.info_poll_s <= 0 or self.move_wait_s < 0:
             raise InvalidRequestError("timeouts and poll intervals must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:

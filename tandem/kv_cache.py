@@ -28,6 +28,7 @@ from tandem.block_pool import BlockPool, PrefixCacheStats, block_chain, block_ha
 from tandem.errors import KVCacheExhaustedError, UnknownSequenceError
 
 SeqId = Hashable
+_HELD, _NEW, _WAITING = 0, 1, 2  # ``PagedKVCache.admit``'s order within a rank
 
 
 @dataclass(slots=True)
@@ -106,7 +107,9 @@ class PagedKVCache:
         return max(0, self.blocks_needed(length + num_new) - have)
 
     def admit(self, lengths: list[tuple[SeqId, int]],
-              growth: Callable[[SeqId, int], int] | None = None) -> list[int | None]:
+              growth: Callable[[SeqId, int], int] | None = None,
+              rank: Callable[[SeqId], int] | None = None,
+              waiting: Sequence[tuple[int, int]] = ()) -> list[int | None]:
         """Which of a batch's calls the pool can hold, changing nothing.
 
         ``lengths``: per call, its sequence and the KV length it will have after the batch.
@@ -121,29 +124,48 @@ class PagedKVCache:
         take to grow ``growth(seq_id, length)`` more tokens (its next rounds, or the rest of its
         answer): a burst of new prompts would fill that room, and every running sequence would be
         refused the round after.
+
+        ``rank``: each sequence's priority, lower first (vLLM's request ``priority``; None: all 0, the order
+        above). Calls are taken rank by rank, each rank in the order above: a new sequence goes before the
+        growth of sequences ranked below it, and keeps free only the growth of those ranked as high or higher,
+        so that where the pool runs short the lowest ranked are refused (and preempted) first. ``waiting``:
+        (rank, blocks) of prompts refused for room that keep their place (``tandem.rpc.priority_waits``): each
+        takes what is free, up to its blocks, after the calls of its own rank and before those ranked below,
+        which are then refused as they grow until the waiting prompt fits.
         Returns, per call, None when admitted, else the blocks it would need beyond what is left.
         """
+        rank_of = rank or (lambda seq_id: 0)
         age = {seq_id: i for i, seq_id in enumerate(self._seqs)}  # (dicts keep insertion order)
         need = [self.blocks_needed(length) - (len(self._seqs[s].block_ids) if s in self._seqs else 0)
                 for s, length in lengths]
         free = self.num_free_blocks + sum(-n for n in need if n <= 0)
-        reserve = sum(self._growth(seq.length, len(seq.block_ids), growth(seq_id, seq.length) if growth else 0)
-                      for seq_id, seq in self._seqs.items())
+        held_growth = [(rank_of(seq_id),
+                        self._growth(seq.length, len(seq.block_ids), growth(seq_id, seq.length) if growth else 0))
+                       for seq_id, seq in self._seqs.items()]
         refused: list[int | None] = [None] * len(lengths)
-        order = sorted(range(len(lengths)), key=lambda i: (lengths[i][0] not in age, age.get(lengths[i][0], i)))
-        for i in order:
+        # (rank, kind, order, call index or waiting index): held sequences oldest first, then new ones in order,
+        # then the waiting prompts of that rank
+        order = sorted([(rank_of(s), _HELD, age[s], i) if s in age else (rank_of(s), _NEW, i, i)
+                        for i, (s, _) in enumerate(lengths)]
+                       + [(r, _WAITING, j, j) for j, (r, _) in enumerate(waiting)])
+        reserved = 0  # the growth of the new sequences admitted so far (all ranked as high as the next, or higher)
+        for r, kind, _, i in order:
+            if kind == _WAITING:
+                free -= min(free, waiting[i][1])
+                continue
             seq_id, length = lengths[i]
             n = need[i]
-            if seq_id in age:
+            if kind == _HELD:
                 if n <= free:
                     free -= max(0, n)
                 else:
                     refused[i] = n - free
                 continue
+            reserve = reserved + sum(g for held_rank, g in held_growth if held_rank <= r)
             own = self._growth(length, self.blocks_needed(length), growth(seq_id, length) if growth else 0)
             if n + reserve + own <= free:
                 free -= n
-                reserve += own
+                reserved += own
             else:
                 refused[i] = n + reserve + own - free
         return refused

@@ -111,6 +111,7 @@ class PrefillCall:
     replace: bool = False  # a rebuild: the sequence may be live here, and is replaced; else a live id is refused
     propose: int = 0  # the sequence drafts with this worker's heads: nodes of the first proposal (0: no heads)
     max_len: int = 0  # the most tokens its KV may reach (the room new sequences leave it to grow); 0: not known
+    priority: int = 0  # lower goes first where the KV pool runs short (``SequenceEngine._admit``)
 
 
 @dataclass(slots=True)
@@ -159,6 +160,7 @@ class TargetSequence:
     grammar: Matcher | None = None  # structured output: the grammar's state after its committed tokens
     prompt_scores: list[TokenLogprob] | None = None  # a scored prompt's scores so far, until its Prefill replies
     max_len: int = 0  # the most tokens its KV may reach (PrefillCall.max_len); 0: not known
+    priority: int = 0  # PrefillCall.priority
 
 
 @dataclass(slots=True)
@@ -484,7 +486,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
                                                          prompt_len=call.prompt_len or len(call.token_ids),
                                                          grammar=plan.grammar,
                                                          prompt_scores=[] if _scores_prompt(call) else None,
-                                                         max_len=call.max_len)
+                                                         max_len=call.max_len, priority=call.priority)
             self._reuse_prefix(plan)
         else:
             seq = self.sequences[call.seq_id]

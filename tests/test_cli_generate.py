@@ -167,6 +167,7 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--stop", " 6"], "--stop: only with --addr"),  # in process they were ignored, silently
     (["--timeout", "5"], "--timeout: only with --addr"),
     (["--no-pipelining"], "--no-pipelining: only with --addr"),
+    (["--priority", "-1"], "--priority: only with --addr"),
     (["--seed", str(2**64)], "seed must be a 64-bit integer"),
     # with --addr, refused before connecting (nothing listens on port 1): 0 used to mean "unset" on the wire, and
     # a request of 0 tokens got 256

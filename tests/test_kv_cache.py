@@ -108,6 +108,46 @@ def test_a_new_sequence_leaves_the_running_ones_room_to_grow():
     assert cache.num_free_blocks == 6  # (nothing changed)
 
 
+def test_a_higher_priority_goes_first_and_the_lowest_are_refused_when_the_pool_runs_short():
+    """``rank`` (lower first): a new sequence goes before the growth of sequences ranked below it, and keeps free
+    only the room of those ranked as high or higher; held sequences ranked below are the ones refused."""
+    cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"low": 8})  # 2 blocks, the oldest
+    cache.append_slots({"high": 8})  # 2 blocks: 4 left
+    ranks = {"low": 1, "high": 0, "urgent": 0, "bulk": 1}
+    rank = ranks.__getitem__
+    # each wants 3 more blocks: by age alone low grows and high is 2 short; by rank high grows and low is refused
+    assert cache.admit([("low", 20), ("high", 20)]) == [None, 2]
+    assert cache.admit([("low", 20), ("high", 20)], rank=rank) == [2, None]
+    # a new sequence of rank 0 goes before low's growth: urgent takes 3 of the 4 free blocks, low is 1 short
+    assert cache.admit([("low", 16), ("urgent", 12)], rank=rank) == [1, None]
+    # ...and a new one of rank 1 still comes after every held one, as before
+    assert cache.admit([("low", 16), ("bulk", 12)], rank=rank) == [None, 1]
+    # the room kept for growth: 8 tokens each, 2 blocks for low and 2 for high (and 2 of its own)
+    by8 = lambda seq_id, length: 8  # noqa: E731
+    assert cache.admit([("urgent", 4)], by8) == [3]  # 1 + 4 reserved + 2 of its own in 4 free
+    assert cache.admit([("urgent", 4)], by8, rank) == [1]  # low's room is not kept from it: 1 + 2 + 2
+    assert cache.admit([("bulk", 4)], by8, rank) == [3]  # a rank-1 prompt keeps both rooms free
+    assert cache.num_free_blocks == 4  # (nothing changed)
+
+
+def test_a_waiting_prompt_takes_what_is_free_before_the_calls_ranked_below_it():
+    """``waiting``: (rank, blocks) of a refused prompt that keeps its place; it comes after the calls of its own rank
+    and before those ranked below, which are refused as they grow until it fits."""
+    cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"low": 8, "high": 8})  # 4 left
+    rank = {"low": 1, "high": 0, "new": 0, "bulk": 1}.__getitem__
+    waiting = [(0, 3)]  # a rank-0 prompt of 3 blocks waits
+    assert cache.admit([("low", 12)], rank=rank, waiting=waiting) == [None]  # 1 free after the waiting 3
+    assert cache.admit([("low", 16)], rank=rank, waiting=waiting) == [1]  # 2 more: refused
+    assert cache.admit([("high", 16)], rank=rank, waiting=waiting) == [None]  # its own rank goes first
+    assert cache.admit([("bulk", 4)], rank=rank, waiting=waiting) == [None]  # 1 block: the one left
+    assert cache.admit([("bulk", 8)], rank=rank, waiting=waiting) == [1]
+    assert cache.admit([("new", 8)], rank=rank, waiting=waiting) == [None]  # a new rank-0 one is not held back
+    assert cache.admit([("low", 16)], rank=rank, waiting=[(1, 3)]) == [None]  # a rank-1 wait: low is older
+    assert cache.admit([("low", 16)], rank=rank, waiting=[(0, 9)]) == [2]  # a wait bigger than what is free
+
+
 def test_slots_resolve_positions_through_the_block_table():
     cache = make_cache()
     cache.append_slots({"pad": 1})

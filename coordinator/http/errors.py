@@ -34,6 +34,7 @@ SERVICE_FIELDS: tuple[tuple[str, str], ...] = (
     ("request_id", "x-request-id"),
     ("cache_key", "prompt_cache_key"),
     ("truncate_prompt_tokens", "truncate_prompt_tokens"),
+    ("priority", "priority"),
     ("messages.template_kwargs", "chat_template_kwargs"),
     ("messages", "messages"),
     ("prompt", "prompt"),

@@ -31,7 +31,7 @@ LOGPROBS = "message.output_text.logprobs"  # the one includable Tandem makes
 # Fields of this API with the chat completion field they become (None: this module reads them itself).
 PASSED = ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", "tandem", "seed",
           "frequency_penalty", "presence_penalty", "logit_bias", "structured_outputs", "prompt_cache_key",
-          "safety_identifier")
+          "safety_identifier", "priority")
 NEUTRAL = {  # fields that ask for nothing at these values
     "store": (None, False), "truncation": (None, "disabled"), "reasoning": (None,),
     "service_tier": (None, "auto", "default"), "background": (None, False), "stream_options": (None, {}),

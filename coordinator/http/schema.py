@@ -386,7 +386,8 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     """vLLM's sampling and stopping fields at the body's top level, where vLLM and SGLang take them (what a
     model card's recommended settings, ``top_k`` 20 and ``min_p`` 0, and ``vllm bench serve --ignore-eos`` send in
     ``extra_body``): ``top_k`` (-1 or 0: none, vLLM's two spellings), ``min_p``, ``ignore_eos``,
-    ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
+    ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``priority`` (lower
+    first where a target's KV pool runs short, under ``--scheduling-policy priority``; else only 0),
     ``include_stop_str_in_output``, ``return_token_ids``
     (the prompt's and the answer's token ids beside the text, as RL frameworks read them),
     ``return_tokens_as_token_ids`` (log-probabilities name each token ``token_id:ID``); ``skip_special_tokens`` and
@@ -414,6 +415,7 @@ def _vllm_extras(body: Fields, request: generation_pb2.GenerateRequest, parsed: 
     truncate = body.integer("truncate_prompt_tokens", -1, INT32_MAX)
     if truncate is not None:
         request.truncate_prompt_tokens = truncate
+    request.priority = body.integer("priority", -INT32_MAX - 1, INT32_MAX) or 0  # (the service checks the policy)
     bad_words = body.take("bad_words")
     if bad_words is not None:
         if not isinstance(bad_words, list) or not all(isinstance(w, str) for w in bad_words):

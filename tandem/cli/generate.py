@@ -167,6 +167,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable; with --addr)")
     p.add_argument("--no-pipelining", action="store_true", help="with --addr: no pipelined drafting")
+    p.add_argument("--priority", type=int, default=0,
+                   help="with --addr: the request's priority, lower first where a target's KV pool runs short (a "
+                        "coordinator started with --scheduling-policy priority; others take only 0) (default: 0)")
     p.add_argument("--timeout", type=float, default=None,
                    help=f"with --addr: request deadline in seconds (default: {DEFAULT_TIMEOUT_S:g})")
     add_tool_flags(p)
@@ -270,7 +273,7 @@ def check_request_flags(args: argparse.Namespace) -> None:
                                       "decide models, dtype, device and drafting); leave them out, or --addr")
         return
     remote_only = {"--stop": bool(args.stop), "--timeout": args.timeout is not None,
-                   "--no-pipelining": args.no_pipelining}
+                   "--no-pipelining": args.no_pipelining, "--priority": args.priority != 0}
     for flag, given in remote_only.items():
         if given:
             raise InvalidRequestError(f"{flag}: only with --addr (a coordinator applies it); in process it would "
@@ -402,6 +405,7 @@ def run_remote(args: argparse.Namespace, tools: generation_pb2.ToolOptions | Non
                             k=args.k, fixed_k=args.fixed_k, pipelining=not args.no_pipelining, chat=args.chat,
                             stop_strings=tuple(args.stop), tree=args.tree, heads_nodes=args.heads_nodes,
                             prediction=args.prediction_text)
+    request.priority = args.priority
     if tools is not None:
         request.tools.CopyFrom(tools)
     if args.suffix is not None:  # (replaces the text in the request's input)

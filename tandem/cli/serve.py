@@ -22,6 +22,7 @@ from tandem.config import (
     PACKED_WEIGHTS,
     PACKED_WEIGHTS_HELP,
     PLACEMENT_MODES,
+    SCHEDULING_POLICIES,
     CoordinatorConfig,
     EngineConfig,
     ServerOptions,
@@ -207,6 +208,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "(the replica that most likely holds the prompt's first blocks in its prefix cache, by "
                             "rendezvous hashing, unless it carries 1.25x the mean load: then the next; prompts under "
                             "16 tokens go by load) or load (most free KV, then the shortest queue)")
+    coord.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                       help="who goes first where a target's KV pool runs short (default: %(default)s): fcfs (the "
+                            "oldest sequences; a request's priority must be 0, as vLLM's default) or priority "
+                            "(vLLM's: a request's priority, lower first, then fcfs; a prompt of a higher priority "
+                            "starts ahead of the growth of lower ones, which are preempted and resume later)")
     coord.add_argument("--ngram-min", type=int, default=1)
     coord.add_argument("--ngram-max", type=int, default=4)
     coord.add_argument("--no-continuation-cache", action="store_true",
@@ -283,7 +289,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         draft_stops=not args.no_draft_stops,
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
-        max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement, http_port=args.http_port,
+        max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement,
+        scheduling_policy=args.scheduling_policy, http_port=args.http_port,
         chat_template=args.chat_template, **coordinator_options(args),
     )
     from coordinator.main import serve

@@ -46,7 +46,14 @@ from tandem.cli.generate import DEFAULT_TARGET, resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
-from tandem.config import DTYPES, PLACEMENT_MODES, available_device, check_device_name, read_chat_template
+from tandem.config import (
+    DTYPES,
+    PLACEMENT_MODES,
+    SCHEDULING_POLICIES,
+    available_device,
+    check_device_name,
+    read_chat_template,
+)
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
 from tandem.supervisor import RestartPolicy, Supervisor
@@ -117,6 +124,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how the coordinator picks each request's replicas: prefix (the one likely to hold the "
                         "prompt's prefix, within a bound on load) or load (see `tandem serve coordinator --help`) "
                         "(default: %(default)s)")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs, or priority: requests' priority (lower first) decides who goes first where a "
+                        "target's KV pool runs short (see `tandem serve coordinator --help`) (default: %(default)s)")
     add_draft_flags(p)
     p.add_argument("--admin-port", type=int, default=0,
                    help="port of the local control endpoint `tandem scale` calls, on 127.0.0.1 only "
@@ -172,7 +182,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     coordinator_args += ["--redis-url", args.redis_url] if args.redis_url else []
     if (http := http_port(args)) is not None:
         coordinator_args += ["--http-port", str(http)]
-    coordinator_args += ["--placement", args.placement]
+    coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy]
     if args.chat_template:
         read_chat_template(args.chat_template)  # refused here, named, before any process starts
         coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]

@@ -21,6 +21,7 @@ which the worker runs on the model thread like every batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from tandem.attention.sdpa import ROWWISE_MAX_QUERY
@@ -28,6 +29,7 @@ from tandem.block_pool import PrefixCacheStats
 from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSequenceError
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.leases import Expired, Leases
+from tandem.rpc.priority_waits import PriorityWaits
 from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 
 # A new sequence starts only while every running one keeps free the blocks of its next GROWTH_ROUNDS rounds (a round
@@ -92,6 +94,7 @@ class SequenceEngine(Generic[Sequence, Plan]):
         self.engine = engine
         self.reserve_growth = reserve_growth
         self.sequences: dict[str, Sequence] = {}
+        self.priority_waits = PriorityWaits()  # refused prompts that keep their place (with reserve_growth only)
         self.leases = leases or Leases()  # swept only where a worker runs ``reclaim`` (not in process)
 
     @property
@@ -176,10 +179,21 @@ class SequenceEngine(Generic[Sequence, Plan]):
             results[i] = self._release(calls[i].seq_id)
 
     def _admit(self, plans: list[Plan], results: list) -> None:
-        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold together; change nothing. The oldest
-        sequences go first, and with ``reserve_growth`` a new sequence starts only while every held one keeps room
-        for its next ``GROWTH_ROUNDS`` rounds (``PagedKVCache.admit``)."""
+        """Refuse (KVCacheExhaustedError) the calls the pool cannot hold together; change nothing. Higher
+        priorities first (a Prefill's ``priority``, lower first), within one the oldest sequences first, and with
+        ``reserve_growth`` a new sequence starts only while every held one of its priority or higher keeps room
+        for its next ``GROWTH_ROUNDS`` rounds (``PagedKVCache.admit``). A refused prompt ranked above a held
+        sequence keeps its place for its next try (``tandem.rpc.priority_waits``)."""
+        kv = self.engine.kv_cache
         lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
+        asked_priority = {plan.call.seq_id: getattr(plan.call, "priority", 0) for plan in plans}
+
+        def rank(seq_id: str) -> int:
+            seq = self.sequences.get(seq_id)
+            return getattr(seq, "priority", 0) if seq is not None else asked_priority.get(seq_id, 0)
+
+        growth: Callable[[str, int], int] | None = None
+        waiting: list[tuple[int, int]] = []
         if self.reserve_growth:
             asked = {plan.call.seq_id: getattr(plan.call, "max_len", 0) for plan in plans}
 
@@ -187,13 +201,19 @@ class SequenceEngine(Generic[Sequence, Plan]):
                 rounds = GROWTH_ROUNDS * IN_FLIGHT_TOKENS
                 max_len = self._max_len(seq_id) or asked.get(seq_id, 0)
                 return max(0, min(max_len - length, rounds)) if max_len else rounds
-        else:
-            growth = None
-        for plan, short in zip(plans, self.engine.kv_cache.admit(lengths, growth)):
-            if short is not None:
-                results[plan.index] = KVCacheExhaustedError(
-                    f"KV cache full: sequence {plan.call.seq_id!r} needs {short} more blocks than are free; "
-                    "retry later")
+
+            waiting = self.priority_waits.holding(asked)
+        for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting)):
+            seq_id = plan.call.seq_id
+            if short is None:
+                self.priority_waits.admitted(seq_id)
+                continue
+            results[plan.index] = KVCacheExhaustedError(
+                f"KV cache full: sequence {seq_id!r} needs {short} more blocks than are free; retry later")
+            if growth is not None and not kv.has_sequence(seq_id) and any(
+                    rank(held) > rank(seq_id) for held in self.sequences):
+                self.priority_waits.refused(seq_id, rank(seq_id),
+                                            kv.blocks_needed(plan.kv_len + growth(seq_id, plan.kv_len)))
 
     def _max_len(self, seq_id: str) -> int:
         """The most tokens a held sequence's KV may reach, as its Prefill said; 0: not known (a draft's)."""

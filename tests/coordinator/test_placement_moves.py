@@ -14,8 +14,8 @@ class FakeClient:
     name: str
     active: int = 0
 
-    def for_request(self, deadline, max_len=0):
-        return ("channel", self.name, max_len)
+    def for_request(self, deadline, max_len=0, priority=0):
+        return ("channel", self.name, max_len, priority)
 
 
 class FakePool:
@@ -38,13 +38,14 @@ def test_faulty_moves_stop_at_the_bound_per_role_and_capacity_moves_do_not_count
         targets, drafts = FakePool("target"), FakePool("draft")
         moved: list[str] = []
         placement = Placement(targets, drafts, uses_draft=True, deadline=None, max_moves=2, move_wait_s=0.0,
-                              on_move=moved.append, max_len=90)
+                              on_move=moved.append, max_len=90, priority=-2)
         placement.enter()
         assert await placement.replace_target(faulty=False) is not None  # a full KV pool: not a fault
         assert placement.target_moves == 0
         for expected in (1, 2):
-            # a moved request's Prefills still say how long it may get (the room its new target keeps it)
-            assert await placement.replace_target(faulty=True) == ("channel", targets.offered[-1].name, 90)
+            # a moved request's Prefills still say how long it may get (the room its new target keeps it), and its
+            # priority
+            assert await placement.replace_target(faulty=True) == ("channel", targets.offered[-1].name, 90, -2)
             assert placement.target_moves == expected
         assert await placement.replace_target(faulty=True) is None  # the third fault: no more moves
         assert len(targets.offered) == 2

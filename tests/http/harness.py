@@ -50,6 +50,7 @@ class ScriptedTarget(FakeTarget):
         self.prompts: list[list[int]] = []
         self.samplings: list[common_pb2.SamplingOptions] = []  # each Prefill's, in order
         self.max_lens: list[int] = []  # each Prefill's max_len, in order
+        self.priorities: list[int] = []  # each Prefill's priority, in order
         self.full_prefills = 0  # Prefills to refuse first as a full pool refuses them (RESOURCE_EXHAUSTED)
         self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
         self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
@@ -79,6 +80,7 @@ class ScriptedTarget(FakeTarget):
         self.prompts.append(prompt)
         self.samplings.append(request.sampling)
         self.max_lens.append(request.max_len)
+        self.priorities.append(request.priority)
         if request.sampling.HasField("logprobs"):
             self.logprobs[request.seq_id] = request.sampling.logprobs
         [token], scores = self._emit(request.seq_id, 1)

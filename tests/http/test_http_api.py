@@ -808,6 +808,43 @@ def test_a_prompt_cache_key_reaches_the_service_as_its_routing_key(tokenizer):
     run(go())
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_priority_reaches_the_target_where_the_server_schedules_by_priority(tokenizer, policy):
+    """vLLM's ``priority`` (chat, completions, the Responses API, gRPC): told to the target with the request's
+    Prefill under ``--scheduling-policy priority``; under FCFS (the default, as vLLM's) only 0 is taken, and
+    another value is a 400 naming the field and the flag."""
+    async def go():
+        async with http_coordinator(tokenizer, scheduling_policy=policy) as running:
+            code, body = await post(running.url + "/chat/completions", {**CHAT, "priority": 0})
+            assert code == 200, body
+            requests = [("/chat/completions", {**CHAT, "priority": -3}),
+                        ("/completions", {"prompt": "hi", "max_tokens": 2, "priority": 5}),
+                        ("/responses", {"input": "hi", "max_output_tokens": 2, "priority": 7})]
+            for route, request in requests:
+                code, body = await post(running.url + route, request)
+                if policy == "priority":
+                    assert code == 200, body
+                else:
+                    assert code == 400 and body["error"]["param"] == "priority", body
+                    assert "--scheduling-policy priority" in body["error"]["message"]
+            async with grpc.aio.insecure_channel(running.grpc_address) as channel:
+                request = generation_pb2.GenerateRequest(text="hi", priority=2)
+                request.stopping.max_new_tokens = 2
+                call = generation_pb2_grpc.GenerationStub(channel).Generate(request)
+                if policy == "priority":
+                    await call
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "priority" in refused.value.details()
+            expected = [0, -3, 5, 7, 2] if policy == "priority" else [0]
+            assert running.target.priorities == expected
+            code, body = await post(running.url + "/chat/completions", {**CHAT, "priority": 2**31})
+            assert code == 400 and body["error"]["param"] == "priority", body
+    run(go())
+
+
 def test_a_prediction_reaches_the_service_and_metadata_is_taken(tokenizer):
     """OpenAI's Predicted Outputs: the prediction's text (content parts joined as a message's are) becomes
     ``speculation.prediction``; the usage counts what verification made of it (nothing here: this target is

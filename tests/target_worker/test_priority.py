@@ -1,0 +1,106 @@
+"""Priorities in a target's KV pool: a prompt of a higher priority (lower value) starts ahead of the growth of lower
+ones, and when the pool is full it keeps its place: the lower ones are refused as they grow (their coordinators
+preempt them) until it fits. On a tiny model, through the engine's own batches; equal priorities are FCFS as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine import ModelEngine
+from tandem.errors import KVCacheExhaustedError
+from tandem.rpc.priority_waits import HOLD_S, PriorityWaits
+from tandem.sampling import SamplingParams
+from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
+from tests.target_worker.test_engine import ok, one_thread  # noqa: F401 - autouse: one torch thread
+
+GREEDY = SamplingParams()
+
+
+def prompt(n: int, first: int) -> list[int]:
+    """A prompt of ``n`` tokens no other shares (the prefix cache plays no part here)."""
+    return list(range(first, first + n))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def full_target(model_dir, low: int) -> tuple[TargetEngine, Clock, list]:
+    """23 blocks of 4 tokens, 18 held by two sequences of priority ``low`` (each keeping 2 blocks to grow into):
+    5 free. Returns the engine, its clock, and the two sequences' first tokens."""
+    engine = TargetEngine(ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=92, block_size=4)),
+                          reserve_growth=True)
+    clock = Clock()
+    engine.priority_waits = PriorityWaits(clock)
+    firsts = ok(engine.run_batch([PrefillCall("a", prompt(40, 3), GREEDY, max_len=48, priority=low)]))
+    firsts += ok(engine.run_batch([PrefillCall("b", prompt(32, 50), GREEDY, max_len=40, priority=low)]))
+    assert engine.engine.kv_cache.num_free_blocks == 5
+    return engine, clock, firsts
+
+
+def urgent() -> PrefillCall:
+    # 6 blocks and 1 to grow into (max_len 28): 7, where 5 are free
+    return PrefillCall("urgent", prompt(24, 70), GREEDY, max_len=28, priority=0)
+
+
+def grow(name: str, length: int, first) -> VerifyCall:
+    """The sequence's next round: its first token and three drafts, past its full last block (one block more)."""
+    return VerifyCall(name, length + 1, [first.next_token] * 3, [])
+
+
+def test_a_higher_priority_prompt_starts_ahead_of_the_room_kept_for_lower_ones(tiny_qwen2_dir):
+    """The room the running sequences keep to grow is theirs against prompts of their priority or lower only."""
+    engine = TargetEngine(ModelEngine.load(EngineConfig(tiny_qwen2_dir, dtype="float32", kv_cache_tokens=92,
+                                                        block_size=4)), reserve_growth=True)
+    # a and b each hold 4 blocks and keep 6 (24 more tokens) free to grow into: 11 free
+    ok(engine.run_batch([PrefillCall("a", prompt(16, 3), GREEDY, max_len=40, priority=1)]))
+    ok(engine.run_batch([PrefillCall("b", prompt(16, 40), GREEDY, max_len=40, priority=1)]))
+    # a prompt of their priority: 4 blocks + their 12 + 2 of its own do not fit in 11
+    (same,) = engine.run_batch([PrefillCall("c", prompt(16, 80), GREEDY, max_len=24, priority=1)])
+    assert isinstance(same, KVCacheExhaustedError)
+    # a higher one keeps only its own room free: 4 + 2 fit
+    ok(engine.run_batch([PrefillCall("d", prompt(16, 80), GREEDY, max_len=24, priority=0)]))
+
+
+def test_a_refused_higher_priority_prompt_keeps_its_place_until_it_fits(tiny_qwen2_dir):
+    engine, _, (a_first, b_first) = full_target(tiny_qwen2_dir, low=1)
+    (refused,) = engine.run_batch([urgent()])
+    assert isinstance(refused, KVCacheExhaustedError)
+    assert len(engine.priority_waits) == 1  # it keeps its place...
+    # ...so a lower sequence that grows is refused (its coordinator preempts it), where before it took the room
+    a_round, b_round = engine.run_batch([grow("a", 40, a_first), grow("b", 32, b_first)])
+    assert isinstance(a_round, KVCacheExhaustedError) and isinstance(b_round, KVCacheExhaustedError)
+    ok(engine.run_batch([ReleaseCall("a")]))  # the preemption: a's KV freed (it comes back later, rebuilt)
+    ok(engine.run_batch([urgent()]))  # the prompt's next try fits
+    assert len(engine.priority_waits) == 0
+    ok(engine.run_batch([grow("b", 32, b_first)]))  # and b grows again: nobody waits now
+
+
+def test_equal_priorities_are_first_come_first_served(tiny_qwen2_dir):
+    """All at 0 (FCFS): a refused prompt keeps no place; the running sequences grow into the free blocks."""
+    engine, _, (a_first, b_first) = full_target(tiny_qwen2_dir, low=0)
+    (refused,) = engine.run_batch([urgent()])
+    assert isinstance(refused, KVCacheExhaustedError)
+    assert len(engine.priority_waits) == 0
+    ok(engine.run_batch([grow("a", 40, a_first), grow("b", 32, b_first)]))
+
+
+@pytest.mark.parametrize("ask_again", [False, True])
+def test_a_waiting_prompt_that_stops_asking_is_forgotten(tiny_qwen2_dir, ask_again):
+    """A prompt that gave up (cancelled, or placed on another replica) holds nothing for longer than ``HOLD_S``; one
+    that asks again within it keeps its place."""
+    engine, clock, (a_first, _) = full_target(tiny_qwen2_dir, low=1)
+    engine.run_batch([urgent()])
+    clock.now += HOLD_S * 0.9
+    if ask_again:
+        (refused,) = engine.run_batch([urgent()])  # refused again: its place is kept from now
+        assert isinstance(refused, KVCacheExhaustedError)
+    clock.now += HOLD_S * 0.2
+    (grown,) = engine.run_batch([grow("a", 40, a_first)])
+    assert isinstance(grown, KVCacheExhaustedError) == ask_again
