@@ -112,6 +112,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/shared_prompt_wait.py
 	$(PYTHON) benchmarks/lone_prompt.py
 	$(PYTHON) benchmarks/prompt_burst.py
+	$(PYTHON) benchmarks/priority_bench.py --rounds 2
 	$(PYTHON) benchmarks/attention_ab.py
 	$(PYTHON) benchmarks/batched_attention.py
 	$(PYTHON) benchmarks/prompt_attention.py

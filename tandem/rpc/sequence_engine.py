@@ -203,6 +203,7 @@ class SequenceEngine(Generic[Sequence, Plan]):
                 return max(0, min(max_len - length, rounds)) if max_len else rounds
 
             waiting = self.priority_waits.holding(asked)
+        lowest = max((rank(held) for held in self.sequences), default=0)  # the lowest priority held
         for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting)):
             seq_id = plan.call.seq_id
             if short is None:
@@ -210,8 +211,8 @@ class SequenceEngine(Generic[Sequence, Plan]):
                 continue
             results[plan.index] = KVCacheExhaustedError(
                 f"KV cache full: sequence {seq_id!r} needs {short} more blocks than are free; retry later")
-            if growth is not None and not kv.has_sequence(seq_id) and any(
-                    rank(held) > rank(seq_id) for held in self.sequences):
+            if growth is not None and not kv.has_sequence(seq_id) and rank(seq_id) < lowest:
+                # a prompt ranked above a held sequence: it keeps its place (blocks for its prompt and its room)
                 self.priority_waits.refused(seq_id, rank(seq_id),
                                             kv.blocks_needed(plan.kv_len + growth(seq_id, plan.kv_len)))
 
