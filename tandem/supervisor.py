@@ -4,7 +4,11 @@ What Kubernetes does for `tandem serve` pods, `tandem up` does with this: a
 worker (or the coordinator) that exits while nobody asked it to is reported,
 left out of routing by the coordinator (its requests move to the replicas
 that are left), and replaced by a new process after a backoff that doubles
-with each recent restart of its role (``RestartPolicy``). When a role has
+with each restart of its role since one of its processes last ran for
+``stable_s`` (``RestartPolicy``): a crash loop backs off, and a replica that
+served for minutes before it was killed (out of memory, a device fault) comes
+back after the first backoff, as Kubernetes resets a pod's back-off once its
+container has run a while. When a role has
 been restarted ``max_restarts`` times within ``window_s`` and exits again,
 restarting is not helping (a model that cannot load, a machine out of
 memory): the supervisor gives up and says why, and `tandem up` stops.
@@ -31,8 +35,13 @@ class RestartPolicy:
 
     max_restarts: int = 5  # per role within window_s; the next exit after that gives up
     window_s: float = 600.0
-    backoff_s: float = 1.0  # before the first restart; doubles with each restart in the window
+    backoff_s: float = 1.0  # before the first restart; doubles with each restart since the role last ran stable_s
     max_backoff_s: float = 60.0
+    # A process that ran this long before it exited was not crash-looping: its role's backoff starts again at
+    # backoff_s. Before, every restart in the window doubled it: a chaos run (a worker killed every 8-16 s) had
+    # its targets' next restart 60 s away after 7 restarts, and a replica that served for minutes between two
+    # out-of-memory kills would wait as long. (A role whose processes keep dying within a minute still backs off.)
+    stable_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -42,9 +51,9 @@ class RestartPolicy:
         if not 0 <= self.backoff_s <= self.max_backoff_s:
             raise ValueError(f"need 0 <= backoff ({self.backoff_s}s) <= max backoff ({self.max_backoff_s}s)")
 
-    def delay(self, recent_restarts: int) -> float:
-        """Seconds to wait before the next restart of a role restarted ``recent_restarts`` times lately."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** recent_restarts)
+    def delay(self, restarts: int) -> float:
+        """Seconds to wait before the next restart of a role restarted ``restarts`` times since it last ran stably."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** restarts)
 
 
 def _say(message: str) -> None:
@@ -65,6 +74,8 @@ class Supervisor:
         self.gave_up: str | None = None
         self._due: dict[int, float] = {}  # id(dead service) -> when its replacement starts
         self._restarts: dict[str, list[float]] = {}  # role -> when its restarts began, within the window
+        self._streak: dict[str, int] = {}  # role -> restarts since one of its processes last ran stable_s
+        self._seen: dict[int, float] = {}  # id(live service) -> when it was first seen running
         self._thread = threading.Thread(target=self._run, daemon=True, name="tandem-supervisor")
 
     def start(self) -> None:
@@ -93,6 +104,7 @@ class Supervisor:
                 if self.stopping.is_set():
                     return
                 if service.process.poll() is None:
+                    self._seen.setdefault(id(service), self.clock())
                     continue
                 if id(service) not in self._due:
                     self._schedule(service)
@@ -100,6 +112,7 @@ class Supervisor:
                     self._replace(service)
             live = {id(s) for s in self.cluster.services}
             self._due = {key: due for key, due in self._due.items() if key in live}  # scaled away meanwhile
+            self._seen = {key: seen for key, seen in self._seen.items() if key in live}
 
     def _recent(self, role: str) -> list[float]:
         horizon = self.clock() - self.policy.window_s
@@ -118,13 +131,17 @@ class Supervisor:
             self.say(self.gave_up)
             self.stopping.set()
             return
-        delay = self.policy.delay(len(recent))
+        seen = self._seen.pop(id(service), None)
+        if seen is not None and self.clock() - seen >= self.policy.stable_s:
+            self._streak[service.role] = 0  # it ran long enough: not a crash loop
+        delay = self.policy.delay(self._streak.get(service.role, 0))
         self._due[id(service)] = self.clock() + delay
         self.say(f"{what}; restarting it in {delay:.0f}s (restart {len(recent) + 1} of at most "
                  f"{self.policy.max_restarts} per {self.policy.window_s:.0f}s); the others keep serving")
 
     def _replace(self, dead: Service) -> None:
         self._recent(dead.role).append(self.clock())
+        self._streak[dead.role] = self._streak.get(dead.role, 0) + 1
         try:
             new = self.cluster.replace(dead)
         except (RuntimeError, TimeoutError) as exc:

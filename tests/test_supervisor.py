@@ -90,6 +90,29 @@ def test_the_backoff_doubles_with_each_recent_restart_and_a_failed_start_counts(
     assert fleet.replaced == ["draft-0"] * 3 and fleet.services[0].name == "draft-13"
 
 
+def test_a_process_that_ran_a_while_before_it_died_comes_back_after_the_first_backoff():
+    """The backoff doubles with each restart since the role last ran ``stable_s``: a crash loop backs off, a replica
+    killed after serving for minutes (out of memory) does not wait out its role's earlier restarts."""
+    fleet, clock = Fleet(service("target", 0)), Clock()
+    watch, said = supervisor(fleet, clock, backoff_s=1.0, max_backoff_s=60.0, stable_s=60.0, max_restarts=10)
+
+    def die_after(seconds: float) -> str:
+        watch.check()  # seen running
+        clock.now += seconds
+        fleet.services[0].process.returncode = -9
+        watch.check()  # seen dead: scheduled
+        delay = said[-1].split("restarting it in ")[1].split("s ")[0]
+        clock.now += 100
+        watch.check()  # replaced
+        return delay
+
+    assert [die_after(5) for _ in range(3)] == ["1", "2", "4"]  # dying soon after each start: a crash loop
+    assert die_after(59) == "8"
+    assert die_after(60) == "1"  # it served a minute: the backoff starts again
+    assert die_after(1) == "2"
+    assert len(fleet.replaced) == 6 and watch.gave_up is None
+
+
 def keep_killing(times: int, every_s: float) -> Supervisor:
     """A one-target fleet whose target exits ``times`` times, ``every_s`` apart (no backoff, 2 restarts per 100 s)."""
     fleet, clock = Fleet(service("target", 0)), Clock()

@@ -8,7 +8,9 @@ coordinator serves the OpenAI-compatible HTTP API (--http-port, default 8000;
 
 A process that exits on its own is restarted (a worker on a new port, the
 coordinator on its own), after a backoff that doubles from 1 s to at most
-60 s with each restart of its role; meanwhile the others keep serving and the
+60 s with each restart of its role since one of its processes last ran a
+minute (a replica killed after serving a while comes back in 1 s); meanwhile
+the others keep serving and the
 coordinator moves requests off a dead worker. After --max-restarts restarts
 of one role within --restart-window seconds, the next exit stops everything
 (exit code 1): restarting is not helping then.
