@@ -311,6 +311,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         scored prompt (``prompt_logprobs``) to ``SCORED_ROWS_PER_STEP`` rows whatever else runs, to bound the logits
         it holds."""
         prompts = [p for p in plans if isinstance(p.call, PrefillCall) and not p.call.prompt_len]  # (not rebuilds)
+        prompts.sort(key=lambda p: p.call.priority)  # a higher priority takes the lone chunk first; FCFS within one
         for plan in prompts:
             if _scores_prompt(plan.call) and len(plan.item.token_ids) > SCORED_ROWS_PER_STEP:
                 _cut(plan, SCORED_ROWS_PER_STEP)

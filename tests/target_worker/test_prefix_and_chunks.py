@@ -210,19 +210,21 @@ def test_a_lone_long_prompt_goes_in_chunks_and_a_newcomer_joins_before_it_ends(t
     assert torch.equal(kv_of(chunked.engine, "b"), kv_of(whole.engine, "b"))  # every row as in one run
 
 
+@pytest.mark.parametrize("priorities,order", [((0, 0, 0), ["b", "c", "d"]), ((1, 1, 0), ["d", "b", "c"])])
 def test_prompts_arriving_together_at_an_idle_target_share_a_lone_chunk_and_the_oldest_finishes_first(
-        tiny_qwen2_dir, monkeypatch):
+        tiny_qwen2_dir, monkeypatch, priorities, order):
     """A burst's prompts each took a lone chunk in one step: fifteen 2,000-token prompts of the tiny served model made a
-    4.5 s step, and every one of them finished at the burst's end."""
+    4.5 s step, and every one of them finished at the burst's end. Of several priorities, the highest goes first."""
     monkeypatch.setattr(packed, "MIN_PACKED_ELEMENTS", 0)  # row-invariant kernels, as every real model's (above)
     prompts = {name: [t + shift for t in LONG] for name, shift in (("b", 0), ("c", 1), ("d", 2))}
     whole = TargetEngine(load(tiny_qwen2_dir, caching=False))
     expected = {name: ok(whole.run_batch([PrefillCall(name, ids, GREEDY)]))[0] for name, ids in prompts.items()}
     chunked = TargetEngine(load(tiny_qwen2_dir, caching=False), prefill_chunk_tokens=None)
     chunked.chunks = PrefillChunks(None, *priced(0.02, LONE_CHUNK_S / 20))  # a lone chunk: 20 tokens, else 1
-    calls = [PrefillCall(name, ids, GREEDY) for name, ids in prompts.items()]
+    calls = [PrefillCall(name, ids, GREEDY, priority=p) for (name, ids), p in zip(prompts.items(), priorities)]
     assert all(isinstance(r, Unfinished) for r in ok(chunked.run_batch(calls)))
-    assert [chunked.engine.seq_len(name) for name in prompts] == [20, 1, 1]  # one lone chunk in the step, not three
+    # one lone chunk in the step, not three
+    assert [chunked.engine.seq_len(name) for name in order] == [20, 1, 1]
     finished: list[str] = []
     while calls:
         results = ok(chunked.run_batch(calls))
@@ -231,7 +233,7 @@ def test_prompts_arriving_together_at_an_idle_target_share_a_lone_chunk_and_the_
             if not isinstance(result, Unfinished):
                 assert result == expected[call.seq_id]
         calls = [call for call, r in zip(calls, results) if isinstance(r, Unfinished)]
-    assert finished == ["b", "c", "d"]  # first come, first served
+    assert finished == order  # first come, first served (by priority first)
     for name in prompts:
         assert torch.equal(kv_of(chunked.engine, name), kv_of(whole.engine, name))  # every row as in one run
 
