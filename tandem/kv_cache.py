@@ -149,6 +149,7 @@ class PagedKVCache:
                         for i, (s, _) in enumerate(lengths)]
                        + [(r, _WAITING, j, j) for j, (r, _) in enumerate(waiting)])
         reserved = 0  # the growth of the new sequences admitted so far (all ranked as high as the next, or higher)
+        held_reserve: dict[int, int] = {}  # rank -> the growth of the held sequences ranked as high or higher
         for r, kind, _, i in order:
             if kind == _WAITING:
                 free -= min(free, waiting[i][1])
@@ -161,7 +162,9 @@ class PagedKVCache:
                 else:
                     refused[i] = n - free
                 continue
-            reserve = reserved + sum(g for held_rank, g in held_growth if held_rank <= r)
+            if r not in held_reserve:  # (once per rank: a burst of new prompts would sum it per prompt)
+                held_reserve[r] = sum(g for held_rank, g in held_growth if held_rank <= r)
+            reserve = reserved + held_reserve[r]
             own = self._growth(length, self.blocks_needed(length), growth(seq_id, length) if growth else 0)
             if n + reserve + own <= free:
                 free -= n
