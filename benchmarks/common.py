@@ -187,6 +187,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), ``q`` in 0..100; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 def machine_info() -> dict[str, Any]:
     """What a timing depends on beyond the flags: the CPU, its cores, torch's version and threads, transformers'."""
     import torch

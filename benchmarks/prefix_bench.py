@@ -84,6 +84,7 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     markdown_table,
     new_figure,
+    percentile,
     quick_default,
     save_figure,
     threshold_line,
@@ -480,17 +481,6 @@ def _wait(done: Any, streams: list[Stream], timeout_s: float = 3600.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the scenario's streams stalled")
         time.sleep(0.01)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), ``q`` in 0..100; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass(slots=True)

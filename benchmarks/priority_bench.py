@@ -39,6 +39,7 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     markdown_table,
     new_figure,
+    percentile,
     save_figure,
     write_json,
     write_markdown,
@@ -82,11 +83,6 @@ def request(prompt: str, tokens: int, priority: int, method: str) -> Any:
     req = build_request(prompt, chat=True, max_new_tokens=tokens, ignore_eos=True, method=method)
     req.priority = priority
     return req
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def one_window(client: Any, config: str, window: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -150,7 +146,7 @@ def summarise(config: str, windows: list[dict[str, Any]]) -> dict[str, Any]:
     ttfts = [x for w in windows for x in w["ttfts_s"]]
     row: dict[str, Any] = {"config": config, "interactive": len(latencies)}
     for keys, values in ((LATENCIES, latencies), (TTFTS, ttfts)):
-        row.update(zip(keys, (statistics.median(values), percentile(values, 0.9), max(values))))
+        row.update(zip(keys, (statistics.median(values), percentile(values, 90), max(values))))
     row["background_tokens_per_s"] = statistics.fmean(w["background_tokens_per_s"] for w in windows)
     row["background_preemptions"] = sum(w["background_preemptions"] for w in windows)
     row["background_finished"] = sum(w["background_finished"] for w in windows)
