@@ -371,14 +371,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return ids
 
     def _tools(self, request: generation_pb2.GenerateRequest) -> ToolUse | None:
-        """The request's tools, validated; None without any. Shown tools need a chat and a template that shows them
-        in the format the calls are parsed in."""
+        """The request's tools, validated (``tool_use``); None without any."""
         if not request.HasField("tools"):
             return None
-        tools = tool_use(request.tools)  # refuses a call that must be made without tools
+        return self.tool_use(request.tools, in_conversation=request.WhichOneof("input") == "messages")
+
+    def tool_use(self, options: generation_pb2.ToolOptions, in_conversation: bool = True) -> ToolUse | None:
+        """Tools as a request gives them, validated; None without any. Tools need a conversation, and shown ones a
+        template that shows them in the format the calls are parsed in. (/tokenize checks its tools here too.)"""
+        tools = tool_use(options)  # refuses a call that must be made without tools
         if not tools.tools:
             return None
-        if request.WhichOneof("input") != "messages":
+        if not in_conversation:
             raise InvalidRequestError("tools: only with messages (a conversation)")
         if tools.shown:
             if self.tool_format is None:
@@ -399,7 +403,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         elif which == "messages":
             field = "messages"
             turns = conversation(request.messages.messages)
-            shown = [t.template_entry() for t in tools.tools] if tools is not None and tools.shown else None
+            shown = tools.template_entries() if tools is not None else None
             kwargs = _field("messages.template_kwargs", lambda: template_kwargs(request.messages.template_kwargs))
             try:
                 ids = _field("messages", lambda: chat_template_refusals(lambda: encode_messages(

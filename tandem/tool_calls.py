@@ -111,6 +111,11 @@ class ToolUse:
         """Whether the model sees the tools (and its text is parsed for calls)."""
         return bool(self.tools) and self.choice != "none"
 
+    def template_entries(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template is given them: OpenAI's ``tools`` items; None where the model is shown none
+        (``tool_choice: none``)."""
+        return [t.template_entry() for t in self.tools] if self.shown else None
+
     @property
     def enforced(self) -> bool:
         """Whether calls must be made (a grammar enforces them)."""

@@ -176,7 +176,7 @@ class HttpApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda body: tokenize.tokenize(
-            body, self.tokenizer, self.service.served_context(), self.service.infill_format))
+            body, self.tokenizer, self.service.served_context(), self.service.infill_format, self.service.tool_use))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda body: tokenize.detokenize(

@@ -185,7 +185,7 @@ def parse_chat(data: dict[str, Any], request_id: str = "") -> ParsedRequest:
     request.messages.messages.extend(parse_messages(body.take("messages")))
     request.messages.continue_final_message = _continues_final_message(body)
     request.messages.template_kwargs = chat_template_kwargs(body)
-    _tools(body, request)
+    parse_tools(body, request)
     max_tokens, max_completion = body.integer("max_tokens", 1, INT32_MAX), body.integer(
         "max_completion_tokens", 1, INT32_MAX)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -543,7 +543,7 @@ def _earlier_calls(where: str, value: Any) -> list[generation_pb2.ToolCall]:
     return calls
 
 
-def _tools(body: Fields, request: generation_pb2.GenerateRequest) -> None:
+def parse_tools(body: Fields, request: generation_pb2.GenerateRequest) -> None:
     """``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``; their rules (names, schemas, a
     choice naming a tool) are the service's checks (``tandem.tool_calls``)."""
     tools, choice, parallel = body.take("tools"), body.take("tool_choice"), body.boolean("parallel_tool_calls")

@@ -3,8 +3,9 @@
 - ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}``, ``{"prompt": text, "suffix": text}`` (the
   fill-in-the-middle prompt completions' ``suffix`` sends, in the model's marker tokens), or ``{"messages": [...],
   "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false,
-  "chat_template_kwargs": {}}`` (the chat template renders the turns, as chat completions do), either with
-  ``return_token_strs``; the reply is
+  "chat_template_kwargs": {}, "tools": [...], "tool_choice": ...}`` (the chat template renders the turns and the
+  tools, as chat completions do: ``tool_choice: "none"`` shows the model none), either with ``return_token_strs``;
+  the reply is
   ``{"count", "max_model_len", "tokens"[, "token_strs"]}``.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``.
 - ``GET /tokenizer_info``: the tokenizer's class, special tokens, chat template and the served context.
@@ -16,31 +17,40 @@ completions' are (``coordinator.http.schema``): a field Tandem does not know is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.chat import TemplateVariablesError, chat_template_refusals, conversation
 from coordinator.http.errors import ApiError, bad_field
 from coordinator.http.fields import Fields
-from coordinator.http.schema import INT32_MAX, chat_template_kwargs, parse_messages
+from coordinator.http.schema import INT32_MAX, chat_template_kwargs, parse_messages, parse_tools
 from tandem.errors import InvalidRequestError, check_token_ids
 from tandem.infill import InfillFormat, no_infill_message
 from tandem.tokenizer import template_kwargs
+from tandem.tool_calls import ToolUse
+from tandem.v1 import generation_pb2
+
+# The service's check of a request's tools (``GenerationService.tool_use``): what chat completions refuse, refused.
+ToolCheck = Callable[[generation_pb2.ToolOptions], ToolUse | None]
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int, infill: InfillFormat | None = None
-             ) -> dict[str, Any]:
+def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int, infill: InfillFormat | None = None,
+             tools: ToolCheck | None = None) -> dict[str, Any]:
     """The ``/tokenize`` reply to ``data``; ``infill``: the model's fill-in-the-middle format (None: it has none, and a
-    ``suffix`` is refused naming it)."""
+    ``suffix`` is refused naming it); ``tools``: how chat completions check tools (None: tools are refused)."""
     body = Fields(data)
     body.string("model")  # checked by the caller against the served model
     strings = bool(body.boolean("return_token_strs"))
     if "messages" in body.data:
         if "prompt" in body.data:
             raise bad_field("prompt", "give a prompt or messages, not both")
-        ids = _render(body, tokenizer)
+        ids = _render(body, tokenizer, tools)
     else:
+        if any(name in body.data for name in ("tools", "tool_choice")):
+            raise bad_field("tools" if "tools" in body.data else "tool_choice",
+                            "only with messages (a conversation's template shows the model its tools)")
         prompt = body.string("prompt")
         if prompt is None:
             raise bad_field("prompt", "required: the text to tokenize (or messages: a conversation)")
@@ -68,9 +78,11 @@ def _infill(prefix: str, suffix: str, special: bool | None, tokenizer: Any, fmt:
     return fmt.prompt_ids(tokenizer, prefix, suffix)
 
 
-def _render(body: Fields, tokenizer: Any) -> list[int]:
-    """A conversation's tokens through the chat template (what chat completions would send the model)."""
+def _render(body: Fields, tokenizer: Any, check_tools: ToolCheck | None) -> list[int]:
+    """A conversation's tokens through the chat template, with its tools (what chat completions would send the
+    model)."""
     turns = conversation(parse_messages(body.take("messages")))
+    tools = _shown_tools(body, check_tools)
     generation = body.boolean("add_generation_prompt")
     final = bool(body.boolean("continue_final_message"))
     if final and generation:
@@ -84,13 +96,26 @@ def _render(body: Fields, tokenizer: Any) -> list[int]:
         raise bad_field("messages", "this model's tokenizer has no chat template: send a prompt instead")
     try:
         ids = chat_template_refusals(lambda: tokenizer.apply_chat_template(
-            turns, add_generation_prompt=not final if generation is None else generation,
+            turns, tools=tools, add_generation_prompt=not final if generation is None else generation,
             continue_final_message=final, tokenize=True, add_special_tokens=special, **kwargs), kwargs)
     except ValueError as exc:  # the template refused these turns (or the final one cannot be continued)
         raise bad_field("messages", str(exc)) from None
     except TemplateVariablesError as exc:
         raise bad_field("chat_template_kwargs", str(exc)) from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
+
+
+def _shown_tools(body: Fields, check: ToolCheck | None) -> list[dict[str, Any]] | None:
+    """The tools the template shows the model, as chat completions give them (None: none shown); refused as chat
+    completions refuse them (a template that cannot show them, a choice naming no tool...)."""
+    request = generation_pb2.GenerateRequest()
+    parse_tools(body, request)  # tools, tool_choice, parallel_tool_calls: parsed and named as a chat's are
+    if not request.HasField("tools"):
+        return None
+    if check is None:
+        raise bad_field("tools", "not taken here")
+    use = check(request.tools)
+    return use.template_entries() if use is not None else None
 
 
 def detokenize(data: dict[str, Any], tokenizer: Any, vocab_size: int) -> dict[str, Any]:

@@ -220,8 +220,50 @@ def test_a_template_that_shows_no_tools_refuses_them_and_says_what_to_do(tmp_pat
         async with http_coordinator(tiny_tokenizer(tmp_path)) as running:
             code, body = await post(running.url + "/chat/completions", {"messages": ASK, "tools": [WEATHER]})
             assert code == 400 and body["error"]["param"] == "tools" and "--chat-template" in body["error"]["message"]
+            code, counted = await post(running.root + "/tokenize", {"messages": ASK, "tools": [WEATHER]})
+            assert code == 400 and counted["error"] == body["error"]  # /tokenize refuses what the chat would
             with pytest.raises(openai.BadRequestError):  # the client's own shape of it
                 await client(running).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
+    run(go())
+
+
+def test_tokenize_counts_a_conversation_with_its_tools_as_chat_completions_send_it(tokenizer):
+    """vLLM's /tokenize takes a chat's ``tools`` (an RL trainer or a client sizing an agent's prompt counts them):
+    the tokens are exactly the prompt the chat completion sent the target, for every tool choice."""
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            running.target.script = [*spell(tokenizer, "Sunny."), EOS]
+            api = client(running)
+            for choice in ("auto", "required", "none", {"type": "function", "function": {"name": "get_time"}}):
+                code, body = await post(running.root + "/tokenize", {"messages": ASK, "tools": [WEATHER, CLOCK],
+                                                                     "tool_choice": choice, "model": MODEL})
+                assert code == 200, body
+                await api.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                  tool_choice=choice, max_tokens=200, temperature=0)
+                assert body["tokens"] == running.target.prompts[-1], choice
+                shown = tokenizer.decode(body["tokens"]).startswith("get_weatherget_time<tool_call>")
+                assert shown == (choice != "none"), choice
+            code, bare = await post(running.root + "/tokenize", {"messages": ASK})
+            assert code == 200 and bare["count"] < body["count"]  # (body: the last choice's, tools shown)
+            code, without = await post(running.root + "/tokenize", {"messages": ASK, "tools": [WEATHER],
+                                                                    "tool_choice": "none"})
+            assert without["tokens"] == bare["tokens"]
+    run(go())
+
+
+@pytest.mark.parametrize("change,param,words", [
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].name", "twice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "get_time"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type", "function tools only"),
+    ({"tools": [WEATHER], "messages": None, "prompt": "weather?"}, "tools", "only with messages"),
+])
+def test_tokenize_refuses_tools_as_chat_completions_do(tokenizer, change, param, words):
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            body = {k: v for k, v in {"messages": ASK, **change}.items() if v is not None}
+            code, reply = await post(running.root + "/tokenize", body)
+            assert code == 400 and reply["error"]["param"] == param and words in reply["error"]["message"], reply
     run(go())
 
 
