@@ -66,7 +66,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
     metrics = CoordinatorMetrics(server.registry, cache.snapshot if cache else None,
                                  replica_counts=lambda: {"target": targets.counts(), "draft": drafts.counts()},
                                  match_rates=match_rates.snapshot,
-                                 busy_waits=lambda: {"target": targets.busy_waits(), "draft": drafts.busy_waits()})
+                                 busy_waits=lambda: {"target": targets.busy_waits(), "draft": drafts.busy_waits()},
+                                 served_model=targets.served_model, kv_usage=targets.kv_usage)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache, match_rates)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     # The OpenAI-compatible API on this event loop, into the same service; bound now so that the READY line names

@@ -76,6 +76,7 @@ class _MetricsObserver:
 
     def on_round(self, k: int, drafted: int, accepted: int, source: str) -> None:
         self.metrics.chosen_k.observe(k)
+        self.metrics.vllm.round(drafted, accepted)
         if drafted:
             self.metrics.accepted_len.observe(accepted)
             self.metrics.proposals.labels(source).inc()
@@ -163,7 +164,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def target_model(self) -> str:
         """The served model, as its target workers name it (empty before one has answered)."""
-        return next((c.info.model for c in self.targets.clients if c.verified), "")
+        return self.targets.served_model()
 
     # ----- the request path, written once for both APIs (gRPC here, HTTP in coordinator/http) -----------
     def start(self, request: generation_pb2.GenerateRequest, remaining_s: float | None) -> _Request:
@@ -185,7 +186,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         seq_id = f"{request_id}-{uuid.uuid4().hex}"
         # The request's channels survive their replicas (moves, preemption) by the placement's pools.
         verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
-            options, state, self.max_context, target.fitted_cost(), first=True))
+            options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting)
         channel = placement.draft_channel()
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
@@ -231,6 +232,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _drive(self, run: _Request) -> AsyncIterator[None]:
         state, metrics = run.state, self.metrics
         metrics.active.inc()
+        metrics.vllm.started()
         run.placement.enter()
         outcome = "error"
         emitted = 0
@@ -242,9 +244,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if new:
                     if emitted == 0:
                         metrics.ttft.observe(now - state.stats.started_at)
+                        metrics.vllm.ttft.observe(now - state.stats.started_at)
                     else:
                         for _ in range(new):
                             metrics.itl.observe((now - last) / new)
+                            metrics.vllm.itl.observe((now - last) / new)
                     metrics.generated_tokens.inc(new)
                     emitted, last = state.num_generated, now
                 yield
@@ -257,6 +261,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             metrics.active.dec()
             metrics.requests.labels(outcome).inc()
             stats = state.stats
+            metrics.vllm.finished(stats, outcome, state.finish_reason, len(state.prompt_ids))
             if stats.preemptions:
                 metrics.preemptions.inc(stats.preemptions)
             if stats.room_waits:

@@ -475,6 +475,16 @@ class WorkerPool:
     def has_routable(self) -> bool:
         return any(c.routable for c in self.clients)
 
+    def served_model(self) -> str:
+        """The model its replicas serve, as they name it ("" before one has answered)."""
+        return next((c.info.model for c in self.clients if c.verified and c.info is not None), "")
+
+    def kv_usage(self) -> float:
+        """The share of its routable healthy replicas' KV blocks in use (0..1), as their last Info said; 0 with none."""
+        infos = [c.info for c in self.clients if c.routable and c.healthy and c.info is not None]
+        total = sum(info.total_blocks for info in infos)
+        return sum(info.total_blocks - info.free_blocks for info in infos) / total if total > 0 else 0.0
+
     def heads_kind(self) -> str:
         """The speculation heads every routable replica serves ("" when none, or when they differ:
         a heads request must find its heads wherever it is placed or moved)."""

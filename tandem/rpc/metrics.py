@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tandem.rpc.vllm_metrics import VllmMetrics
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
@@ -152,8 +154,11 @@ class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry, cache_snapshot: Callable[[], dict[str, Any]] | None = None,
                  replica_counts: Callable[[], dict[str, dict[str, int]]] | None = None,
                  match_rates: Callable[[], list[dict[str, Any]]] | None = None,
-                 busy_waits: Callable[[], dict[str, int]] | None = None) -> None:
+                 busy_waits: Callable[[], dict[str, int]] | None = None,
+                 served_model: Callable[[], str] = lambda: "", kv_usage: Callable[[], float] = lambda: 0.0) -> None:
         p = "tandem_coordinator"
+        # the same requests under vLLM's names, for gateways and dashboards built for vLLM (tandem.rpc.vllm_metrics)
+        self.vllm = VllmMetrics(registry, served_model, kv_usage)
         self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=registry)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens streamed to clients", registry=registry)
         self.accepted_len = Histogram(f"{p}_accepted_length", "draft tokens accepted per speculative round",

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
 from tandem.sampling_params import SamplingParams
@@ -46,6 +46,14 @@ REPLICA_FAULTS = (WorkerUnavailableError, InternalError)
 KV_BACKOFF_S = 0.05
 KV_BACKOFF_MAX_S = 2.0
 KV_WAIT_MAX_S = 300.0
+
+
+class Tally(Protocol):
+    """A count that goes up and down (a Prometheus gauge): the requests waiting now."""
+
+    def inc(self) -> None: ...
+
+    def dec(self) -> None: ...
 
 
 def _in_background(call: Awaitable[Any], tasks: set[asyncio.Task]) -> None:
@@ -67,15 +75,18 @@ class FailoverVerifier:
     """A ``Verifier`` on the request's current target replica, replacing it when it fails the request.
 
     ``rebuild_propose(target)``: the heads' node budget a rebuild on ``target`` asks for (0: the request
-    has no heads; otherwise the heads' KV must be rebuilt along with the target's).
+    has no heads; otherwise the heads' KV must be rebuilt along with the target's). ``waiting``: counts the
+    request while it waits (for room in a full pool, preempted or not yet admitted, or for a healthy replica after a
+    fault) until its call is served: the coordinator's queue, as a scheduler's waiting queue counts.
     """
 
     def __init__(self, target: Verifier, replicas: ReplicaSource, state: RequestState,
-                 rebuild_propose: Callable[[Verifier], int]) -> None:
+                 rebuild_propose: Callable[[Verifier], int], waiting: Tally | None = None) -> None:
         self.target = target
         self.replicas = replicas
         self.state = state  # the committed history a rebuild feeds, and the stats moves count in
         self.rebuild_propose = rebuild_propose
+        self.waiting = waiting
         self._releases: set[asyncio.Task] = set()
 
     @property
@@ -105,6 +116,14 @@ class FailoverVerifier:
         ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
         it there from the committed history.
         """
+        waiting = _WaitCount(self.waiting)
+        try:
+            return await self._until_served(seq_id, call, rebuild, waiting)
+        finally:
+            waiting.end()
+
+    async def _until_served(self, seq_id: str, call: Callable[[Verifier], Awaitable[T]], rebuild: bool,
+                            waiting: _WaitCount) -> T:
         s = self.state
         needs_rebuild = False
         backoff, waited = KV_BACKOFF_S, 0.0
@@ -120,6 +139,7 @@ class FailoverVerifier:
             except KVCacheExhaustedError:
                 if waited >= KV_WAIT_MAX_S:
                     raise
+                waiting.start()
                 if holds:  # preempted: others get its blocks meanwhile
                     await self.target.release(seq_id)
                     s.stats.preemptions += 1
@@ -136,6 +156,7 @@ class FailoverVerifier:
                 if replacement is None:
                     raise
             except REPLICA_FAULTS:
+                waiting.start()
                 replacement = await self.replicas.replace_target(faulty=True)
                 if replacement is None:
                     raise
@@ -151,6 +172,24 @@ class FailoverVerifier:
                 s.stats.target_moves += 1
             self.target = replacement
             needs_rebuild = rebuild
+
+
+class _WaitCount:
+    """One call's place in the ``waiting`` tally: counted once from its first refusal or fault, until it ends."""
+
+    def __init__(self, tally: Tally | None) -> None:
+        self.tally = tally
+        self.counted = False
+
+    def start(self) -> None:
+        if self.tally is not None and not self.counted:
+            self.counted = True
+            self.tally.inc()
+
+    def end(self) -> None:
+        if self.counted and self.tally is not None:
+            self.counted = False
+            self.tally.dec()
 
 
 class FailoverDraft:

@@ -181,6 +181,34 @@ def test_stop_string_cuts_text_and_stop_token_ends(client, reference):
     assert list(reply.token_ids) == reference[PROMPTS[1]][: reference[PROMPTS[1]].index(stop_token) + 1]
 
 
+def vllm_totals(service) -> dict[str, float]:
+    """The coordinator's vllm: samples by name, each summed over its labels (model_name, finished_reason...)."""
+    totals: dict[str, float] = {}
+    for key, value in metric_samples(service, "vllm:").items():
+        name = key.partition("{")[0]
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def test_the_coordinator_s_vllm_metrics_count_what_its_replies_say(client, cluster):
+    """What a gateway or a vLLM dashboard scrapes from a real coordinator agrees with the replies' own statistics:
+    tokens read and written, requests finished, proposed and accepted tokens; nothing is left queued or running."""
+    before = vllm_totals(cluster.coordinator)
+    replies = [generate(client, prompt, method="draft", fixed_k=True, tree="off") for prompt in PROMPTS[:2]]
+    after = vllm_totals(cluster.coordinator)
+
+    def added(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    assert added("vllm:request_success_total") == 2
+    assert added("vllm:prompt_tokens_total") == sum(r.stats.prompt_tokens for r in replies)
+    assert added("vllm:generation_tokens_total") == sum(r.stats.generated_tokens for r in replies)
+    assert added("vllm:spec_decode_num_draft_tokens_total") == sum(r.stats.drafted for r in replies) > 0
+    assert added("vllm:spec_decode_num_accepted_tokens_total") == sum(r.stats.accepted for r in replies)
+    assert added("vllm:time_to_first_token_seconds_count") == 2
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
+    assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
+
+
 def test_cancelled_stream_returns_its_kv_blocks(client):
     stream = client.stream(build_request(PROMPTS[0], chat=True, max_new_tokens=400, method="draft", ignore_eos=True))
     next(stream)

@@ -160,6 +160,55 @@ def test_without_a_spare_or_past_the_longest_wait_the_error_reaches_the_caller(m
     assert 0 < state.stats.preemptions < 1000
 
 
+class Tally:
+    """The waiting tally (``failover.Tally``), and the value each replica call saw."""
+
+    def __init__(self) -> None:
+        self.value, self.seen = 0, []
+
+    def inc(self) -> None:
+        self.value += 1
+
+    def dec(self) -> None:
+        self.value -= 1
+
+
+class Watched(Replica):
+    """A replica that notes the tally's value at each call."""
+
+    def __init__(self, name: str, tally: Tally, errors=()) -> None:
+        super().__init__(name, errors)
+        self.tally = tally
+
+    def _answer(self, call: tuple) -> None:
+        self.tally.seen.append((call[0], self.tally.value))
+        super()._answer(call)
+
+
+def test_a_request_counts_as_waiting_from_its_first_refusal_or_fault_until_its_call_is_served(monkeypatch):
+    """The coordinator's queue (vllm:num_requests_waiting): a call refused for room, preempted or moved after a
+    fault is counted once while it waits and its rebuild runs, and no longer once served or given up."""
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    tally = Tally()
+    state = request()
+    full = Watched("full", tally, [None, KVCacheExhaustedError("full"), KVCacheExhaustedError("full")])
+    wrapped = FailoverVerifier(full, Spares(targets=[full] * 2), state, lambda _: 0, waiting=tally)
+    asyncio.run(wrapped.verify("s", len(state.history), [4], []))  # served at once: never waiting
+    asyncio.run(wrapped.verify("s", len(state.history), [4], []))  # preempted, its rebuild refused, then served
+    assert tally.seen == [("verify", 0), ("verify", 0), ("prefill", 1), ("prefill", 1), ("verify", 1)]
+    assert tally.value == 0
+    dying, spare = Watched("dying", tally, [WorkerUnavailableError("gone")]), Watched("spare", tally)
+    wrapped = FailoverVerifier(dying, Spares(targets=[spare]), request(), lambda _: 0, waiting=tally)
+    asyncio.run(wrapped.verify("s", 7, [], []))
+    assert tally.seen[-3:] == [("verify", 0), ("prefill", 1), ("verify", 1)] and tally.value == 0
+    monkeypatch.setattr(failover, "KV_WAIT_MAX_S", 0.005)  # given up: no longer waiting either
+    full = Watched("full", tally, [KVCacheExhaustedError("full")] * 1000)
+    with pytest.raises(KVCacheExhaustedError):
+        asyncio.run(FailoverVerifier(full, Spares(targets=[full] * 1000), request(), lambda _: 0,
+                                     waiting=tally).prefill("s", PROMPT, SamplingParams()))
+    assert max(value for _, value in tally.seen) == 1 and tally.value == 0
+
+
 def test_an_error_that_is_no_replica_fault_is_not_survived():
     state = request()
     spares = Spares(targets=[Replica("spare")])
