@@ -160,20 +160,36 @@ def test_the_draft_busy_share_signal_reads_the_drafts_batch_time():
     assert trigger["metricType"] == "Value"
 
 
+def test_the_target_fleet_can_scale_on_the_requests_its_coordinators_hold_waiting_for_room():
+    objects = render("keda", "autoscaling.keda.target.signal=waitingRequests", "autoscaling.keda.target.threshold=1.5")
+    (trigger,) = one(objects, "ScaledObject", name("target"))["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert query.startswith("sum(vllm:num_requests_waiting{") and trigger["metricType"] == "AverageValue"
+    assert f'service="{name("coordinator")}-metrics"' in query and f'namespace="{NAMESPACE}"' in query
+    assert trigger["metadata"]["threshold"] == "1.5"
+    assert "/autoscaling/keda/draft/signal" in render_error("autoscaling.keda.draft.signal=waitingRequests")  # targets'
+
+
 def test_the_metric_names_in_the_autoscaling_queries_exist():
     from prometheus_client import CollectorRegistry
 
-    from tandem.rpc.metrics import WorkerMetrics
+    from tandem.rpc.metrics import CoordinatorMetrics, WorkerMetrics
 
     exported = set()
     for role in FLEETS:
         registry = CollectorRegistry()
         WorkerMetrics(registry, role)
         exported |= {s.name for m in registry.collect() for s in m.samples}
+    registry = CollectorRegistry()
+    CoordinatorMetrics(registry)
+    exported |= {s.name for m in registry.collect() for s in m.samples}
     objects = render("keda", "autoscaling.keda.draft.signal=busyShare")
     objects += render("keda", "autoscaling.keda.target.signal=queueDepth")
-    for scaled in of_kind(objects, "ScaledObject"):
-        for metric in re.findall(r"tandem_[a-z_]+", scaled["spec"]["triggers"][0]["metadata"]["query"]):
+    objects += render("keda", "autoscaling.keda.target.signal=waitingRequests")
+    queries = [s["spec"]["triggers"][0]["metadata"]["query"] for s in of_kind(objects, "ScaledObject")]
+    assert any("vllm:" in query for query in queries)
+    for query in queries:
+        for metric in re.findall(r"(?:tandem_|vllm:)[a-z_]+", query):
             assert metric in exported, metric
 
 
