@@ -504,7 +504,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             target_moves=st.target_moves, draft_moves=st.draft_moves, preemptions=st.preemptions,
             tree_rounds=st.tree_rounds, branch_tokens=st.branch_tokens, prompt_tokens_reused=st.prompt_tokens_reused,
             draft_wait_rounds=st.draft_wait_rounds, forced_tokens=st.forced_tokens,
-            prediction_accepted=st.prediction_accepted, prediction_rejected=st.prediction_rejected)
+            prediction_accepted=st.prediction_accepted, prediction_rejected=st.prediction_rejected,
+            queue_s=st.queue_s)
 
 
 def _finish_reason(run: _Request) -> str:

@@ -47,7 +47,7 @@ def test_requests_rounds_and_the_fleet_s_kv_read_as_vllm_names_them():
     assert ("vllm:spec_decode_num_accepted_tokens_per_pos_total",
             (("model_name", "qwen"), ("position", "2"))) not in samples
 
-    stats = GenerationStats(generated=5, preemptions=1, prompt_tokens_reused=16)
+    stats = GenerationStats(generated=5, preemptions=1, prompt_tokens_reused=16, queue_s=0.75)
     stats.last_token_at = stats.started_at + 2.0
     metrics.waiting.dec()
     metrics.finished(stats, "ok", "stop", prompt_tokens=40)
@@ -62,6 +62,8 @@ def test_requests_rounds_and_the_fleet_s_kv_read_as_vllm_names_them():
     assert value(samples, "vllm:num_preemptions_total") == 1
     assert value(samples, "vllm:e2e_request_latency_seconds_count") == 2
     assert value(samples, "vllm:e2e_request_latency_seconds_sum") == 2.0
+    assert value(samples, "vllm:request_queue_time_seconds_sum") == 0.75
+    assert value(samples, "vllm:request_queue_time_seconds_bucket", le="0.5") == 1  # the other waited not at all
     assert value(samples, "vllm:request_prompt_tokens_bucket", le="50.0") == 2
     assert value(samples, "vllm:request_prompt_tokens_bucket", le="20.0") == 1
 

@@ -16,7 +16,9 @@ requests on the target and draft fleets itself. Every sample carries ``model_nam
   targets as their last Info poll said (every ``--info-poll-s``, 1 s by default: not per step as in vLLM).
 - per finished request: ``vllm:request_success_total`` by ``finished_reason`` (``stop``, ``length``; a client that
   left: ``abort``; an error: ``error``), ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total``,
-  ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``,
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (the time its target calls waited, as
+  the waiting count counts them: ``GenerationStats.queue_s``), ``vllm:request_prompt_tokens`` and
+  ``vllm:request_generation_tokens``,
   ``vllm:num_preemptions_total``, ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt
   tokens asked / found in the target's prefix cache at the first Prefill);
 - per streamed token: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``;
@@ -79,6 +81,9 @@ class VllmMetrics:
                              buckets=ITL_BUCKETS, registry=None)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              buckets=REQUEST_LATENCY_BUCKETS, registry=None)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=None)
         lengths = token_buckets(max_len)
         self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                buckets=lengths, registry=None)
@@ -103,8 +108,9 @@ class VllmMetrics:
                                             registry=None)
         self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.", ["position"], registry=None)
-        metrics = [self.ttft, self.itl, self.e2e, self.request_prompt_tokens, self.request_generation_tokens,
-                   self.prompt_tokens, self.generation_tokens, self.request_success, self.preemptions,
+        metrics = [self.ttft, self.itl, self.e2e, self.queue_time, self.request_prompt_tokens,
+                   self.request_generation_tokens, self.prompt_tokens, self.generation_tokens, self.request_success,
+                   self.preemptions,
                    self.prefix_queries, self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
                    self.spec_accepted_tokens, self.spec_accepted_per_pos]
         gauges: list[tuple[str, str, Callable[[], float]]] = [
@@ -136,6 +142,7 @@ class VllmMetrics:
         reason = OUTCOME_REASONS.get(outcome) or finish_reason or "length"
         self.request_success.labels(reason).inc()
         self.e2e.observe(stats.elapsed_s)
+        self.queue_time.observe(stats.queue_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(stats.generated)
         self.request_prompt_tokens.observe(prompt_tokens)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -116,7 +117,7 @@ class FailoverVerifier:
         ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
         it there from the committed history.
         """
-        waiting = _WaitCount(self.waiting)
+        waiting = _WaitCount(self.waiting, self.state.stats)
         try:
             return await self._until_served(seq_id, call, rebuild, waiting)
         finally:
@@ -175,21 +176,26 @@ class FailoverVerifier:
 
 
 class _WaitCount:
-    """One call's place in the ``waiting`` tally: counted once from its first refusal or fault, until it ends."""
+    """One call's wait: from its first refusal or fault until it ends, counted once in the ``waiting`` tally and
+    timed into the request's ``queue_s``."""
 
-    def __init__(self, tally: Tally | None) -> None:
+    def __init__(self, tally: Tally | None, stats: GenerationStats) -> None:
         self.tally = tally
-        self.counted = False
+        self.stats = stats
+        self.since: float | None = None  # when it started waiting; None: not waiting
 
     def start(self) -> None:
-        if self.tally is not None and not self.counted:
-            self.counted = True
-            self.tally.inc()
+        if self.since is None:
+            self.since = time.perf_counter()
+            if self.tally is not None:
+                self.tally.inc()
 
     def end(self) -> None:
-        if self.counted and self.tally is not None:
-            self.counted = False
-            self.tally.dec()
+        if self.since is not None:
+            self.stats.queue_s += time.perf_counter() - self.since
+            self.since = None
+            if self.tally is not None:
+                self.tally.dec()
 
 
 class FailoverDraft:

@@ -76,6 +76,8 @@ class GenerationStats:
     draft_moves: int = 0
     preemptions: int = 0
     room_waits: int = 0  # a Prefill (prompt or rebuild) refused for a full pool, which held nothing and waited
+    # Seconds its target calls waited: for room in a full pool (refused or preempted) or for a healthy replica
+    queue_s: float = 0.0
 
     @property
     def elapsed_s(self) -> float:
@@ -130,6 +132,7 @@ class GenerationStats:
             **({"prediction_accepted": self.prediction_accepted, "prediction_rejected": self.prediction_rejected}
                if self.prediction_accepted or self.prediction_rejected else {}),
             "acceptance_rate": round(self.acceptance_rate, 4),
+            **({"queue_s": round(self.queue_s, 4)} if self.queue_s else {}),
             **({"depth_acceptance": self.depth_acceptance} if self.depth_offered else {}),
         }
 

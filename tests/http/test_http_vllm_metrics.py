@@ -62,6 +62,8 @@ def test_the_queue_and_the_running_requests_follow_a_request_refused_for_room_th
             running.target.gate.set()
             reply = await waiting
             assert reply.choices[0].finish_reason == "length"
+            queued = reply.choices[0].model_extra["tandem"]["queue_s"]
+            assert queued > 0  # the reply says how long it waited for room
             samples = await until(running, lambda s: gauges(s) == (0, 0))
             assert samples[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
             assert samples[("vllm:generation_tokens_total", ())] == 3
@@ -69,5 +71,7 @@ def test_the_queue_and_the_running_requests_follow_a_request_refused_for_room_th
             assert samples[("vllm:time_to_first_token_seconds_count", ())] == 1
             assert samples[("vllm:inter_token_latency_seconds_count", ())] == 2
             assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 1
+            assert samples[("vllm:request_queue_time_seconds_count", ())] == 1
+            assert abs(samples[("vllm:request_queue_time_seconds_sum", ())] - queued) < 1e-6
             assert samples[("vllm:num_preemptions_total", ())] == 0  # refused prompts held nothing
     run(go())

@@ -194,9 +194,11 @@ def test_a_request_counts_as_waiting_from_its_first_refusal_or_fault_until_its_c
     full = Watched("full", tally, [None, KVCacheExhaustedError("full"), KVCacheExhaustedError("full")])
     wrapped = FailoverVerifier(full, Spares(targets=[full] * 2), state, lambda _: 0, waiting=tally)
     asyncio.run(wrapped.verify("s", len(state.history), [4], []))  # served at once: never waiting
+    assert state.stats.queue_s == 0
     asyncio.run(wrapped.verify("s", len(state.history), [4], []))  # preempted, its rebuild refused, then served
     assert tally.seen == [("verify", 0), ("verify", 0), ("prefill", 1), ("prefill", 1), ("verify", 1)]
     assert tally.value == 0
+    assert state.stats.queue_s >= 0.001  # two backoffs of at least half of KV_BACKOFF_S, then 2x that
     dying, spare = Watched("dying", tally, [WorkerUnavailableError("gone")]), Watched("spare", tally)
     wrapped = FailoverVerifier(dying, Spares(targets=[spare]), request(), lambda _: 0, waiting=tally)
     asyncio.run(wrapped.verify("s", 7, [], []))
