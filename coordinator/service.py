@@ -39,6 +39,7 @@ from tandem.spec.loop import SpeculationLoop
 from tandem.spec.options import REMOTE_METHODS, SpecOptions, check_tree_mode, heads_fallback, resolve_method
 from tandem.spec.proposers import ContinuationCache
 from tandem.spec.request import RequestState, StopConditions
+from tandem.spec.room_queue import RoomQueue
 from tandem.structured_output import check_response_format
 from tandem.text_stream import TextStream
 from tandem.tokenizer import bad_word_ids, encode_messages, encode_prompt, template_kwargs
@@ -116,6 +117,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.tool_format = HermesFormat.of(tokenizer)  # None: the chat template shows the model no tools
         self.infill_format = InfillFormat.of(tokenizer)  # None: the model has no fill-in-the-middle tokens
         self._releases: set[asyncio.Task] = set()  # ended requests' sequences being released on their workers
+        # Requests waiting for room in a full target pool, taking their turns by priority and age
+        self.room_queue = RoomQueue()
 
     # ----- releases --------------------------------------------------------
     def _release_later(self, release: Coroutine[Any, Any, None]) -> None:
@@ -125,6 +128,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         task = asyncio.ensure_future(release)
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+        task.add_done_callback(lambda _: self.room_queue.room_freed())  # the first waiting for room asks now
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # (each release logs its own)
 
     async def finish_releases(self, timeout_s: float) -> None:
@@ -186,7 +190,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         seq_id = f"{request_id}-{uuid.uuid4().hex}"
         # The request's channels survive their replicas (moves, preemption) by the placement's pools.
         verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
-            options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting)
+            options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting,
+            room=self.room_queue, queue_key=(request.priority, state.stats.started_at))
         channel = placement.draft_channel()
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,

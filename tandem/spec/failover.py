@@ -34,6 +34,7 @@ from typing import Any, Protocol, TypeVar
 from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
 from tandem.sampling_params import SamplingParams
 from tandem.spec.request import GenerationStats, RequestState
+from tandem.spec.room_queue import QueueKey, RoomQueue, Turn
 from tandem.spec.transport import DraftChannel, Drafted, FittedCost, Prefilled, ReplicaSource, Verified, Verifier
 
 T = TypeVar("T")
@@ -47,6 +48,9 @@ REPLICA_FAULTS = (WorkerUnavailableError, InternalError)
 KV_BACKOFF_S = 0.05
 KV_BACKOFF_MAX_S = 2.0
 KV_WAIT_MAX_S = 300.0
+# In a coordinator's room queue only its first request asks again, so it may ask sooner: at most this apart (besides
+# at once when one of the coordinator's requests frees room), for what other coordinators' requests free.
+ROOM_PAUSE_MAX_S = 0.5
 
 
 class Tally(Protocol):
@@ -78,16 +82,21 @@ class FailoverVerifier:
     ``rebuild_propose(target)``: the heads' node budget a rebuild on ``target`` asks for (0: the request
     has no heads; otherwise the heads' KV must be rebuilt along with the target's). ``waiting``: counts the
     request while it waits (for room in a full pool, preempted or not yet admitted, or for a healthy replica after a
-    fault) until its call is served: the coordinator's queue, as a scheduler's waiting queue counts.
+    fault) until its call is served: the coordinator's queue, as a scheduler's waiting queue counts. ``room``: the
+    coordinator's queue of requests waiting for room (``tandem.spec.room_queue``), where this one waits its turn at
+    ``queue_key`` (its priority and start); None: it backs off alone.
     """
 
     def __init__(self, target: Verifier, replicas: ReplicaSource, state: RequestState,
-                 rebuild_propose: Callable[[Verifier], int], waiting: Tally | None = None) -> None:
+                 rebuild_propose: Callable[[Verifier], int], waiting: Tally | None = None,
+                 room: RoomQueue | None = None, queue_key: QueueKey = (0, 0.0)) -> None:
         self.target = target
         self.replicas = replicas
         self.state = state  # the committed history a rebuild feeds, and the stats moves count in
         self.rebuild_propose = rebuild_propose
         self.waiting = waiting
+        self.room = room
+        self.queue_key = queue_key
         self._releases: set[asyncio.Task] = set()
 
     @property
@@ -117,19 +126,21 @@ class FailoverVerifier:
         ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
         it there from the committed history.
         """
-        waiting = _WaitCount(self.waiting, self.state.stats)
+        waiting = _Wait(self.waiting, self.state.stats, self.room, self.queue_key)
         try:
             return await self._until_served(seq_id, call, rebuild, waiting)
         finally:
             waiting.end()
 
     async def _until_served(self, seq_id: str, call: Callable[[Verifier], Awaitable[T]], rebuild: bool,
-                            waiting: _WaitCount) -> T:
+                            waiting: _Wait) -> T:
         s = self.state
         needs_rebuild = False
         backoff, waited = KV_BACKOFF_S, 0.0
         while True:
             holds = rebuild  # whether the target holds the sequence's KV: a Verify's does, a first Prefill's not yet
+            if not holds or needs_rebuild:  # it asks for room: behind the requests ranked before it that wait
+                waited += await waiting.behind_earlier()
             try:
                 if needs_rebuild:
                     holds = False
@@ -144,15 +155,14 @@ class FailoverVerifier:
                 if holds:  # preempted: others get its blocks meanwhile
                     await self.target.release(seq_id)
                     s.stats.preemptions += 1
+                    waiting.room_freed()
                 else:
                     s.stats.room_waits += 1
                 # (a refused Prefill holds nothing: the worker admits a call whole or not at all, and drops the
                 # chunks it computed of a prompt it then refuses; under a burst, a release per refusal queued
                 # hundreds of needless calls on the busy worker)
-                pause = backoff * random.uniform(0.5, 1.5)
-                await asyncio.sleep(pause)
-                waited += pause
-                backoff = min(2 * backoff, KV_BACKOFF_MAX_S)
+                waited += await waiting.pause(backoff * random.uniform(0.5, 1.5))
+                backoff = min(2 * backoff, KV_BACKOFF_MAX_S if self.room is None else ROOM_PAUSE_MAX_S)
                 replacement = await self.replicas.replace_target(faulty=False)
                 if replacement is None:
                     raise
@@ -175,14 +185,18 @@ class FailoverVerifier:
             needs_rebuild = rebuild
 
 
-class _WaitCount:
-    """One call's wait: from its first refusal or fault until it ends, counted once in the ``waiting`` tally and
-    timed into the request's ``queue_s``."""
+class _Wait:
+    """One call's wait: from its first refusal or fault (or its queueing behind earlier requests) until it ends,
+    counted once in the ``waiting`` tally, timed into the request's ``queue_s``, and, waiting for room, in its
+    place in the coordinator's ``room`` queue."""
 
-    def __init__(self, tally: Tally | None, stats: GenerationStats) -> None:
+    def __init__(self, tally: Tally | None, stats: GenerationStats, room: RoomQueue | None, key: QueueKey) -> None:
         self.tally = tally
         self.stats = stats
+        self.room = room
+        self.key = key
         self.since: float | None = None  # when it started waiting; None: not waiting
+        self.turn: Turn | None = None  # its place in the room queue, once it has one
 
     def start(self) -> None:
         if self.since is None:
@@ -190,7 +204,37 @@ class _WaitCount:
             if self.tally is not None:
                 self.tally.inc()
 
+    async def behind_earlier(self) -> float:
+        """Before asking for room: while requests ranked before it wait, it queues behind them for its turn; the
+        seconds it waited (0: none was waiting, or it already holds a place)."""
+        if self.room is None or self.turn is not None or not self.room.ahead_of(self.key):
+            return 0.0
+        self.start()
+        self.turn = self.room.join(self.key)
+        started = time.perf_counter()
+        await self.room.wait_turn(self.turn, 0.0)
+        return time.perf_counter() - started
+
+    async def pause(self, backoff_s: float) -> float:
+        """Refused for room: wait before asking again, alone (``backoff_s``) or in the queue (its turn, then at
+        most ``backoff_s`` or until room may have freed); the seconds it waited."""
+        started = time.perf_counter()
+        if self.room is None:
+            await asyncio.sleep(backoff_s)
+        else:
+            if self.turn is None:
+                self.turn = self.room.join(self.key)
+            await self.room.wait_turn(self.turn, backoff_s)
+        return time.perf_counter() - started
+
+    def room_freed(self) -> None:
+        if self.room is not None:
+            self.room.room_freed()
+
     def end(self) -> None:
+        if self.turn is not None and self.room is not None:
+            self.room.leave(self.turn)  # the next one's turn
+            self.turn = None
         if self.since is not None:
             self.stats.queue_s += time.perf_counter() - self.since
             self.since = None

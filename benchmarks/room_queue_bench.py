@@ -1,0 +1,186 @@
+"""More requests than a target's KV pool holds, arriving one after another: are they served in the order they came?
+
+``tandem up`` (SmolLM2, one target and one draft, ``--kv-cache-tokens`` small enough that a few requests fill it)
+gets ``--requests`` streamed completions of ``--tokens`` tokens each, one every ``--gap`` seconds, over its
+OpenAI API. Requests refused for room wait; the coordinator's room queue (tandem/spec/room_queue.py) gives them
+room in the order they started. With ``--baseline DIR`` (a checkout of the code before it, its stubs built with
+``python -m tandem.proto_build``) the same load runs against that code too, alternating ``--rounds`` times, so
+that both sides are measured in one run on one machine.
+
+Reported per side: the pairs of requests whose first tokens came in the other order than they were sent (of all
+pairs), time to first token and latency (median, 90th percentile, worst, from each request's send), tokens per
+second over the whole load, and the preemptions the coordinator counted (``vllm:num_preemptions_total``).
+
+Writes room_queue_bench.json / .md / .png into --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/room_queue_bench.py` from anywhere
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    grouped_bars,
+    machine_info,
+    machine_line,
+    markdown_table,
+    new_figure,
+    percentile,
+    save_figure,
+    write_json,
+    write_markdown,
+)
+
+NAME = "room_queue_bench"
+START_TIMEOUT_S = 300.0
+COLUMNS = ("side", "round", "inversions", "pairs", "ttft_p50_s", "ttft_p90_s", "ttft_max_s", "latency_p50_s",
+           "latency_p90_s", "latency_max_s", "tokens_per_s", "preemptions")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2", help="a catalog name or a model directory (default: %(default)s)")
+    p.add_argument("--kv-cache-tokens", type=int, default=1024, help="the target's KV pool (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=40, help="requests sent (default: %(default)s)")
+    p.add_argument("--gap", type=float, default=0.25, help="seconds between requests (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens of each answer (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="runs per side, alternating (default: 1)")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="a checkout of the code to compare with (its `tandem` package is run); none: this code only")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    p.add_argument("--name", default=NAME, help="file name of the results (without extension)")
+    return p
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Up:
+    """``tandem up`` from the checkout ``root``, serving the OpenAI API on a free port until stopped."""
+
+    def __init__(self, root: Path, args: argparse.Namespace, log_dir: Path) -> None:
+        self.http_port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        cmd = [sys.executable, "-m", "tandem", "up", "--target", args.target, "--draft", args.target,
+               "--kv-cache-tokens", str(args.kv_cache_tokens), "--port", "0", "--http-port", str(self.http_port),
+               "--log-dir", str(log_dir)]
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        started = time.monotonic()
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("ready"):
+                return
+            if time.monotonic() - started > START_TIMEOUT_S:
+                break
+        self.stop()
+        raise RuntimeError(f"tandem up from {root} did not start (logs in {log_dir})")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def preemptions(self) -> float:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        found = re.search(r"^tandem_coordinator_preemptions_total (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def load(url: str, args: argparse.Namespace) -> list[tuple[float, float, float]]:
+    """Each request's (sent, first token, done), in seconds from the first send, in the order sent."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=1200)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> tuple[float, float, float]:
+        await asyncio.sleep(i * args.gap)
+        sent, first = time.perf_counter() - t0, None
+        stream = await client.completions.create(
+            model=args.target, prompt=f"Story {i}: Once upon a time", max_tokens=args.tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+        done = time.perf_counter() - t0
+        return sent, first if first is not None else done, done
+
+    return await asyncio.gather(*(one(i) for i in range(args.requests)))
+
+
+def summary(side: str, round_: int, runs: list[tuple[float, float, float]], preemptions: float,
+            tokens: int) -> dict[str, Any]:
+    inversions = sum(1 for a in runs for b in runs if a[0] < b[0] and a[1] > b[1])
+    ttft = [first - sent for sent, first, _ in runs]
+    latency = [done - sent for sent, _, done in runs]
+    span = max(done for _, _, done in runs) - min(sent for sent, _, _ in runs)
+    return {"side": side, "round": round_, "inversions": inversions, "pairs": len(runs) * (len(runs) - 1) // 2,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_max_s": max(ttft),
+            "latency_p50_s": percentile(latency, 50), "latency_p90_s": percentile(latency, 90),
+            "latency_max_s": max(latency), "tokens_per_s": len(runs) * tokens / span, "preemptions": preemptions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.requests < 2 or args.gap < 0 or args.tokens < 1 or args.rounds < 1:
+        raise SystemExit("--requests must be >= 2, --gap >= 0, --tokens and --rounds >= 1")
+    sides = {"room queue": _REPO_ROOT}
+    if args.baseline is not None:
+        if not (args.baseline / "tandem" / "v1").is_dir():
+            raise SystemExit(f"--baseline {args.baseline}: no tandem/v1 stubs there; run `python -m "
+                             "tandem.proto_build` in it first")
+        sides = {"before (each request backs off alone)": args.baseline.resolve(), **sides}
+    records = []
+    for round_ in range(args.rounds):
+        for side, root in sides.items():
+            log_dir = args.out / f"{args.name}_logs" / f"{round_}_{len(records)}"
+            up = Up(root, args, log_dir)
+            try:
+                runs = asyncio.run(load(up.url, args))
+                records.append(summary(side, round_, runs, up.preemptions(), args.tokens))
+            finally:
+                up.stop()
+            print(markdown_table([records[-1]], COLUMNS), flush=True)
+    info = machine_info()
+    write_json(args.out, args.name, {"settings": vars(args), "machine": info, "records": records})
+    body = (f"{machine_line(info)}\n\n{args.requests} requests of {args.tokens} tokens, one every {args.gap} s, "
+            f"{args.target} with a {args.kv_cache_tokens}-token pool.\n\n" + markdown_table(records, COLUMNS))
+    write_markdown(args.out, args.name, "Requests refused for room: served in the order they came?", body)
+    fig, (left, right) = new_figure(ncols=2, width=11)
+    labels = [f"{r['side']} #{r['round']}" for r in records]
+    grouped_bars(left, labels, {"inverted pairs": [r["inversions"] for r in records]}, "pairs")
+    grouped_bars(right, labels, {k: [r[k] for r in records] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_max_s")},
+                 "seconds to first token")
+    save_figure(fig, args.out, args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The coordinator's waiting queue: requests waiting for room in a full target KV pool take their turns in order.
+
+A target worker keeps no queue: a Prefill it has no room for is refused, and the request asks again later. Each
+request used to back off on its own (50 ms doubling to 2 s, jittered), so whoever asked first after room freed got
+it, and that favoured the newest: a request refused once asks again within 75 ms, one refused ten times within 3 s.
+Measured under ``tandem up`` (SmolLM2, a 1,024-token pool, 40 requests of 200 tokens sent 0.25 s apart): 161 of
+the 780 pairs saw their first tokens in the other order than they were sent, and a request sent at 4 s saw its
+first token at 50 s while one sent at 8 s saw its first at 14 s.
+
+Now each coordinator keeps one queue of its requests that wait for room, ordered by priority, then by when the
+request started (a preempted request keeps its start, so it goes ahead of later ones, as vLLM puts preempted
+requests back at the head of its waiting queue). Only the first asks again; the others wait for their turn, and
+a request whose Prefill needs room while earlier ones wait queues behind them before it asks at all. The first
+asks again after its backoff, or at once when room may have freed: one of this coordinator's requests released
+its KV, or the one before it was admitted. A request ranked above every waiting one asks at once, as before.
+Releases by other coordinators are seen only by the backoff: each coordinator orders its own requests (the
+workers order priorities across coordinators, ``tandem.rpc.priority_waits``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from dataclasses import dataclass, field
+
+# A queue's place: (priority, start time); lower goes first.
+QueueKey = tuple[int, float]
+
+
+@dataclass(eq=False)
+class Turn:
+    """One request's place in the queue."""
+
+    key: QueueKey
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set: its turn came, or room may have freed
+
+
+class RoomQueue:
+    """One coordinator's requests waiting for room, in order (asyncio: one event loop)."""
+
+    def __init__(self) -> None:
+        self._turns: list[Turn] = []  # ordered by key
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def ahead_of(self, key: QueueKey) -> bool:
+        """Whether a request ranked before ``key`` waits (a request asking for room then queues behind it)."""
+        return bool(self._turns) and self._turns[0].key < key
+
+    def join(self, key: QueueKey) -> Turn:
+        turn = Turn(key)
+        keys = [t.key for t in self._turns]
+        self._turns.insert(bisect.bisect_right(keys, key), turn)
+        return turn
+
+    def leave(self, turn: Turn) -> None:
+        """``turn`` no longer waits (admitted, given up or cancelled): the next one's turn comes."""
+        was_first = bool(self._turns) and self._turns[0] is turn
+        self._turns.remove(turn)
+        if was_first and self._turns:
+            self._turns[0].wake.set()
+
+    def room_freed(self) -> None:
+        """Room may have freed (a release): the first asks again now."""
+        if self._turns:
+            self._turns[0].wake.set()
+
+    async def wait_turn(self, turn: Turn, pause_s: float) -> None:
+        """Until ``turn`` may ask: once it is first, after ``pause_s`` or as soon as room may have freed; a turn
+        that becomes first because the one before it left asks at once."""
+        while self._turns[0] is not turn:
+            await self._woken(turn, None)
+            if self._turns[0] is turn:
+                return  # the one before it left: its turn, now
+        await self._woken(turn, pause_s)
+
+    @staticmethod
+    async def _woken(turn: Turn, timeout_s: float | None) -> None:
+        try:
+            await asyncio.wait_for(turn.wake.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        turn.wake.clear()
