@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -117,10 +118,9 @@ async def load(url: str, args: argparse.Namespace) -> list[tuple[float, float, f
     """Each request's (sent, first token, done), in seconds from the first send, in the order sent."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=1200)
     t0 = time.perf_counter()
 
-    async def one(i: int) -> tuple[float, float, float]:
+    async def one(client: AsyncOpenAI, i: int) -> tuple[float, float, float]:
         await asyncio.sleep(i * args.gap)
         sent, first = time.perf_counter() - t0, None
         stream = await client.completions.create(
@@ -132,7 +132,8 @@ async def load(url: str, args: argparse.Namespace) -> list[tuple[float, float, f
         done = time.perf_counter() - t0
         return sent, first if first is not None else done, done
 
-    return await asyncio.gather(*(one(i) for i in range(args.requests)))
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=1200) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(args.requests)))
 
 
 def summary(side: str, round_: int, runs: list[tuple[float, float, float]], preemptions: float,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for round_ in range(args.rounds):
         for side, root in sides.items():
-            log_dir = args.out / f"{args.name}_logs" / f"{round_}_{len(records)}"
+            log_dir = Path(tempfile.mkdtemp(prefix=f"{args.name}-{round_}-"))  # each run's process logs
             up = Up(root, args, log_dir)
             try:
                 runs = asyncio.run(load(up.url, args))

@@ -526,3 +526,19 @@ def test_predicted_outputs_tasks_are_files_with_an_instruction():
         assert task["instruction"] and task["file"].endswith("\n") and task["language"]
         prompt = predicted_outputs.INSTRUCTION.format(**task)
         assert task["file"] in prompt and task["instruction"] in prompt
+
+
+def test_room_queue_bench_counts_requests_that_started_out_of_order_and_checks_its_flags(tmp_path):
+    import pytest
+
+    from benchmarks import room_queue_bench
+
+    # (sent, first token, done): the third was sent last and saw its first token first, the first second
+    runs = [(0.0, 5.0, 9.0), (1.0, 6.0, 8.0), (2.0, 3.0, 7.0)]
+    row = room_queue_bench.summary("x", 0, runs, preemptions=4.0, tokens=10)
+    assert row["inversions"] == 2 and row["pairs"] == 3  # (first, third) and (second, third)
+    assert row["ttft_max_s"] == 5.0 and row["latency_max_s"] == 9.0 and row["tokens_per_s"] == 30 / 9.0
+    with pytest.raises(SystemExit, match="--requests"):
+        room_queue_bench.main(["--requests", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="proto_build"):
+        room_queue_bench.main(["--baseline", str(tmp_path), "--out", str(tmp_path)])
