@@ -36,10 +36,10 @@ ToolCheck = Callable[[generation_pb2.ToolOptions], ToolUse | None]
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int, infill: InfillFormat | None = None,
-             tools: ToolCheck | None = None) -> dict[str, Any]:
+def tokenize(data: dict[str, Any], tokenizer: Any, max_context: int, infill: InfillFormat | None,
+             tools: ToolCheck) -> dict[str, Any]:
     """The ``/tokenize`` reply to ``data``; ``infill``: the model's fill-in-the-middle format (None: it has none, and a
-    ``suffix`` is refused naming it); ``tools``: how chat completions check tools (None: tools are refused)."""
+    ``suffix`` is refused naming it); ``tools``: how chat completions check tools."""
     body = Fields(data)
     body.string("model")  # checked by the caller against the served model
     strings = bool(body.boolean("return_token_strs"))
@@ -78,7 +78,7 @@ def _infill(prefix: str, suffix: str, special: bool | None, tokenizer: Any, fmt:
     return fmt.prompt_ids(tokenizer, prefix, suffix)
 
 
-def _render(body: Fields, tokenizer: Any, check_tools: ToolCheck | None) -> list[int]:
+def _render(body: Fields, tokenizer: Any, check_tools: ToolCheck) -> list[int]:
     """A conversation's tokens through the chat template, with its tools (what chat completions would send the
     model)."""
     turns = conversation(parse_messages(body.take("messages")))
@@ -105,15 +105,13 @@ def _render(body: Fields, tokenizer: Any, check_tools: ToolCheck | None) -> list
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
 
 
-def _shown_tools(body: Fields, check: ToolCheck | None) -> list[dict[str, Any]] | None:
+def _shown_tools(body: Fields, check: ToolCheck) -> list[dict[str, Any]] | None:
     """The tools the template shows the model, as chat completions give them (None: none shown); refused as chat
     completions refuse them (a template that cannot show them, a choice naming no tool...)."""
     request = generation_pb2.GenerateRequest()
     parse_tools(body, request)  # tools, tool_choice, parallel_tool_calls: parsed and named as a chat's are
     if not request.HasField("tools"):
         return None
-    if check is None:
-        raise bad_field("tools", "not taken here")
     use = check(request.tools)
     return use.template_entries() if use is not None else None
 
