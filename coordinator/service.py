@@ -26,7 +26,7 @@ from coordinator.prefix_routing import client_key, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
-from tandem.errors import InvalidRequestError, PromptTooLongError, check_token_ids, token_count_text
+from tandem.errors import ContextLengthError, InvalidRequestError, PromptTooLongError, check_token_ids, token_count_text
 from tandem.infill import InfillFormat, no_infill_message
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.rpc.server import ManagedServer
@@ -330,18 +330,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_new = min(self.max_context - len(prompt_ids), limit or self.max_context)
         if limit is not None and max_new > limit:
             raise InvalidRequestError(f"stopping.max_new_tokens: {max_new} is more than this server allows ({limit})")
-        if len(prompt_ids) + max_new > self.max_context:
-            raise InvalidRequestError(
-                f"stopping.max_new_tokens: prompt ({token_count_text(len(prompt_ids))}) + "
-                f"{token_count_text(max_new, 'new ')} exceeds the model's context of {self.max_context}")
-        room = self.sequence_room()
-        if room is not None and len(prompt_ids) + max_new > room:
-            if stopping.max_new_tokens:  # the client's own number: refused, as one past the model's context is
-                raise InvalidRequestError(
-                    f"stopping.max_new_tokens: prompt ({token_count_text(len(prompt_ids))}) + "
-                    f"{token_count_text(max_new, 'new ')} is more than a target worker's KV cache holds for one "
-                    f"sequence ({room} tokens; the workers' --kv-cache-tokens)")
-            max_new = room - len(prompt_ids)  # a default: as many as fit (the prompt itself fits, checked before)
+        served = self.served_context()
+        if len(prompt_ids) + max_new > served:
+            if stopping.max_new_tokens:  # the client's own number: refused
+                raise ContextLengthError(
+                    f"stopping.max_new_tokens: {max_new} is too large: {self._context_sentence(served)}, and the "
+                    f"prompt is {token_count_text(len(prompt_ids))} ({max_new} > {served} - {len(prompt_ids)})")
+            max_new = served - len(prompt_ids)  # a default: as many as fit (the prompt itself fits, checked before)
         check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", (t for t, _ in sampling.logit_bias), self.vocab_size)
         check_token_ids("allowed_token_ids", sampling.allowed_token_ids, self.vocab_size)
@@ -443,16 +438,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         limit = self.cfg.max_prompt_tokens
         if request.HasField("truncate_prompt_tokens"):
             ids = self._truncated(ids, request.truncate_prompt_tokens)
+        served = self.served_context()
         if limit is not None and len(ids) > limit:
-            raise PromptTooLongError(f"{field}: the prompt is {len(ids)} tokens; this server takes at most {limit}")
-        if len(ids) >= self.max_context:
-            raise PromptTooLongError(
-                f"prompt: {len(ids)} tokens is longer than the model's context of {self.max_context}")
-        room = self.sequence_room()
-        if room is not None and len(ids) >= room:
-            raise PromptTooLongError(f"prompt: {len(ids)} tokens is more than a target worker's KV cache holds for "
-                                     f"one sequence with its answer ({room} tokens; the workers' --kv-cache-tokens)")
+            raise PromptTooLongError(f"{field}: the prompt is {len(ids)} tokens; this server takes prompts of at most "
+                                     f"{limit} ({self._context_sentence(served)})")
+        if len(ids) >= served:  # (an answer needs one token of room at least)
+            raise PromptTooLongError(f"prompt: {self._context_sentence(served)}, and the prompt is {len(ids)} tokens, "
+                                     f"which leaves no room for an answer; shorten it")
         return ids
+
+    def _context_sentence(self, served: int) -> str:
+        """"this model's maximum context length is N tokens", worded as OpenAI and vLLM word it (clients recognise an
+        overflow by it: ``ContextLengthError``), with where N comes from when the targets' KV pools set it."""
+        if served >= self.max_context:
+            return f"this model's maximum context length is {served} tokens"
+        return (f"this model's maximum context length is {served} tokens here (what a target worker's KV cache holds "
+                f"for one sequence, less a round in flight; the model's own is {self.max_context}; the workers' "
+                f"--kv-cache-tokens)")
 
     def _end_ids(self, request: generation_pb2.GenerateRequest) -> frozenset[int]:
         """The tokens that end the answer as the model's own end: its end tokens, and for an infill its format's (a

@@ -17,8 +17,15 @@ class InvalidRequestError(TandemError, ValueError):
     """The caller sent something we cannot serve (maps to INVALID_ARGUMENT)."""
 
 
-class PromptTooLongError(InvalidRequestError):
-    """A prompt longer than the server takes or the model's context (INVALID_ARGUMENT; HTTP 413)."""
+class ContextLengthError(InvalidRequestError):
+    """A prompt, or a prompt and the answer asked for, longer than the server serves (INVALID_ARGUMENT; HTTP 400
+    with OpenAI's code ``context_length_exceeded``). Its message says "this model's maximum context length is N
+    tokens", as OpenAI's and vLLM's do: clients that trim a conversation or fall back to a larger model when it
+    overflows (LiteLLM's ContextWindowExceededError, agent frameworks) recognise the overflow by that sentence."""
+
+
+class PromptTooLongError(ContextLengthError):
+    """A prompt alone longer than the server takes or the model's context."""
 
 
 class UnsupportedArchitectureError(InvalidRequestError):

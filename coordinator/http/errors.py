@@ -93,8 +93,9 @@ def from_domain(exc: BaseException, params: Mapping[str, str] | None = None, whe
     message = str(exc) or type(exc).__name__
     if isinstance(exc, errors.InvalidRequestError):
         param, message = _http_field(message, params or {})
-        status, code = (413, "context_length_exceeded") if isinstance(exc, errors.PromptTooLongError) else (400, None)
-        return ApiError(status, message, param, code=code)
+        # (a 400 as OpenAI's and vLLM's: their clients catch an overflow as a bad request with this code)
+        code = "context_length_exceeded" if isinstance(exc, errors.ContextLengthError) else None
+        return ApiError(400, message, param, code=code)
     if isinstance(exc, errors.UnauthenticatedError):
         return ApiError(401, message, kind="authentication_error", code="invalid_api_key")
     if isinstance(exc, errors.ClientLimitError):

@@ -52,7 +52,8 @@ def test_a_request_only_the_larger_target_holds_is_served_there_and_one_past_it_
                 with pytest.raises(grpc.aio.AioRpcError) as refused:  # 50 tokens: more than any replica holds
                     await stub.Generate(request(20, 30), timeout=10)
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "KV cache holds for one sequence (48 tokens" in refused.value.details()
+                assert ("maximum context length is 48 tokens here (what a target worker's KV cache holds for one "
+                        "sequence") in refused.value.details()
                 for _ in range(4):  # short requests go to either
                     assert len((await stub.Generate(request(3, 2), timeout=10)).token_ids) == 2
                 assert small.calls["Prefill"] + large.calls["Prefill"] == 3 + 4

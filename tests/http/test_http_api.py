@@ -430,13 +430,29 @@ def test_fields_tandem_cannot_honour_or_that_are_wrong_are_refused_naming_them(t
     run(go())
 
 
-def test_the_context_error_counts_tokens_in_words(tokenizer):
-    """A one-token prompt is "1 token", not "1 tokens"; the context (64) is the service's to check."""
+def test_a_request_past_the_context_is_refused_as_openai_and_vllm_refuse_it(tokenizer):
+    """Past the context (64): OpenAI's 400 ``context_length_exceeded`` with the sentence its clients recognise an
+    overflow by ("this model's maximum context length is", which LiteLLM matches to raise ContextWindowExceededError,
+    whose handlers trim the conversation or fall back to a larger model), naming the length field as the client
+    called it; a one-token prompt is "1 token", not "1 tokens"."""
     async def go():
         async with http_coordinator(tokenizer) as running:
             code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5], "max_tokens": 64})
-            assert code == 400, body
-            assert "prompt (1 token) + 64 new tokens exceeds the model's context of 64" in body["error"]["message"]
+            error = body["error"]
+            assert code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+            assert error["message"] == ("max_tokens: 64 is too large: this model's maximum context length is 64 "
+                                        "tokens, and the prompt is 1 token (64 > 64 - 1)"), body
+            code, body = await post(running.url + "/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 64})
+            error = body["error"]
+            assert code == 400 and error["code"] == "context_length_exceeded", body
+            assert error["param"] == "max_completion_tokens" and error["message"].startswith(
+                "max_completion_tokens: 64 is too large: this model's maximum context length is 64 tokens"), body
+            code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5] * 64, "max_tokens": 1})
+            assert code == 400 and body["error"]["code"] == "context_length_exceeded", body
+            assert body["error"]["message"] == ("prompt: this model's maximum context length is 64 tokens, and the "
+                                                "prompt is 64 tokens, which leaves no room for an answer; shorten it")
+            assert not running.target.calls["Prefill"]  # refused before any worker was called
     run(go())
 
 
@@ -448,12 +464,16 @@ def test_a_request_a_target_kv_pool_cannot_hold_is_refused_at_once_and_a_default
         async with http_coordinator(tokenizer, info={"total_blocks": 4, "max_context": 1024}) as running:
             code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5] * 50,
                                                                    "max_tokens": 2})
-            assert code == 413 and "a target worker's KV cache holds for one sequence" in body["error"]["message"]
+            assert code == 400 and body["error"]["code"] == "context_length_exceeded", body
+            assert ("this model's maximum context length is 48 tokens here (what a target worker's KV cache holds for "
+                    "one sequence, less a round in flight; the model's own is 1024;") in body["error"]["message"]
             code, body = await post(running.url + "/completions", {"model": MODEL, "prompt": [5] * 10,
                                                                    "max_tokens": 40})
             assert code == 400 and body["error"]["param"] == "max_tokens", body
-            assert "prompt (10 tokens) + 40 new tokens is more than a target worker's KV cache holds for one " \
-                   "sequence (48 tokens" in body["error"]["message"]
+            assert body["error"]["code"] == "context_length_exceeded", body
+            assert body["error"]["message"].startswith("max_tokens: 40 is too large: this model's maximum context "
+                                                       "length is 48 tokens here")
+            assert body["error"]["message"].endswith("and the prompt is 10 tokens (40 > 48 - 10)"), body
             assert not running.target.calls["Prefill"]  # refused before any worker was called
             # a chat without max_tokens: up to the context, which is now what the pool holds
             code, body = await post(running.url + "/chat/completions", {"model": MODEL, "messages": [
@@ -674,7 +694,7 @@ def test_tokens_as_token_ids_and_continuous_usage(tokenizer):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
     """vLLM's truncate_prompt_tokens: the target reads the prompt's last k tokens; -1 cuts a prompt longer than
-    the context to the longest the server takes (the whole is a 413 otherwise)."""
+    the context to the longest the server takes (the whole is a 400 otherwise)."""
     async def go():
         async with http_coordinator(tokenizer) as running:
             code, body = await post(running.url + "/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 2,
@@ -683,7 +703,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tokenizer):
             assert body["usage"]["prompt_tokens"] == 2
             long = [5 + i % 30 for i in range(100)]  # past this model's context of 64
             code, body = await post(running.url + "/completions", {"prompt": long, "max_tokens": 1})
-            assert code == 413, body
+            assert code == 400 and body["error"]["code"] == "context_length_exceeded", body
             code, body = await post(running.url + "/completions", {"prompt": long, "max_tokens": 1,
                                                                     "truncate_prompt_tokens": -1})
             assert code == 200 and running.target.prompts[-1] == long[-63:], body
@@ -876,14 +896,18 @@ def test_malformed_bodies_are_400_in_openai_shape(tokenizer, body):
     run(go())
 
 
-def test_size_limits_are_413(tokenizer):
+def test_a_body_over_the_size_limit_is_413_and_a_prompt_over_its_limit_an_overflow(tokenizer):
+    """A body past --max-request-bytes is HTTP's 413; a prompt past --max-prompt-tokens is, to the client, a prompt
+    too long for the context: OpenAI's 400 ``context_length_exceeded`` with the sentence clients match."""
     async def go():
         async with http_coordinator(tokenizer, max_request_bytes=4096, max_prompt_tokens=10) as running:
             code, body = await post(running.url + "/completions", {"prompt": "x" * 5000})
             assert code == 413 and body["error"]["code"] == "request_too_large"
             code, body = await post(running.url + "/completions", {"prompt": "x" * 20, "max_tokens": 2})
-            assert code == 413 and body["error"]["code"] == "context_length_exceeded"
+            assert code == 400 and body["error"]["code"] == "context_length_exceeded"
             assert body["error"]["param"] == "prompt"
+            assert "takes prompts of at most 10 (this model's maximum context length is 64 tokens)" \
+                in body["error"]["message"], body
     run(go())
 
 

@@ -211,7 +211,7 @@ class Fuzzer:
             body["messages"][-1]["content"] = words
         else:
             body["prompt"] = words
-        return self._case("long_prompt", path, body, {413, 429})
+        return self._case("long_prompt", path, body, {400, 429})
 
     def unknown_model(self) -> Case:
         path, body = self.request()

@@ -412,3 +412,20 @@ def test_min_tokens_writes_past_the_models_first_end_as_target_only_does(api, mo
     reply = chat(api, model, question, max_tokens=longest, temperature=0, extra_body={"min_tokens": least})
     assert reply.usage.completion_tokens >= least
     assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_a_request_past_the_context_is_the_clients_context_length_error(api, model):
+    """What the official client raises for an overflow, and what OpenAI's own API answers: BadRequestError with code
+    ``context_length_exceeded`` and "This model's maximum context length is N tokens" (N: /v1/models' max_model_len),
+    the sentence LiteLLM and agent frameworks match to trim a conversation or fall back to a larger model."""
+    [card] = api.models.list().data
+    context = card.model_extra["max_model_len"]
+    sentence = f"this model's maximum context length is {context} tokens"
+    with pytest.raises(openai.BadRequestError) as refused:  # a prompt that fills the context
+        api.completions.create(model=model, prompt=[42] * context, max_tokens=1)
+    assert refused.value.code == "context_length_exceeded" and sentence in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:  # room for the prompt, not for the answer asked for
+        chat(api, model, "Hi", max_tokens=context)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "max_tokens"
+    assert sentence in refused.value.message
+    assert chat(api, model, "Hi", max_tokens=2).usage.completion_tokens <= 2  # nothing was held back
