@@ -348,6 +348,10 @@ class ServerOptions:
     metrics_port: int | None = None  # Prometheus /metrics; None disables, 0 picks a free port
     drain_grace_s: float = 10.0
     tls: ServerTLS | None = None  # validated by ServerTLS itself (tandem/rpc/tls.py); None: plaintext
+    # A client's connection older than this is asked to reconnect (gRPC's GOAWAY, HTTP's "Connection: close"), its
+    # calls in flight finishing on it: behind a Kubernetes Service, which balances connections and not calls, a
+    # client's next connection may reach another replica. None: never (tandem.rpc.connection_age).
+    max_connection_age_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -356,6 +360,9 @@ class ServerOptions:
             raise InvalidRequestError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
         if self.drain_grace_s < 0:
             raise InvalidRequestError(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
+        if self.max_connection_age_s is not None and not self.max_connection_age_s > 0:
+            raise InvalidRequestError(f"--max-connection-age must be a positive number of seconds (0 or unset: "
+                                      f"never), got {self.max_connection_age_s}")
 
 
 @dataclass(slots=True)

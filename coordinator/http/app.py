@@ -49,6 +49,7 @@ from coordinator.service import GenerationService
 from tandem import __version__
 from tandem.config import CoordinatorConfig
 from tandem.errors import ListenError
+from tandem.rpc.connection_age import ConnectionAge
 from tandem.rpc.tls import ServerTLS
 from tandem.v1 import generation_pb2
 
@@ -75,6 +76,8 @@ class HttpApi:
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> int:
         app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._errors])
+        if self.cfg.server.max_connection_age_s is not None:  # (clients reconnect, and may reach another replica)
+            app.on_response_prepare.append(ConnectionAge(self.cfg.server.max_connection_age_s).on_response_prepare)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)

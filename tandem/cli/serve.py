@@ -225,13 +225,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="also serve the OpenAI-compatible HTTP API (POST /v1/chat/completions, /v1/completions, "
                             "GET /v1/models, /health) on this port, 0 for any free one; same host, TLS, tokens and "
                             "limits as gRPC (default: off)")
+    coord.add_argument("--max-connection-age", type=float, default=0.0, metavar="SECONDS",
+                       help="ask a client to reconnect once its connection is this old (gRPC GOAWAY; HTTP "
+                            "'Connection: close'), its calls in flight finishing first: behind a Kubernetes Service, "
+                            "which balances connections and not calls, clients then spread over every replica, new "
+                            "ones included (the Helm chart sets 300; default: 0, never)")
     add_coordinator_flags(coord)
     _server_flags(coord, 50051)
     coord.set_defaults(func=run_coordinator)
 
 
 def _server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(args.host, args.port, args.metrics_port, args.drain_grace, tls=server_tls(args))
+    age = getattr(args, "max_connection_age", 0.0)  # (the coordinator's flag: workers are dialed per replica)
+    return ServerOptions(args.host, args.port, args.metrics_port, args.drain_grace, tls=server_tls(args),
+                         max_connection_age_s=age or None)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from tandem.config import ServerOptions
 from tandem.errors import ListenError, ShuttingDownError
+from tandem.rpc import connection_age
 from tandem.rpc.refusal import refusing
 from tandem.rpc.status import ErrorMappingInterceptor
 
@@ -58,7 +59,8 @@ class ManagedServer:
                         ("grpc.max_receive_message_length", max_receive_bytes),
                         # gRPC binds with SO_REUSEPORT by default: a second server on a port in use then starts,
                         # and the kernel shares connections between the two (a second `tandem up` on :50051 did).
-                        ("grpc.so_reuseport", 0)]
+                        ("grpc.so_reuseport", 0),
+                        *connection_age.grpc_options(options.max_connection_age_s)]
         # The start-up gate innermost: a caller without a valid token hears that first.
         self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors, _StartingGate(self)],
                                       options=grpc_options)

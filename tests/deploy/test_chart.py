@@ -285,6 +285,16 @@ def test_the_target_gets_its_rank_timeout_as_given():
     assert flag(container(render(None, "target.rankTimeoutSeconds=7"), "target")["args"], "--rank-timeout") == "7"
 
 
+def test_clients_reconnect_after_five_minutes_unless_the_values_say_never():
+    """The Service balances connections: the coordinator asks each client to reconnect now and then (so that
+    replicas the autoscaler adds get calls); the workers, dialed per replica by the coordinator, never do."""
+    objects = render()
+    assert flag(container(objects, "coordinator")["args"], "--max-connection-age") == "300"
+    assert "--max-connection-age" not in container(objects, "target")["args"] + container(objects, "draft")["args"]
+    never = container(render(None, "coordinator.maxConnectionAgeSeconds=0"), "coordinator")["args"]
+    assert "--max-connection-age" not in never
+
+
 def test_coordinator_finds_the_fleets_through_their_headless_services():
     objects = render()
     args = container(objects, "coordinator")["args"]

@@ -129,13 +129,15 @@ class Running:
 @contextlib.asynccontextmanager
 async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serve: bool = True,
                            tls: ServerTLS | None = None, info: dict[str, Any] | None = None,
-                           **limits: Any) -> AsyncIterator[Running]:
+                           connection_age_s: float | None = None, **limits: Any) -> AsyncIterator[Running]:
     """The coordinator (gRPC and HTTP) over one scripted target; ``tokens``: bearer auth with these;
     ``limits``: CoordinatorConfig fields (max_concurrent_per_client, max_request_bytes, ...). ``serve=False``:
     still starting (no warm-up). ``tls``: the coordinator's (both ports). ``info``: the target's Info fields
-    other than the fake's (a bigger tokenizer's vocab_size)."""
+    other than the fake's (a bigger tokenizer's vocab_size). ``connection_age_s``: the HTTP API's
+    --max-connection-age."""
     auth = BearerAuth(tokens) if tokens else None
-    cfg = CoordinatorConfig(server=ServerOptions(host="127.0.0.1", port=0, drain_grace_s=0, tls=tls),
+    cfg = CoordinatorConfig(server=ServerOptions(host="127.0.0.1", port=0, drain_grace_s=0, tls=tls,
+                                                 max_connection_age_s=connection_age_s),
                             tokenizer_dir=Path("unused"), target_addrs=["127.0.0.1:1"], auth=auth, http_port=0,
                             default_k=0, **{"default_max_new_tokens": 8, **limits})
     fingerprint = tokenizer_fingerprint(tokenizer)
