@@ -27,7 +27,7 @@ from typing import Any
 from draft_worker.engine import DraftEngine, ProposeCall
 from tandem.compute_thread import CallingThreadExecutor
 from tandem.engine import ModelEngine
-from tandem.errors import InvalidRequestError, check_token_ids, token_count_text
+from tandem.errors import ContextLengthError, InvalidRequestError, check_token_ids, token_count_text
 from tandem.heads.drafters import HeadDrafter
 from tandem.kv_admission import KVAdmission
 from tandem.rpc.batcher import Batcher
@@ -174,9 +174,11 @@ class SpeculativeGenerator:
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         for r in requests:
             if len(r.prompt_ids) + r.max_new_tokens > self.max_len:
-                raise InvalidRequestError(
-                    f"prompt ({token_count_text(len(r.prompt_ids))}) + max_new_tokens ({r.max_new_tokens}) "
-                    f"exceeds the model's context of {self.max_len}")
+                raise ContextLengthError(  # (worded as the coordinator words it, as OpenAI and vLLM do)
+                    f"this model's maximum context length is {self.max_len} tokens, and the prompt is "
+                    f"{token_count_text(len(r.prompt_ids))} with max_new_tokens {r.max_new_tokens} "
+                    f"({len(r.prompt_ids)} + {r.max_new_tokens} > {self.max_len}): shorten the prompt or ask for "
+                    f"fewer tokens")
             check_token_ids("prompt", r.prompt_ids, self.target.vocab_size)
             check_token_ids("prediction", r.prediction_ids, self.target.vocab_size)
             self._check_room(r)

@@ -232,6 +232,13 @@ def test_a_prediction_file_speeds_the_answer_and_changes_none_of_it(tiny_served_
     assert "--prediction " + str(path) + ": the file is empty" in capsys.readouterr().err
 
 
+def test_in_process_an_answer_past_the_context_is_refused_as_the_coordinator_words_it(tiny_served_dir, capsys):
+    assert main(["generate", "hello", "--target", str(tiny_served_dir), "--method", "none",
+                 "--max-new-tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "this model's maximum context length is 2048 tokens" in err and "+ 100000 > 2048" in err
+
+
 def test_unknown_method_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as info:
         main(["generate", "hi", "--method", "lookahead"])
