@@ -8,7 +8,7 @@ configurations on one cluster (tandem.cluster.LocalCluster, as `tandem up` start
 - ``fcfs``: every request at priority 0, what a server without priorities does (the oldest sequences first);
 - ``priority``: the background at priority 1, the interactive requests at 0: a prompt of theirs starts ahead
   of the background's growth, and where the pool is full it keeps its place at the target until background
-  sequences, refused as they grow, are preempted (tandem/rpc/priority_waits.py).
+  sequences, refused as they grow, are preempted (tandem/rpc/room_waits.py).
 
 Reported per configuration: the interactive requests' latency (send to last token) and time to first token
 (median, 90th percentile, worst), the background's tokens per second over the window, and the preemptions

@@ -7,6 +7,10 @@ room in the order they started. With ``--baseline DIR`` (a checkout of the code 
 ``python -m tandem.proto_build``) the same load runs against that code too, alternating ``--rounds`` times, so
 that both sides are measured in one run on one machine.
 
+``--coordinators N`` (N > 1) starts N - 1 more coordinators beside ``tandem up``'s, on the same workers (its
+workers file), and sends request i to coordinator i mod N: each coordinator orders its own waiting requests, and
+the target orders those of all of them by when they arrived (tandem/rpc/room_waits.py).
+
 Reported per side: the pairs of requests whose first tokens came in the other order than they were sent (of all
 pairs), time to first token and latency (median, 90th percentile, worst, from each request's send), tokens per
 second over the whole load, and the preemptions the coordinator counted (``vllm:num_preemptions_total``).
@@ -61,8 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap", type=float, default=0.25, help="seconds between requests (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=200, help="tokens of each answer (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="runs per side, alternating (default: 1)")
+    p.add_argument("--coordinators", type=int, default=1,
+                   help="coordinators sharing the workers, requests sent to each in turn (default: %(default)s)")
     p.add_argument("--baseline", type=Path, default=None,
                    help="a checkout of the code to compare with (its `tandem` package is run); none: this code only")
+    p.add_argument("--label", default="room queue", help="this code's name in the results (default: %(default)s)")
+    p.add_argument("--baseline-label", default="before (each request backs off alone)",
+                   help="the baseline's name in the results (default: %(default)s)")
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
     p.add_argument("--name", default=NAME, help="file name of the results (without extension)")
     return p
@@ -85,37 +94,72 @@ class Up:
                "--log-dir", str(log_dir)]
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
+        self.extra: list[tuple[subprocess.Popen, int]] = []  # more coordinators: (process, HTTP port)
+        if not self._ready(self.proc, log_dir):
+            self.stop()
+            raise RuntimeError(f"tandem up from {root} did not start (logs in {log_dir})")
+        for n in range(1, args.coordinators):  # on the workers tandem up runs, through its workers file
+            port = free_port()
+            log = open(log_dir / f"coordinator-{n}.log", "w")  # noqa: SIM115 - open while it runs
+            proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "coordinator", "--discovery", "file",
+                                     "--workers-file", str(log_dir / "workers.json"), "--tokenizer", args.target,
+                                     "--port", "0", "--http-port", str(port)],
+                                    cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.extra.append((proc, port))
+            if not self._serving(port):
+                self.stop()
+                raise RuntimeError(f"coordinator {n} from {root} did not start (logs in {log_dir})")
+
+    @staticmethod
+    def _ready(proc: subprocess.Popen, log_dir: Path) -> bool:
         started = time.monotonic()
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             if line.startswith("ready"):
-                return
+                return True
             if time.monotonic() - started > START_TIMEOUT_S:
                 break
-        self.stop()
-        raise RuntimeError(f"tandem up from {root} did not start (logs in {log_dir})")
+        return False
+
+    @staticmethod
+    def _serving(port: int) -> bool:
+        started = time.monotonic()
+        while time.monotonic() - started < START_TIMEOUT_S:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.5)
+        return False
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+    def urls(self) -> list[str]:
+        """Each coordinator's HTTP API, tandem up's first."""
+        return [f"http://127.0.0.1:{port}" for port in (self.http_port, *(port for _, port in self.extra))]
 
     def preemptions(self) -> float:
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
-        found = re.search(r"^tandem_coordinator_preemptions_total (\S+)$", text, re.M)
-        return float(found.group(1)) if found else 0.0
+        total = 0.0
+        for url in self.urls:
+            text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            found = re.search(r"^tandem_coordinator_preemptions_total (\S+)$", text, re.M)
+            total += float(found.group(1)) if found else 0.0
+        return total
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        for proc in [*(proc for proc, _ in self.extra), self.proc]:  # (tandem up's workers last)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
 
 
-async def load(url: str, args: argparse.Namespace) -> list[tuple[float, float, float]]:
-    """Each request's (sent, first token, done), in seconds from the first send, in the order sent."""
+async def load(urls: list[str], args: argparse.Namespace) -> list[tuple[float, float, float]]:
+    """Each request's (sent, first token, done), in seconds from the first send, in the order sent; request i goes to
+    coordinator i mod len(urls)."""
     from openai import AsyncOpenAI
 
     t0 = time.perf_counter()
@@ -132,8 +176,12 @@ async def load(url: str, args: argparse.Namespace) -> list[tuple[float, float, f
         done = time.perf_counter() - t0
         return sent, first if first is not None else done, done
 
-    async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=1200) as client:
-        return await asyncio.gather(*(one(client, i) for i in range(args.requests)))
+    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=1200) for url in urls]
+    try:
+        return await asyncio.gather(*(one(clients[i % len(clients)], i) for i in range(args.requests)))
+    finally:
+        for client in clients:
+            await client.close()
 
 
 def summary(side: str, round_: int, runs: list[tuple[float, float, float]], preemptions: float,
@@ -150,29 +198,33 @@ def summary(side: str, round_: int, runs: list[tuple[float, float, float]], pree
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.requests < 2 or args.gap < 0 or args.tokens < 1 or args.rounds < 1:
-        raise SystemExit("--requests must be >= 2, --gap >= 0, --tokens and --rounds >= 1")
-    sides = {"room queue": _REPO_ROOT}
+    if args.requests < 2 or args.gap < 0 or args.tokens < 1 or args.rounds < 1 or args.coordinators < 1:
+        raise SystemExit("--requests must be >= 2, --gap >= 0, --tokens, --rounds and --coordinators >= 1")
+    sides = {args.label: _REPO_ROOT}
     if args.baseline is not None:
         if not (args.baseline / "tandem" / "v1").is_dir():
             raise SystemExit(f"--baseline {args.baseline}: no tandem/v1 stubs there; run `python -m "
                              "tandem.proto_build` in it first")
-        sides = {"before (each request backs off alone)": args.baseline.resolve(), **sides}
-    records = []
+        sides = {args.baseline_label: args.baseline.resolve(), **sides}
+    records, timelines = [], []
     for round_ in range(args.rounds):
         for side, root in sides.items():
             log_dir = Path(tempfile.mkdtemp(prefix=f"{args.name}-{round_}-"))  # each run's process logs
             up = Up(root, args, log_dir)
             try:
-                runs = asyncio.run(load(up.url, args))
+                runs = asyncio.run(load(up.urls, args))
                 records.append(summary(side, round_, runs, up.preemptions(), args.tokens))
+                timelines.append({"side": side, "round": round_,  # (sent, first token, done) of each, in send order
+                                  "requests": [[round(t, 3) for t in run] for run in runs]})
             finally:
                 up.stop()
             print(markdown_table([records[-1]], COLUMNS), flush=True)
     info = machine_info()
-    write_json(args.out, args.name, {"settings": vars(args), "machine": info, "records": records})
+    write_json(args.out, args.name, {"settings": vars(args), "machine": info, "records": records,
+                                     "timelines": timelines})
     body = (f"{machine_line(info)}\n\n{args.requests} requests of {args.tokens} tokens, one every {args.gap} s, "
-            f"{args.target} with a {args.kv_cache_tokens}-token pool.\n\n" + markdown_table(records, COLUMNS))
+            f"{args.target} with a {args.kv_cache_tokens}-token pool, {args.coordinators} coordinator(s) taking "
+            "them in turn.\n\n" + markdown_table(records, COLUMNS))
     write_markdown(args.out, args.name, "Requests refused for room: served in the order they came?", body)
     fig, (left, right) = new_figure(ncols=2, width=11)
     labels = [f"{r['side']} #{r['round']}" for r in records]

@@ -182,7 +182,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
                               key=self._routing_key(state.prompt_ids, request.cache_key),
                               max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS,
-                              priority=request.priority)
+                              priority=request.priority,
+                              # (the wall clock: targets compare it with other coordinators' requests)
+                              arrival_time=time.time() - (time.perf_counter() - state.stats.started_at))
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every

@@ -244,11 +244,12 @@ class WorkerClient:
         if self.info is not None and self.info.prefix_cache.enabled and self.info.block_size >= 1:
             self.prompt_blocks.record(prompt_ids, self.info.block_size, self.info.total_blocks)
 
-    def for_request(self, deadline: float | None, max_len: int = 0, priority: int = 0) -> RequestChannel:
+    def for_request(self, deadline: float | None, max_len: int = 0, priority: int = 0,
+                    arrival_time: float = 0.0) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time); ``max_len``:
-        the most tokens the request's KV may reach, and ``priority`` the request's, told to a target with each
-        Prefill (0: not said, and FCFS)."""
-        return RequestChannel(self, deadline, self.owner, max_len, priority)
+        the most tokens the request's KV may reach, ``priority`` the request's and ``arrival_time`` when it
+        arrived (Unix seconds), told to a target with each Prefill (0: not said)."""
+        return RequestChannel(self, deadline, self.owner, max_len, priority, arrival_time)
 
     @property
     def streams(self) -> int:
@@ -271,10 +272,11 @@ class RequestChannel:
     """One request's handle on one worker: the ``Verifier`` and ``DraftChannel`` over gRPC."""
 
     def __init__(self, client: WorkerClient, deadline: float | None, owner: str = "", max_len: int = 0,
-                 priority: int = 0) -> None:
+                 priority: int = 0, arrival_time: float = 0.0) -> None:
         self.client = client
         self.max_len = max_len  # PrefillRequest.max_len: the room a target keeps free for the sequence to grow
         self.priority = priority  # PrefillRequest.priority: lower goes first where the target's pool runs short
+        self.arrival_time = arrival_time  # PrefillRequest.arrival_time: FCFS across coordinators in a full pool
         self.deadline = deadline  # asyncio loop time by which the client wants its answer; None: no limit
         self.owner = owner  # the coordinator's instance id, named in every call (the worker's lease)
         # A draft's sequence as its Proposes built it, and how many of those tokens are the target's text (the
@@ -355,7 +357,7 @@ class RequestChannel:
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose, max_len=self.max_len,
-            priority=self.priority),
+            priority=self.priority, arrival_time=self.arrival_time),
             prompt_tokens=len(token_ids))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
                          reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens),

@@ -19,6 +19,7 @@ never reach a block another sequence reads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from tandem.block_pool import BlockPool, PrefixCacheStats, block_chain, block_ha
 from tandem.errors import KVCacheExhaustedError, UnknownSequenceError
 
 SeqId = Hashable
-_HELD, _NEW, _WAITING = 0, 1, 2  # ``PagedKVCache.admit``'s order within a rank
+_HELD, _NEW, _WAITING = 0, 1, 2  # ``PagedKVCache.admit``'s kinds of call (the order of two that arrived together)
 
 
 @dataclass(slots=True)
@@ -109,7 +110,8 @@ class PagedKVCache:
     def admit(self, lengths: list[tuple[SeqId, int]],
               growth: Callable[[SeqId, int], int] | None = None,
               rank: Callable[[SeqId], int] | None = None,
-              waiting: Sequence[tuple[int, int]] = ()) -> list[int | None]:
+              waiting: Sequence[tuple[int, float, int]] = (),
+              arrival: Callable[[SeqId], float] | None = None) -> list[int | None]:
         """Which of a batch's calls the pool can hold, changing nothing.
 
         ``lengths``: per call, its sequence and the KV length it will have after the batch.
@@ -119,7 +121,7 @@ class PagedKVCache:
         when the pool runs short it is the youngest that are refused (and preempted by their
         coordinator): the oldest go on, finish and free their blocks, where refusing whichever
         call came last let every sequence in turn lose its KV and be computed again (vLLM too
-        preempts its newest requests first). Calls that start a sequence come last, in order,
+        preempts its newest requests first). Calls that start a sequence come last, in order (of arrival),
         and each only while every held sequence (its own included) keeps free the blocks it would
         take to grow ``growth(seq_id, length)`` more tokens (its next rounds, or the rest of its
         answer): a burst of new prompts would fill that room, and every running sequence would be
@@ -129,9 +131,11 @@ class PagedKVCache:
         above). Calls are taken rank by rank, each rank in the order above: a new sequence goes before the
         growth of sequences ranked below it, and keeps free only the growth of those ranked as high or higher,
         so that where the pool runs short the lowest ranked are refused (and preempted) first. ``waiting``:
-        (rank, blocks) of prompts refused for room that keep their place (``tandem.rpc.priority_waits``): each
-        takes what is free, up to its blocks, after the calls of its own rank and before those ranked below,
-        which are then refused as they grow until the waiting prompt fits.
+        (rank, arrival, blocks) of prompts refused for room that keep their place (``tandem.rpc.room_waits``):
+        each takes what is free, up to its blocks, after the held sequences of its own rank and before the new
+        ones of its rank that arrived after it (``arrival``: when each new sequence's request arrived; None:
+        new sequences go in call order, and waiting prompts after them) and everything ranked below, which are
+        then refused (as they start, or as they grow) until the waiting prompt fits.
         Returns, per call, None when admitted, else the blocks it would need beyond what is left.
         """
         rank_of = rank or (lambda seq_id: 0)
@@ -143,16 +147,20 @@ class PagedKVCache:
                         self._growth(seq.length, len(seq.block_ids), growth(seq_id, seq.length) if growth else 0))
                        for seq_id, seq in self._seqs.items()]
         refused: list[int | None] = [None] * len(lengths)
-        # (rank, kind, order, call index or waiting index): held sequences oldest first, then new ones in order,
-        # then the waiting prompts of that rank
-        order = sorted([(rank_of(s), _HELD, age[s], i) if s in age else (rank_of(s), _NEW, i, i)
+        # (rank, held or not, order, kind, call index or waiting index): held sequences oldest first, then new ones
+        # and waiting prompts by arrival (new ones first where two arrived together)
+        def arrived(seq_id: SeqId) -> float:
+            return arrival(seq_id) if arrival is not None else 0.0
+
+        order = sorted([(rank_of(s), 0, age[s], _HELD, i) if s in age else (rank_of(s), 1, arrived(s), _NEW, i)
                         for i, (s, _) in enumerate(lengths)]
-                       + [(r, _WAITING, j, j) for j, (r, _) in enumerate(waiting)])
+                       + [(r, 1, when if arrival is not None else math.inf, _WAITING, j)
+                          for j, (r, when, _) in enumerate(waiting)])
         reserved = 0  # the growth of the new sequences admitted so far (all ranked as high as the next, or higher)
         held_reserve: dict[int, int] = {}  # rank -> the growth of the held sequences ranked as high or higher
-        for r, kind, _, i in order:
+        for r, _, _, kind, i in order:
             if kind == _WAITING:
-                free -= min(free, waiting[i][1])
+                free -= min(free, waiting[i][2])
                 continue
             seq_id, length = lengths[i]
             n = need[i]

@@ -112,6 +112,7 @@ class PrefillCall:
     propose: int = 0  # the sequence drafts with this worker's heads: nodes of the first proposal (0: no heads)
     max_len: int = 0  # the most tokens its KV may reach (the room new sequences leave it to grow); 0: not known
     priority: int = 0  # lower goes first where the KV pool runs short (``SequenceEngine._admit``)
+    arrival_time: float = 0.0  # when its request reached its coordinator (Unix seconds); 0: not said (room_waits)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         self.server.check_accepting()
         call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling),
                            request.prompt_len, request.owner, request.replace, request.propose, request.max_len,
-                           request.priority)
+                           request.priority, request.arrival_time)
         result: Prefilled | Proposed = await self.batcher.submit(call)
         prefilled = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens,

@@ -540,5 +540,7 @@ def test_room_queue_bench_counts_requests_that_started_out_of_order_and_checks_i
     assert row["ttft_max_s"] == 5.0 and row["latency_max_s"] == 9.0 and row["tokens_per_s"] == 30 / 9.0
     with pytest.raises(SystemExit, match="--requests"):
         room_queue_bench.main(["--requests", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--coordinators >= 1"):
+        room_queue_bench.main(["--coordinators", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="proto_build"):
         room_queue_bench.main(["--baseline", str(tmp_path), "--out", str(tmp_path)])

@@ -132,20 +132,36 @@ def test_a_higher_priority_goes_first_and_the_lowest_are_refused_when_the_pool_r
 
 
 def test_a_waiting_prompt_takes_what_is_free_before_the_calls_ranked_below_it():
-    """``waiting``: (rank, blocks) of a refused prompt that keeps its place; it comes after the calls of its own rank
-    and before those ranked below, which are refused as they grow until it fits."""
+    """``waiting``: (rank, arrival, blocks) of a refused prompt that keeps its place; without arrivals it comes after
+    the calls of its own rank and before those ranked below, which are refused as they grow until it fits."""
     cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
     cache.append_slots({"low": 8, "high": 8})  # 4 left
     rank = {"low": 1, "high": 0, "new": 0, "bulk": 1}.__getitem__
-    waiting = [(0, 3)]  # a rank-0 prompt of 3 blocks waits
+    waiting = [(0, 0.0, 3)]  # a rank-0 prompt of 3 blocks waits
     assert cache.admit([("low", 12)], rank=rank, waiting=waiting) == [None]  # 1 free after the waiting 3
     assert cache.admit([("low", 16)], rank=rank, waiting=waiting) == [1]  # 2 more: refused
     assert cache.admit([("high", 16)], rank=rank, waiting=waiting) == [None]  # its own rank goes first
     assert cache.admit([("bulk", 4)], rank=rank, waiting=waiting) == [None]  # 1 block: the one left
     assert cache.admit([("bulk", 8)], rank=rank, waiting=waiting) == [1]
     assert cache.admit([("new", 8)], rank=rank, waiting=waiting) == [None]  # a new rank-0 one is not held back
-    assert cache.admit([("low", 16)], rank=rank, waiting=[(1, 3)]) == [None]  # a rank-1 wait: low is older
-    assert cache.admit([("low", 16)], rank=rank, waiting=[(0, 9)]) == [2]  # a wait bigger than what is free
+    assert cache.admit([("low", 16)], rank=rank, waiting=[(1, 0.0, 3)]) == [None]  # a rank-1 wait: low is older
+    assert cache.admit([("low", 16)], rank=rank, waiting=[(0, 0.0, 9)]) == [2]  # a wait bigger than what is free
+
+
+def test_a_waiting_prompt_goes_before_the_new_prompts_of_its_rank_that_arrived_after_it():
+    """With arrivals (several coordinators' requests, ``tandem.rpc.room_waits``), new prompts of one rank and the
+    waiting ones take what is free in the order they arrived; held sequences of that rank still go first."""
+    cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"old": 8})  # 6 free
+    arrived = {"early": 10.0, "late": 30.0, "old": 0.0}.__getitem__
+    waiting = [(0, 20.0, 4)]  # a prompt of 4 blocks that arrived at 20 waits
+    assert cache.admit([("late", 12)], waiting=waiting, arrival=arrived) == [1]  # 3 blocks after its 4: refused
+    assert cache.admit([("early", 12)], waiting=waiting, arrival=arrived) == [None]  # came first: goes first
+    assert cache.admit([("late", 8)], waiting=waiting, arrival=arrived) == [None]  # 2 blocks: what it leaves
+    assert cache.admit([("old", 24)], waiting=waiting, arrival=arrived) == [None]  # held: grows into all 6
+    assert cache.admit([("early", 12), ("late", 8)], waiting=waiting, arrival=arrived) == [None, 2]  # none left
+    assert cache.admit([("late", 12)], waiting=waiting) == [None]  # without arrivals the wait goes after new ones
+    assert cache.num_free_blocks == 6  # (nothing changed)
 
 
 def test_slots_resolve_positions_through_the_block_table():

@@ -21,6 +21,7 @@ which the worker runs on the model thread like every batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
@@ -29,7 +30,7 @@ from tandem.block_pool import PrefixCacheStats
 from tandem.errors import InvalidRequestError, KVCacheExhaustedError, StaleSequenceError
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.leases import Expired, Leases
-from tandem.rpc.priority_waits import PriorityWaits
+from tandem.rpc.room_waits import RoomWaits, Waiting
 from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 
 # A new sequence starts only while every running one keeps free the blocks of its next GROWTH_ROUNDS rounds (a round
@@ -94,7 +95,7 @@ class SequenceEngine(Generic[Sequence, Plan]):
         self.engine = engine
         self.reserve_growth = reserve_growth
         self.sequences: dict[str, Sequence] = {}
-        self.priority_waits = PriorityWaits()  # refused prompts that keep their place (with reserve_growth only)
+        self.room_waits = RoomWaits()  # refused prompts that keep their place (with reserve_growth only)
         self.leases = leases or Leases()  # swept only where a worker runs ``reclaim`` (not in process)
 
     @property
@@ -180,20 +181,28 @@ class SequenceEngine(Generic[Sequence, Plan]):
 
     def _admit(self, plans: list[Plan], results: list) -> None:
         """Refuse (KVCacheExhaustedError) the calls the pool cannot hold together; change nothing. Higher
-        priorities first (a Prefill's ``priority``, lower first), within one the oldest sequences first, and with
-        ``reserve_growth`` a new sequence starts only while every held one of its priority or higher keeps room
-        for its next ``GROWTH_ROUNDS`` rounds (``PagedKVCache.admit``). A refused prompt ranked above a held
-        sequence keeps its place for its next try (``tandem.rpc.priority_waits``)."""
+        priorities first (a Prefill's ``priority``, lower first), within one the oldest sequences first, then new
+        ones by their requests' arrival, and with ``reserve_growth`` a new sequence starts only while every held
+        one of its priority or higher keeps room for its next ``GROWTH_ROUNDS`` rounds (``PagedKVCache.admit``).
+        A refused prompt that said when it arrived, or is ranked above a held sequence, keeps its place for its
+        next try (``tandem.rpc.room_waits``)."""
         kv = self.engine.kv_cache
         lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
         asked_priority = {plan.call.seq_id: getattr(plan.call, "priority", 0) for plan in plans}
+        # When each call's request arrived at its coordinator (a target Prefill's arrival_time); a call that does
+        # not say arrived now, as far as this worker can tell.
+        now = time.time()
+        said_arrival = {plan.call.seq_id: getattr(plan.call, "arrival_time", 0.0) for plan in plans}
 
         def rank(seq_id: str) -> int:
             seq = self.sequences.get(seq_id)
             return getattr(seq, "priority", 0) if seq is not None else asked_priority.get(seq_id, 0)
 
+        def arrival(seq_id: str) -> float:
+            return said_arrival.get(seq_id) or now
+
         growth: Callable[[str, int], int] | None = None
-        waiting: list[tuple[int, int]] = []
+        waiting: list[Waiting] = []
         if self.reserve_growth:
             asked = {plan.call.seq_id: getattr(plan.call, "max_len", 0) for plan in plans}
 
@@ -202,27 +211,30 @@ class SequenceEngine(Generic[Sequence, Plan]):
                 max_len = self._max_len(seq_id) or asked.get(seq_id, 0)
                 return max(0, min(max_len - length, rounds)) if max_len else rounds
 
-            waiting = self.priority_waits.holding(asked)
+            waiting = self.room_waits.holding(asked)
         lowest = max((rank(held) for held in self.sequences), default=0)  # the lowest priority held
-        for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting)):
+        for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting, arrival)):
             seq_id = plan.call.seq_id
             if short is None:
-                self.priority_waits.admitted(seq_id)
+                self.room_waits.forget(seq_id)
                 continue
             results[plan.index] = KVCacheExhaustedError(
                 f"KV cache full: sequence {seq_id!r} needs {short} more blocks than are free; retry later")
-            if growth is not None and not kv.has_sequence(seq_id) and rank(seq_id) < lowest:
-                # a prompt ranked above a held sequence: it keeps its place (blocks for its prompt and its room)
-                self.priority_waits.refused(seq_id, rank(seq_id),
-                                            kv.blocks_needed(plan.kv_len + growth(seq_id, plan.kv_len)))
+            if growth is not None and not kv.has_sequence(seq_id) and (said_arrival[seq_id] or rank(seq_id) < lowest):
+                # a new sequence that keeps its place (blocks for its prompt and its room): ahead of the prompts of
+                # its rank that came after it, or of a held sequence ranked below it
+                self.room_waits.refused(seq_id, Waiting(rank(seq_id), arrival(seq_id),
+                                                        kv.blocks_needed(plan.kv_len + growth(seq_id, plan.kv_len))))
 
     def _max_len(self, seq_id: str) -> int:
         """The most tokens a held sequence's KV may reach, as its Prefill said; 0: not known (a draft's)."""
         return getattr(self.sequences.get(seq_id), "max_len", 0)
 
     def _release(self, seq_id: str) -> bool:
-        """Forget a sequence and free its KV; True when it was held."""
+        """Forget a sequence and free its KV; True when it was held. A prompt waiting for room here waits no more
+        (its coordinator gave it up, or moved it)."""
         self.leases.drop(seq_id)
+        self.room_waits.forget(seq_id)
         return self._free(seq_id)
 
     def _free(self, seq_id: str) -> bool:

@@ -166,6 +166,10 @@ class FailoverVerifier:
                 replacement = await self.replicas.replace_target(faulty=False)
                 if replacement is None:
                     raise
+                if not holds and _worker_of(replacement) is not _worker_of(self.target):
+                    # it asks elsewhere now: the worker that refused it forgets the place it kept for it
+                    # (tandem.rpc.room_waits), rather than hold it against later prompts for seconds
+                    _in_background(self.target.release(seq_id), self._releases)
             except REPLICA_FAULTS:
                 waiting.start()
                 replacement = await self.replicas.replace_target(faulty=True)

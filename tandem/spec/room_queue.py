@@ -13,8 +13,9 @@ requests back at the head of its waiting queue). Only the first asks again; the 
 a request whose Prefill needs room while earlier ones wait queues behind them before it asks at all. The first
 asks again after its backoff, or at once when room may have freed: one of this coordinator's requests released
 its KV, or the one before it was admitted. A request ranked above every waiting one asks at once, as before.
-Releases by other coordinators are seen only by the backoff: each coordinator orders its own requests (the
-workers order priorities across coordinators, ``tandem.rpc.priority_waits``).
+Releases by other coordinators are seen only by the pause. Each coordinator orders its own requests; a target
+shared by several orders their first ones by when they arrived (``PrefillRequest.arrival_time``), keeping a
+refused prompt's place ahead of later ones (``tandem.rpc.room_waits``), which merges the queues into one.
 """
 
 from __future__ import annotations

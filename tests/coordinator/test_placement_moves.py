@@ -14,8 +14,8 @@ class FakeClient:
     name: str
     active: int = 0
 
-    def for_request(self, deadline, max_len=0, priority=0):
-        return ("channel", self.name, max_len, priority)
+    def for_request(self, deadline, max_len=0, priority=0, arrival_time=0.0):
+        return ("channel", self.name, max_len, priority, arrival_time)
 
 
 class FakePool:
@@ -38,14 +38,14 @@ def test_faulty_moves_stop_at_the_bound_per_role_and_capacity_moves_do_not_count
         targets, drafts = FakePool("target"), FakePool("draft")
         moved: list[str] = []
         placement = Placement(targets, drafts, uses_draft=True, deadline=None, max_moves=2, move_wait_s=0.0,
-                              on_move=moved.append, max_len=90, priority=-2)
+                              on_move=moved.append, max_len=90, priority=-2, arrival_time=1.5e9)
         placement.enter()
         assert await placement.replace_target(faulty=False) is not None  # a full KV pool: not a fault
         assert placement.target_moves == 0
         for expected in (1, 2):
-            # a moved request's Prefills still say how long it may get (the room its new target keeps it), and its
-            # priority
-            assert await placement.replace_target(faulty=True) == ("channel", targets.offered[-1].name, 90, -2)
+            # a moved request's Prefills still say how long it may get (the room its new target keeps it), its
+            # priority and when it arrived (its place where the new target's pool is full)
+            assert await placement.replace_target(faulty=True) == ("channel", targets.offered[-1].name, 90, -2, 1.5e9)
             assert placement.target_moves == expected
         assert await placement.replace_target(faulty=True) is None  # the third fault: no more moves
         assert len(targets.offered) == 2

@@ -51,6 +51,7 @@ class ScriptedTarget(FakeTarget):
         self.samplings: list[common_pb2.SamplingOptions] = []  # each Prefill's, in order
         self.max_lens: list[int] = []  # each Prefill's max_len, in order
         self.priorities: list[int] = []  # each Prefill's priority, in order
+        self.arrivals: list[float] = []  # each Prefill's arrival_time, in order (refused ones included)
         self.full_prefills = 0  # Prefills to refuse first as a full pool refuses them (RESOURCE_EXHAUSTED)
         self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
         self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
@@ -67,6 +68,7 @@ class ScriptedTarget(FakeTarget):
 
     async def Prefill(self, request, context):
         self.calls["Prefill"] += 1
+        self.arrivals.append(request.arrival_time)
         if self.full_prefills:
             self.full_prefills -= 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

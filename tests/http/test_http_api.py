@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import grpc
@@ -825,6 +826,25 @@ def test_a_prompt_cache_key_reaches_the_service_as_its_routing_key(tokenizer):
                                                                  "prompt_cache_key": "tenant-8"})
             assert code == 200, body
             assert seen == ["tenant-7", "tenant-9", "tenant-8"]
+    run(go())
+
+
+def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it(tokenizer):
+    """The target orders prompts waiting for room by when their requests arrived, whichever coordinator sent them
+    (tandem/rpc/room_waits.py): each Prefill carries the request's arrival on the wall clock, and a Prefill asked
+    again after a full pool refused it carries the same one (its place), not the time of asking."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            target = running.target
+            before = time.time()
+            target.full_prefills = 2
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2})
+            assert code == 200, body
+            code, body = await post(running.url + "/completions", {"prompt": "hello", "max_tokens": 2})
+            assert code == 200, body
+            first, *retries, second = target.arrivals
+            assert len(retries) == 2 and retries == [first, first]  # refused twice, asked again with its arrival
+            assert before <= first < second <= time.time()
     run(go())
 
 

@@ -147,6 +147,24 @@ def test_a_refused_prefill_holds_nothing_so_it_waits_without_a_release_or_a_pree
     assert full.released == ["s"] and state.stats.preemptions == 1 and state.stats.room_waits == 1
 
 
+def test_a_refused_prefill_placed_on_another_replica_gives_up_its_place_on_the_first(monkeypatch):
+    """The refusing worker kept the prompt's place (tandem/rpc/room_waits.py): asking elsewhere now, the request
+    releases it there, so that it does not hold room against later prompts for seconds; still no preemption."""
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    full, roomy = Replica("full", [KVCacheExhaustedError("full")]), Replica("roomy")
+    wrapped = verifier(full, Spares(targets=[roomy]), state)
+
+    async def go():
+        prefilled = await wrapped.prefill("s", PROMPT, state.sampling)
+        await asyncio.sleep(0)  # the release runs in the background
+        return prefilled
+
+    assert asyncio.run(go()) == Prefilled(9)
+    assert full.released == ["s"] and roomy.released == [] and roomy.calls == [("prefill", PROMPT, 0, 0)]
+    assert state.stats.preemptions == 0 and state.stats.room_waits == 1
+
+
 def test_without_a_spare_or_past_the_longest_wait_the_error_reaches_the_caller(monkeypatch):
     state = request()
     with pytest.raises(WorkerUnavailableError, match="gone"):

@@ -10,7 +10,7 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import KVCacheExhaustedError
-from tandem.rpc.priority_waits import HOLD_S, PriorityWaits
+from tandem.rpc.room_waits import HOLD_S, RoomWaits
 from tandem.sampling import SamplingParams
 from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
 from tests.target_worker.test_engine import ok, one_thread  # noqa: F401 - autouse: one torch thread
@@ -37,7 +37,7 @@ def full_target(model_dir, low: int) -> tuple[TargetEngine, Clock, list]:
     engine = TargetEngine(ModelEngine.load(EngineConfig(model_dir, dtype="float32", kv_cache_tokens=92, block_size=4)),
                           reserve_growth=True)
     clock = Clock()
-    engine.priority_waits = PriorityWaits(clock)
+    engine.room_waits = RoomWaits(clock)
     firsts = ok(engine.run_batch([PrefillCall("a", prompt(40, 3), GREEDY, max_len=48, priority=low)]))
     firsts += ok(engine.run_batch([PrefillCall("b", prompt(32, 50), GREEDY, max_len=40, priority=low)]))
     assert engine.engine.kv_cache.num_free_blocks == 5
@@ -72,22 +72,48 @@ def test_a_refused_higher_priority_prompt_keeps_its_place_until_it_fits(tiny_qwe
     engine, _, (a_first, b_first) = full_target(tiny_qwen2_dir, low=1)
     (refused,) = engine.run_batch([urgent()])
     assert isinstance(refused, KVCacheExhaustedError)
-    assert len(engine.priority_waits) == 1  # it keeps its place...
+    assert len(engine.room_waits) == 1  # it keeps its place...
     # ...so a lower sequence that grows is refused (its coordinator preempts it), where before it took the room
     a_round, b_round = engine.run_batch([grow("a", 40, a_first), grow("b", 32, b_first)])
     assert isinstance(a_round, KVCacheExhaustedError) and isinstance(b_round, KVCacheExhaustedError)
     ok(engine.run_batch([ReleaseCall("a")]))  # the preemption: a's KV freed (it comes back later, rebuilt)
     ok(engine.run_batch([urgent()]))  # the prompt's next try fits
-    assert len(engine.priority_waits) == 0
+    assert len(engine.room_waits) == 0
     ok(engine.run_batch([grow("b", 32, b_first)]))  # and b grows again: nobody waits now
 
 
+def small(name: str, arrival_time: float) -> PrefillCall:
+    # 3 blocks and 1 to grow into: fits in the 5 free
+    return PrefillCall(name, prompt(12, 60 + len(name)), GREEDY, max_len=16, arrival_time=arrival_time)
+
+
+def test_a_refused_prompt_goes_before_the_prompts_that_arrived_after_it_and_never_before_what_runs(tiny_qwen2_dir):
+    """All at one priority, from several coordinators (each says when its request arrived): a refused prompt keeps
+    its place against later prompts, which used to take the room it waited for; an earlier prompt still goes first,
+    the running sequences still grow, and a release (its coordinator gave it up or moved it) frees its place."""
+    engine, _, (a_first, b_first) = full_target(tiny_qwen2_dir, low=0)
+    (refused,) = engine.run_batch([PrefillCall("first", prompt(24, 70), GREEDY, max_len=28, arrival_time=100.0)])
+    assert isinstance(refused, KVCacheExhaustedError) and len(engine.room_waits) == 1
+    (later,) = engine.run_batch([small("later", 200.0)])
+    assert isinstance(later, KVCacheExhaustedError)  # it would fit, but "first" came before it
+    ok(engine.run_batch([grow("a", 40, a_first), grow("b", 32, b_first)]))  # what runs goes on
+    ok(engine.run_batch([ReleaseCall("a")]))
+    ok(engine.run_batch([small("earlier", 50.0)]))  # came before "first": not held back
+    (later,) = engine.run_batch([small("later", 200.0)])
+    assert isinstance(later, KVCacheExhaustedError) and len(engine.room_waits) == 2  # "later" waits too, behind
+    ok(engine.run_batch([ReleaseCall("earlier"), ReleaseCall("first")]))  # "first" is given up here
+    assert len(engine.room_waits) == 1  # and its place with it
+    ok(engine.run_batch([small("later", 200.0)]))
+    assert len(engine.room_waits) == 0
+
+
 def test_equal_priorities_are_first_come_first_served(tiny_qwen2_dir):
-    """All at 0 (FCFS): a refused prompt keeps no place; the running sequences grow into the free blocks."""
+    """All at 0 (FCFS) and saying no arrival (a draft's calls): a refused prompt keeps no place; the running
+    sequences grow into the free blocks."""
     engine, _, (a_first, b_first) = full_target(tiny_qwen2_dir, low=0)
     (refused,) = engine.run_batch([urgent()])
     assert isinstance(refused, KVCacheExhaustedError)
-    assert len(engine.priority_waits) == 0
+    assert len(engine.room_waits) == 0
     ok(engine.run_batch([grow("a", 40, a_first), grow("b", 32, b_first)]))
 
 
