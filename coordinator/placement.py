@@ -22,16 +22,18 @@ a fleet of unequal replicas, a long request goes to the larger ones.
 from __future__ import annotations
 
 from coordinator.workers import RequestChannel, WorkerClient, WorkerPool
+from tandem.spec.room_queue import RoomQueue
 
 
 class Placement:
     def __init__(self, targets: WorkerPool, drafts: WorkerPool, uses_draft: bool, deadline: float | None,
                  max_moves: int, move_wait_s: float, on_move=None, key: bytes | None = None,
-                 max_len: int = 0, priority: int = 0, arrival_time: float = 0.0) -> None:
+                 max_len: int = 0, priority: int = 0, arrival_time: float = 0.0, room: RoomQueue | None = None) -> None:
         self.targets, self.drafts = targets, drafts
         self.max_len = max_len  # the most tokens the request's KV may reach, told to each target (0: not said)
         self.priority = priority  # told to each target with every Prefill (GenerateRequest.priority)
         self.arrival_time = arrival_time  # when the request arrived (Unix seconds), told likewise (0: not said)
+        self.room = room  # the coordinator's requests waiting for room, told likewise (RequestChannel._queued)
         self.key = key  # the prompt's routing key; None: load alone decides
         self.deadline = deadline  # the client's deadline (event-loop time), bounding every call
         self.max_moves = max_moves
@@ -45,7 +47,7 @@ class Placement:
 
     # ----- the channels the loop starts with -----------------------------------
     def verifier(self) -> RequestChannel:
-        return self.target.for_request(self.deadline, self.max_len, self.priority, self.arrival_time)
+        return self.target.for_request(self.deadline, self.max_len, self.priority, self.arrival_time, self.room)
 
     def draft_channel(self) -> RequestChannel | None:
         return self.draft.for_request(self.deadline) if self.draft else None
@@ -101,4 +103,4 @@ class Placement:
             self.target.active -= 1
             client.active += 1
         self.target = client
-        return client.for_request(self.deadline, self.max_len, self.priority, self.arrival_time)
+        return client.for_request(self.deadline, self.max_len, self.priority, self.arrival_time, self.room)

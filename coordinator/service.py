@@ -184,7 +184,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS,
                               priority=request.priority,
                               # (the wall clock: targets compare it with other coordinators' requests)
-                              arrival_time=time.time() - (time.perf_counter() - state.stats.started_at))
+                              arrival_time=time.time() - (time.perf_counter() - state.stats.started_at),
+                              room=self.room_queue)
         costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every

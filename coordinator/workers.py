@@ -47,12 +47,14 @@ import grpc
 from coordinator import prefix_routing
 from coordinator.prefix_mirror import PrefixMirror
 from tandem.errors import InternalError, WorkerDeadlineError, WorkerUnavailableError
+from tandem.rpc.room_waits import MAX_QUEUED
 from tandem.rpc.server import GRPC_OPTIONS
 from tandem.rpc.status import worker_failure
 from tandem.rpc.tls import ClientTLS, open_channel
 from tandem.rpc.wire import logprobs_from_proto, proposal_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.spec.adaptive import IN_FLIGHT_TOKENS
+from tandem.spec.room_queue import RoomQueue
 from tandem.spec.transport import Drafted, FittedCost, Prefilled, Verified
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -245,11 +247,12 @@ class WorkerClient:
             self.prompt_blocks.record(prompt_ids, self.info.block_size, self.info.total_blocks)
 
     def for_request(self, deadline: float | None, max_len: int = 0, priority: int = 0,
-                    arrival_time: float = 0.0) -> RequestChannel:
+                    arrival_time: float = 0.0, room: RoomQueue | None = None) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time); ``max_len``:
         the most tokens the request's KV may reach, ``priority`` the request's and ``arrival_time`` when it
-        arrived (Unix seconds), told to a target with each Prefill (0: not said)."""
-        return RequestChannel(self, deadline, self.owner, max_len, priority, arrival_time)
+        arrived (Unix seconds), told to a target with each Prefill (0: not said), with the coordinator's requests
+        waiting in ``room`` for this worker."""
+        return RequestChannel(self, deadline, self.owner, max_len, priority, arrival_time, room)
 
     @property
     def streams(self) -> int:
@@ -272,11 +275,12 @@ class RequestChannel:
     """One request's handle on one worker: the ``Verifier`` and ``DraftChannel`` over gRPC."""
 
     def __init__(self, client: WorkerClient, deadline: float | None, owner: str = "", max_len: int = 0,
-                 priority: int = 0, arrival_time: float = 0.0) -> None:
+                 priority: int = 0, arrival_time: float = 0.0, room: RoomQueue | None = None) -> None:
         self.client = client
         self.max_len = max_len  # PrefillRequest.max_len: the room a target keeps free for the sequence to grow
         self.priority = priority  # PrefillRequest.priority: lower goes first where the target's pool runs short
         self.arrival_time = arrival_time  # PrefillRequest.arrival_time: FCFS across coordinators in a full pool
+        self.room = room  # the coordinator's requests waiting for room: PrefillRequest.queued
         self.deadline = deadline  # asyncio loop time by which the client wants its answer; None: no limit
         self.owner = owner  # the coordinator's instance id, named in every call (the worker's lease)
         # A draft's sequence as its Proposes built it, and how many of those tokens are the target's text (the
@@ -357,11 +361,25 @@ class RequestChannel:
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose, max_len=self.max_len,
-            priority=self.priority, arrival_time=self.arrival_time),
+            priority=self.priority, arrival_time=self.arrival_time, queued=self._queued(seq_id)),
             prompt_tokens=len(token_ids))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
                          reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens),
                          logprobs_from_proto(reply.prompt_logprobs) if sampling.prompt_logprobs is not None else None)
+
+    def _queued(self, seq_id: str) -> list[target_pb2.QueuedPrompt]:
+        """The coordinator's other requests waiting for room whose next Prefill goes to this worker, in order."""
+        queued = []
+        for turn in self.room.waiting() if self.room is not None else ():
+            channel = turn.where() if turn.where is not None else None
+            if turn.seq_id == seq_id or getattr(channel, "worker", None) is not self.client:
+                continue
+            queued.append(target_pb2.QueuedPrompt(seq_id=turn.seq_id, arrival_time=channel.arrival_time,
+                                                  tokens=turn.tokens() if turn.tokens is not None else 0,
+                                                  max_len=channel.max_len, priority=channel.priority))
+            if len(queued) == MAX_QUEUED:
+                break
+        return queued
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[common_pb2.SparseDistribution],

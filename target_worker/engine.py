@@ -80,6 +80,7 @@ from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.prefill_chunks import PrefillChunks
+from tandem.rpc.room_waits import QueuedPrompt
 from tandem.rpc.sequence_engine import (
     Run,
     SequenceEngine,
@@ -113,6 +114,7 @@ class PrefillCall:
     max_len: int = 0  # the most tokens its KV may reach (the room new sequences leave it to grow); 0: not known
     priority: int = 0  # lower goes first where the KV pool runs short (``SequenceEngine._admit``)
     arrival_time: float = 0.0  # when its request reached its coordinator (Unix seconds); 0: not said (room_waits)
+    queued: tuple[QueuedPrompt, ...] = ()  # the coordinator's requests waiting behind it for room here (room_waits)
 
 
 @dataclass(slots=True)

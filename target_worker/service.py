@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from tandem.rpc.room_waits import MAX_QUEUED, QueuedPrompt
 from tandem.rpc.wire import logprobs_to_proto, proposal_to_proto, sampling_from_proto
 from tandem.rpc.worker_service import WorkerServiceBase
 from tandem.spec.rejection import Verdict
@@ -22,7 +23,9 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
         self.server.check_accepting()
         call = PrefillCall(request.seq_id, list(request.token_ids), sampling_from_proto(request.sampling),
                            request.prompt_len, request.owner, request.replace, request.propose, request.max_len,
-                           request.priority, request.arrival_time)
+                           request.priority, request.arrival_time,
+                           tuple(QueuedPrompt(q.seq_id, q.arrival_time, q.tokens, q.max_len, q.priority)
+                                 for q in request.queued[:MAX_QUEUED]))
         result: Prefilled | Proposed = await self.batcher.submit(call)
         prefilled = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens,

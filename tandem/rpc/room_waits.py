@@ -16,18 +16,22 @@ arrival_time``: when its request reached its coordinator), and ``PagedKVCache.ad
 of the new prompts of its priority that arrived after it and of every call ranked below it: those prompts are
 refused, and sequences ranked below refused as they grow (their coordinators preempt them and ask again later),
 until its next try fits. The running sequences of its own priority or higher are never refused for it: first come,
-first served keeps what runs running. As each coordinator's waiting requests ask in order, comparing the first of
-each here merges their queues, as far as this worker knows their requests (below).
+first served keeps what runs running.
 
-Which prompts are remembered: one ranked above some held sequence (the priority case), and one whose call said
-when it arrived (a coordinator's target Prefill; a draft's calls say nothing and hold no place). A remembered prompt
-is forgotten once admitted, once released (its coordinator releases a request that ends, is cancelled or asks
-another replica), or ``HOLD_S`` after its last refusal: longer than a coordinator's longest pause between tries,
-so that a prompt still asking is never forgotten. Only the first of a coordinator's waiting requests asks again,
-so a later one is known here only if it was refused once (and for ``HOLD_S`` after): keeping every place for a
-coordinator's lease (30 s) instead ordered two coordinators' requests a little better (13 and 15 pairs of 780 out
-of order, against 15-38 in most runs at 5 s) but served 111-125 tokens/s against 153-182 (benchmarks/README.md,
-room_queue_bench with --coordinators 2), so places go after ``HOLD_S``.
+Only the first of a coordinator's waiting requests asks again; the others wait their turn there without asking.
+So each Prefill tells of the coordinator's requests waiting behind it that are placed on this worker
+(``PrefillRequest.queued``: their arrival, tokens, ``max_len`` and priority), and they keep their places here as a
+refused prompt keeps its own. Comparing the coordinators' queues so, the worker merges them into one. (Told only of
+the first, a worker let another coordinator's new prompts pass a queue's later requests whenever room freed for
+several at once: 15-38 pairs of 780 out of order in most runs of benchmarks/README.md's room_queue_bench with
+--coordinators 2, where 56-101 were with no order kept across coordinators.)
+
+Which prompts are remembered: one ranked above some held sequence (the priority case), one whose call said when it
+arrived (a coordinator's target Prefill; a draft's calls say nothing and hold no place), and the ones a Prefill
+said queue behind it. A remembered prompt is forgotten once admitted, once released (its coordinator releases a
+request that ends, is cancelled or asks another replica), or ``HOLD_S`` after it was last refused or told of:
+longer than a coordinator's longest pause between tries, so that a prompt still waiting is never forgotten, and
+short enough that the places of a coordinator that died go soon.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import NamedTuple
 
 # A coordinator's longest pause between tries is KV_BACKOFF_MAX_S (2 s) times its jitter (at most 1.5).
 HOLD_S = 5.0
+MAX_QUEUED = 256  # waiting requests one Prefill tells of (PrefillRequest.queued): the first, in order
 
 
 class Waiting(NamedTuple):
@@ -46,6 +51,16 @@ class Waiting(NamedTuple):
     rank: int  # its priority, lower first
     arrival: float  # when its request arrived (Unix seconds), to order it among the new prompts of its rank
     blocks: int  # the blocks it needs: its prompt and its room to grow
+
+
+class QueuedPrompt(NamedTuple):
+    """A coordinator's request waiting behind the one that asks (``PrefillRequest.queued``)."""
+
+    seq_id: str
+    arrival_time: float
+    tokens: int  # the tokens its Prefill will carry
+    max_len: int  # the most tokens its KV may reach (0: not known)
+    priority: int
 
 
 class RoomWaits:

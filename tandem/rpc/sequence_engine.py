@@ -45,6 +45,13 @@ from tandem.spec.adaptive import IN_FLIGHT_TOKENS
 GROWTH_ROUNDS = 2
 
 
+def _growth_tokens(max_len: int, length: int) -> int:
+    """The tokens a sequence of ``length`` keeps room to grow: its next ``GROWTH_ROUNDS`` rounds, less near its end
+    (``max_len``, the most its KV may reach; 0: not known)."""
+    rounds = GROWTH_ROUNDS * IN_FLIGHT_TOKENS
+    return max(0, min(max_len - length, rounds)) if max_len else rounds
+
+
 class Run(NamedTuple):
     """Tokens fed in one forward item, and whether they are prompt tokens (``ForwardItem.prompt``)."""
 
@@ -207,10 +214,9 @@ class SequenceEngine(Generic[Sequence, Plan]):
             asked = {plan.call.seq_id: getattr(plan.call, "max_len", 0) for plan in plans}
 
             def growth(seq_id: str, length: int) -> int:
-                rounds = GROWTH_ROUNDS * IN_FLIGHT_TOKENS
-                max_len = self._max_len(seq_id) or asked.get(seq_id, 0)
-                return max(0, min(max_len - length, rounds)) if max_len else rounds
+                return _growth_tokens(self._max_len(seq_id) or asked.get(seq_id, 0), length)
 
+            self._learn_queued(plans)
             waiting = self.room_waits.holding(asked)
         lowest = max((rank(held) for held in self.sequences), default=0)  # the lowest priority held
         for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting, arrival)):
@@ -225,6 +231,18 @@ class SequenceEngine(Generic[Sequence, Plan]):
                 # its rank that came after it, or of a held sequence ranked below it
                 self.room_waits.refused(seq_id, Waiting(rank(seq_id), arrival(seq_id),
                                                         kv.blocks_needed(plan.kv_len + growth(seq_id, plan.kv_len))))
+
+    def _learn_queued(self, plans: list[Plan]) -> None:
+        """The requests waiting behind those that ask (a Prefill's ``queued``) keep their places as a refused prompt
+        keeps its own: they wait at their coordinator without asking (``tandem.rpc.room_waits``)."""
+        kv = self.engine.kv_cache
+        for plan in plans:
+            for queued in getattr(plan.call, "queued", ()):
+                if queued.seq_id in self.sequences or kv.has_sequence(queued.seq_id):
+                    continue  # (held here: it is no prompt waiting for room)
+                blocks = kv.blocks_needed(queued.tokens + _growth_tokens(queued.max_len, queued.tokens))
+                self.room_waits.refused(queued.seq_id, Waiting(queued.priority, queued.arrival_time or time.time(),
+                                                               blocks))
 
     def _max_len(self, seq_id: str) -> int:
         """The most tokens a held sequence's KV may reach, as its Prefill said; 0: not known (a draft's)."""

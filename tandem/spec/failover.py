@@ -126,7 +126,8 @@ class FailoverVerifier:
         ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
         it there from the committed history.
         """
-        waiting = _Wait(self.waiting, self.state.stats, self.room, self.queue_key)
+        waiting = _Wait(self.waiting, self.state.stats, self.room, self.queue_key,
+                        place=(seq_id, lambda: self.target, lambda: len(self.state.history)))
         try:
             return await self._until_served(seq_id, call, rebuild, waiting)
         finally:
@@ -194,11 +195,14 @@ class _Wait:
     counted once in the ``waiting`` tally, timed into the request's ``queue_s``, and, waiting for room, in its
     place in the coordinator's ``room`` queue."""
 
-    def __init__(self, tally: Tally | None, stats: GenerationStats, room: RoomQueue | None, key: QueueKey) -> None:
+    def __init__(self, tally: Tally | None, stats: GenerationStats, room: RoomQueue | None, key: QueueKey,
+                 place: tuple[str, Callable[[], Any] | None, Callable[[], int] | None] = ("", None, None)) -> None:
         self.tally = tally
         self.stats = stats
         self.room = room
         self.key = key
+        # (sequence id, its current target's channel, its Prefill's tokens): what its queue turn tells that target
+        self.place = place
         self.since: float | None = None  # when it started waiting; None: not waiting
         self.turn: Turn | None = None  # its place in the room queue, once it has one
 
@@ -214,7 +218,7 @@ class _Wait:
         if self.room is None or self.turn is not None or not self.room.ahead_of(self.key):
             return 0.0
         self.start()
-        self.turn = self.room.join(self.key)
+        self.turn = self.room.join(self.key, *self.place)
         started = time.perf_counter()
         await self.room.wait_turn(self.turn, 0.0)
         return time.perf_counter() - started
@@ -227,7 +231,7 @@ class _Wait:
             await asyncio.sleep(backoff_s)
         else:
             if self.turn is None:
-                self.turn = self.room.join(self.key)
+                self.turn = self.room.join(self.key, *self.place)
             await self.room.wait_turn(self.turn, backoff_s)
         return time.perf_counter() - started
 

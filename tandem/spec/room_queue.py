@@ -14,15 +14,18 @@ a request whose Prefill needs room while earlier ones wait queues behind them be
 asks again after its backoff, or at once when room may have freed: one of this coordinator's requests released
 its KV, or the one before it was admitted. A request ranked above every waiting one asks at once, as before.
 Releases by other coordinators are seen only by the pause. Each coordinator orders its own requests; a target
-shared by several orders their first ones by when they arrived (``PrefillRequest.arrival_time``), keeping a
-refused prompt's place ahead of later ones (``tandem.rpc.room_waits``), which merges the queues into one.
+shared by several orders them by when they arrived (``PrefillRequest.arrival_time``), keeping a waiting prompt's
+place ahead of later ones (``tandem.rpc.room_waits``), which merges the queues into one. As only the first asks,
+each of its Prefills tells its target of the others waiting behind it that are placed there (``queued``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # A queue's place: (priority, start time); lower goes first.
 QueueKey = tuple[int, float]
@@ -34,6 +37,11 @@ class Turn:
 
     key: QueueKey
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set: its turn came, or room may have freed
+    # What a target is told of the requests waiting behind the one that asks (``RoomQueue.waiting``): the request's
+    # sequence id, where it would ask (its current target's channel) and how many tokens its Prefill would carry.
+    seq_id: str = ""
+    where: Callable[[], Any] | None = None
+    tokens: Callable[[], int] | None = None
 
 
 class RoomQueue:
@@ -49,8 +57,13 @@ class RoomQueue:
         """Whether a request ranked before ``key`` waits (a request asking for room then queues behind it)."""
         return bool(self._turns) and self._turns[0].key < key
 
-    def join(self, key: QueueKey) -> Turn:
-        turn = Turn(key)
+    def waiting(self) -> list[Turn]:
+        """The requests waiting now, in order (a target that one of them asks is told of the others placed on it)."""
+        return list(self._turns)
+
+    def join(self, key: QueueKey, seq_id: str = "", where: Callable[[], Any] | None = None,
+             tokens: Callable[[], int] | None = None) -> Turn:
+        turn = Turn(key, seq_id=seq_id, where=where, tokens=tokens)
         keys = [t.key for t in self._turns]
         self._turns.insert(bisect.bisect_right(keys, key), turn)
         return turn

@@ -389,3 +389,20 @@ def test_a_pools_busy_waits_are_counted_across_its_replicas_and_kept_when_one_is
     text = generate_latest(registry).decode()
     assert 'tandem_coordinator_busy_waits_total{role="target"} 5.0' in text
     assert 'tandem_coordinator_busy_waits_total{role="draft"} 0.0' in text
+
+
+def test_a_prefill_tells_its_target_of_the_waiting_requests_placed_there_only_in_order():
+    """``PrefillRequest.queued``: the coordinator's other requests waiting for room whose next Prefill goes to the same
+    worker, in the room queue's order, each with its arrival, tokens, max_len and priority; not itself, and not those
+    placed on another replica (they would hold room there for prompts that never come)."""
+    from tandem.spec.room_queue import RoomQueue
+
+    here, there = client("a", 10), client("b", 10)
+    room = RoomQueue()
+    channels = {name: RequestChannel(here if name != "elsewhere" else there, None, "", 40 + i, 0, 100.0 + i, room)
+                for i, name in enumerate(["asker", "second", "elsewhere", "third"])}
+    for i, name in enumerate(channels):
+        room.join((0, float(i)), name, lambda name=name: channels[name], lambda i=i: 10 * (i + 1))
+    queued = channels["asker"]._queued("asker")
+    assert [(q.seq_id, q.arrival_time, q.tokens, q.max_len) for q in queued] == [
+        ("second", 101.0, 20, 41), ("third", 103.0, 40, 43)]

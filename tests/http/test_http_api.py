@@ -848,6 +848,26 @@ def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it(tokeniz
     run(go())
 
 
+def test_the_first_waiting_request_tells_the_target_of_those_queued_behind_it(tokenizer):
+    """Only the first of the coordinator's requests waiting for room asks again; its Prefills tell the target of the
+    others (``queued``, in order), which wait without asking, so that the target keeps their places too."""
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            target = running.target
+            target.full_prefills = 6  # the first is refused until the second has queued behind it
+            first = asyncio.ensure_future(post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2}))
+            while not target.queued:
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(post(running.url + "/completions", {"prompt": "hello", "max_tokens": 2}))
+            assert [code for code, _ in await asyncio.gather(first, second)] == [200, 200]
+            head = target.queued[0][0]
+            told = [behind for seq_id, behind in target.queued if seq_id == head and behind]
+            (other,) = {seq_id for seq_id, _ in target.queued} - {head}
+            assert told and all(behind == [other] for behind in told)
+            assert [behind for seq_id, behind in target.queued if seq_id == other] == [[]]  # asked once, when first
+    run(go())
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_a_priority_reaches_the_target_where_the_server_schedules_by_priority(tokenizer, policy):
     """vLLM's ``priority`` (chat, completions, the Responses API, gRPC): told to the target with the request's

@@ -10,7 +10,7 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import KVCacheExhaustedError
-from tandem.rpc.room_waits import HOLD_S, RoomWaits
+from tandem.rpc.room_waits import HOLD_S, QueuedPrompt, RoomWaits
 from tandem.sampling import SamplingParams
 from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
 from tests.target_worker.test_engine import ok, one_thread  # noqa: F401 - autouse: one torch thread
@@ -105,6 +105,24 @@ def test_a_refused_prompt_goes_before_the_prompts_that_arrived_after_it_and_neve
     assert len(engine.room_waits) == 1  # and its place with it
     ok(engine.run_batch([small("later", 200.0)]))
     assert len(engine.room_waits) == 0
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_the_requests_queued_behind_a_prompt_keep_their_places_too(tiny_qwen2_dir, told):
+    """Only the first of a coordinator's waiting requests asks; its Prefill tells of those behind it (``queued``), and
+    they keep their places against later prompts as it does. Not told of them, the target lets a later prompt take
+    the room they wait for."""
+    engine, _, _ = full_target(tiny_qwen2_dir, low=0)
+    behind = QueuedPrompt("behind", 150.0, tokens=20, max_len=24, priority=0)  # 6 blocks
+    head = PrefillCall("head", prompt(24, 70), GREEDY, max_len=28, arrival_time=100.0, queued=(behind,) if told else ())
+    (refused,) = engine.run_batch([head])
+    assert isinstance(refused, KVCacheExhaustedError) and len(engine.room_waits) == (2 if told else 1)
+    ok(engine.run_batch([ReleaseCall("b")]))  # room for the head and 6 blocks more
+    (later,) = engine.run_batch([small("later", 200.0)])
+    assert isinstance(later, KVCacheExhaustedError) == told
+    if told:
+        ok(engine.run_batch([head]))  # the head's next try fits: the queue moves on
+        assert len(engine.room_waits) == 2  # "behind" still waits (and "later" behind it)
 
 
 def test_equal_priorities_are_first_come_first_served(tiny_qwen2_dir):
