@@ -38,6 +38,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -165,7 +166,8 @@ class WorkerClient:
         number = self._polls_started
         try:
             # Naming the owner makes the poll the heartbeat that renews this coordinator's lease there.
-            info = await self.stub.Info(common_pb2.WorkerInfoRequest(owner=self.owner), timeout=INFO_TIMEOUT_S)
+            info = await self.stub.Info(common_pb2.WorkerInfoRequest(owner=self.owner, sent_at=time.time()),
+                                        timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if number < self._poll_judged:
                 return exc.code()  # stale: a poll sent after it has answered

@@ -196,10 +196,11 @@ class SequenceEngine(Generic[Sequence, Plan]):
         kv = self.engine.kv_cache
         lengths = [(plan.call.seq_id, plan.kv_len) for plan in plans]
         asked_priority = {plan.call.seq_id: getattr(plan.call, "priority", 0) for plan in plans}
-        # When each call's request arrived at its coordinator (a target Prefill's arrival_time); a call that does
-        # not say arrived now, as far as this worker can tell.
+        # When each call's request arrived at its coordinator (a target Prefill's arrival_time), on this worker's
+        # clock; a call that does not say arrived now, as far as this worker can tell.
         now = time.time()
-        said_arrival = {plan.call.seq_id: getattr(plan.call, "arrival_time", 0.0) for plan in plans}
+        said_arrival = {plan.call.seq_id: self._arrival(plan.call, getattr(plan.call, "arrival_time", 0.0))
+                        for plan in plans}
 
         def rank(seq_id: str) -> int:
             seq = self.sequences.get(seq_id)
@@ -241,8 +242,12 @@ class SequenceEngine(Generic[Sequence, Plan]):
                 if queued.seq_id in self.sequences or kv.has_sequence(queued.seq_id):
                     continue  # (held here: it is no prompt waiting for room)
                 blocks = kv.blocks_needed(queued.tokens + _growth_tokens(queued.max_len, queued.tokens))
-                self.room_waits.refused(queued.seq_id, Waiting(queued.priority, queued.arrival_time or time.time(),
-                                                               blocks))
+                arrival = self._arrival(plan.call, queued.arrival_time) or time.time()
+                self.room_waits.refused(queued.seq_id, Waiting(queued.priority, arrival, blocks))
+
+    def _arrival(self, call: Any, when: float) -> float:
+        """``when`` (a time the call's coordinator told, by its own clock) on this worker's clock; 0 stays 0."""
+        return self.room_waits.clocks.on_this_clock(call.owner, when) if when else 0.0
 
     def _max_len(self, seq_id: str) -> int:
         """The most tokens a held sequence's KV may reach, as its Prefill said; 0: not known (a draft's)."""

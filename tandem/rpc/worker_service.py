@@ -50,6 +50,8 @@ class WorkerServiceBase:
 
     async def Info(self, request: common_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext):
         self.engine.leases.renew(request.owner)
+        if request.owner and request.sent_at:
+            self.engine.room_waits.clocks.heard(request.owner, request.sent_at)
         model = self.engine.engine
         cache = model.kv_cache
         waits, scored = self.engine.shared_prompt_stats()

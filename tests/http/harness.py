@@ -53,6 +53,7 @@ class ScriptedTarget(FakeTarget):
         self.priorities: list[int] = []  # each Prefill's priority, in order
         self.arrivals: list[float] = []  # each Prefill's arrival_time, in order (refused ones included)
         self.queued: list[tuple[str, list[str]]] = []  # each Prefill's seq_id and the seq_ids it said queue behind
+        self.info_sent_at: list[float] = []  # each Info poll's sent_at (the coordinator's clock)
         self.full_prefills = 0  # Prefills to refuse first as a full pool refuses them (RESOURCE_EXHAUSTED)
         self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
         self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
@@ -109,6 +110,7 @@ class ScriptedTarget(FakeTarget):
         return common_pb2.ReleaseResponse(released=True)
 
     async def Info(self, request, context):
+        self.info_sent_at.append(request.sent_at)
         info = await super().Info(request, context)
         info.model = MODEL
         for name, value in self.info.items():

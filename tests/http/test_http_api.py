@@ -845,6 +845,8 @@ def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it(tokeniz
             first, *retries, second = target.arrivals
             assert len(retries) == 2 and retries == [first, first]  # refused twice, asked again with its arrival
             assert before <= first < second <= time.time()
+            # its Info polls say the coordinator's clock, by which the target compares the arrivals on its own
+            assert target.info_sent_at and all(0 < sent <= time.time() for sent in target.info_sent_at)
     run(go())
 
 

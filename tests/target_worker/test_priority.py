@@ -10,7 +10,7 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import KVCacheExhaustedError
-from tandem.rpc.room_waits import HOLD_S, QueuedPrompt, RoomWaits
+from tandem.rpc.room_waits import HOLD_S, CoordinatorClocks, QueuedPrompt, RoomWaits
 from tandem.sampling import SamplingParams
 from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
 from tests.target_worker.test_engine import ok, one_thread  # noqa: F401 - autouse: one torch thread
@@ -105,6 +105,40 @@ def test_a_refused_prompt_goes_before_the_prompts_that_arrived_after_it_and_neve
     assert len(engine.room_waits) == 1  # and its place with it
     ok(engine.run_batch([small("later", 200.0)]))
     assert len(engine.room_waits) == 0
+
+
+@pytest.mark.parametrize("heard", [True, False])
+def test_arrivals_are_compared_on_the_targets_clock_whatever_each_coordinators_says(tiny_qwen2_dir, heard):
+    """Coordinator "b"'s clock runs 100 s behind "a"'s (and the target's): its prompt that says 50 arrived at 150,
+    after "a"'s waiting prompt of 100, once the target has heard b's Info polls; before, it would go first."""
+    engine, _, _ = full_target(tiny_qwen2_dir, low=0)
+    engine.room_waits.clocks = CoordinatorClocks(wall_clock=lambda: 1000.0)
+    engine.room_waits.clocks.heard("a", 1000.0)
+    if heard:
+        engine.room_waits.clocks.heard("b", 900.0)
+        engine.room_waits.clocks.heard("b", 850.0)  # a poll delayed 50 s on its way: the smallest offset is kept
+    first = PrefillCall("first", prompt(40, 10), GREEDY, owner="a", max_len=44, arrival_time=100.0)
+    assert isinstance(engine.run_batch([first])[0], KVCacheExhaustedError)  # 11 blocks where 5 are free
+    ok(engine.run_batch([ReleaseCall("b")]))  # 13 free: room for "first" or for a small prompt, not for both
+    later = small("later", 50.0)
+    later.owner = "b"
+    (result,) = engine.run_batch([later])
+    assert isinstance(result, KVCacheExhaustedError) == heard
+
+
+def test_a_coordinators_clock_is_its_smallest_recent_offset_and_old_coordinators_are_dropped():
+    now = [1000.0]
+    clocks = CoordinatorClocks(wall_clock=lambda: now[0])
+    assert clocks.on_this_clock("unheard", 5.0) == 5.0
+    for delay in (0.3, 0.001, 2.0):
+        clocks.heard("c", now[0] - 40.0 - delay)  # c's clock runs 40 s behind; each poll took ``delay`` to arrive
+    assert clocks.on_this_clock("c", 10.0) == pytest.approx(50.001)
+    for _ in range(CoordinatorClocks.SAMPLES):
+        clocks.heard("c", now[0] - 40.5)  # the fast poll has left the window
+    assert clocks.on_this_clock("c", 10.0) == pytest.approx(50.5)
+    for i in range(CoordinatorClocks.MAX_OWNERS):
+        clocks.heard(f"restart-{i}", now[0])
+    assert clocks.on_this_clock("c", 10.0) == 10.0  # the least recently heard went first
 
 
 @pytest.mark.parametrize("told", [True, False])
