@@ -12,12 +12,12 @@ first:
   frees takes it, however long the other has waited.
 
 So a refused prompt is remembered here for a while with its priority and its arrival (``PrefillRequest.
-arrival_time``: when its request reached its coordinator, moved onto this worker's clock by ``CoordinatorClocks``),
-and ``PagedKVCache.admit`` sets its blocks aside ahead
-of the new prompts of its priority that arrived after it and of every call ranked below it: those prompts are
-refused, and sequences ranked below refused as they grow (their coordinators preempt them and ask again later),
-until its next try fits. The running sequences of its own priority or higher are never refused for it: first come,
-first served keeps what runs running.
+arrival_time``: when its request reached its coordinator, moved onto this worker's clock by
+``tandem.rpc.coordinator_clocks``), and ``PagedKVCache.admit`` sets its blocks aside ahead of the new prompts of its
+priority that arrived after it and of every call ranked below it: those prompts are refused, and sequences ranked
+below refused as they grow (their coordinators preempt them and ask again later), until its next try fits. The
+running sequences of its own priority or higher are never refused for it: first come, first served keeps what
+runs running.
 
 Only the first of a coordinator's waiting requests asks again; the others wait their turn there without asking.
 So each Prefill tells of the coordinator's requests waiting behind it that are placed on this worker
@@ -37,11 +37,11 @@ short enough that the places of a coordinator that died go soon.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Container
 from typing import NamedTuple
+
+from tandem.rpc.coordinator_clocks import CoordinatorClocks
 
 # A coordinator's longest pause between tries is KV_BACKOFF_MAX_S (2 s) times its jitter (at most 1.5).
 HOLD_S = 5.0
@@ -64,40 +64,6 @@ class QueuedPrompt(NamedTuple):
     tokens: int  # the tokens its Prefill will carry
     max_len: int  # the most tokens its KV may reach (0: not known)
     priority: int
-
-
-class CoordinatorClocks:
-    """How far each coordinator's wall clock runs behind this worker's, from its Info polls (``WorkerInfoRequest.
-    sent_at``): arrival times are compared on this worker's clock. A coordinator whose clock ran an hour behind
-    would otherwise have every request of its own go first, and the others' wait behind them.
-
-    Each poll's offset is this worker's clock when it came less the coordinator's when it was sent: the true offset
-    plus the poll's delay on its way (a millisecond in a cluster, more behind a busy event loop). The smallest of
-    the last ``SAMPLES`` is taken. Heard on the event loop, read on the model thread: under a lock."""
-
-    SAMPLES = 8
-    # Coordinators remembered, the most recently heard (each restart of one is a new owner id: the table stays small)
-    MAX_OWNERS = 256
-
-    def __init__(self, wall_clock: Callable[[], float] = time.time) -> None:
-        self._wall_clock = wall_clock
-        self._lock = threading.Lock()
-        self._offsets: dict[str, deque[float]] = {}  # owner -> its last offsets, least recently heard first
-
-    def heard(self, owner: str, sent_at: float) -> None:
-        offset = self._wall_clock() - sent_at
-        with self._lock:
-            offsets = self._offsets.pop(owner, None) or deque(maxlen=self.SAMPLES)
-            offsets.append(offset)
-            self._offsets[owner] = offsets
-            if len(self._offsets) > self.MAX_OWNERS:
-                del self._offsets[next(iter(self._offsets))]
-
-    def on_this_clock(self, owner: str, when: float) -> float:
-        """``when``, told by ``owner``'s clock, on this worker's (as told, for an owner not heard from)."""
-        with self._lock:
-            offsets = self._offsets.get(owner)
-            return when + min(offsets) if offsets else when
 
 
 class RoomWaits:

@@ -10,7 +10,8 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import ModelEngine
 from tandem.errors import KVCacheExhaustedError
-from tandem.rpc.room_waits import HOLD_S, CoordinatorClocks, QueuedPrompt, RoomWaits
+from tandem.rpc.coordinator_clocks import CoordinatorClocks
+from tandem.rpc.room_waits import HOLD_S, QueuedPrompt, RoomWaits
 from tandem.sampling import SamplingParams
 from target_worker.engine import PrefillCall, ReleaseCall, TargetEngine, VerifyCall
 from tests.target_worker.test_engine import ok, one_thread  # noqa: F401 - autouse: one torch thread
