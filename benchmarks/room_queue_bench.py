@@ -95,12 +95,14 @@ class Up:
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.extra: list[tuple[subprocess.Popen, int]] = []  # more coordinators: (process, HTTP port)
-        if not self._ready(self.proc, log_dir):
+        self._logs: list[Any] = []  # their log files, closed at stop
+        if not self._ready(self.proc):
             self.stop()
             raise RuntimeError(f"tandem up from {root} did not start (logs in {log_dir})")
         for n in range(1, args.coordinators):  # on the workers tandem up runs, through its workers file
             port = free_port()
             log = open(log_dir / f"coordinator-{n}.log", "w")  # noqa: SIM115 - open while it runs
+            self._logs.append(log)
             proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "coordinator", "--discovery", "file",
                                      "--workers-file", str(log_dir / "workers.json"), "--tokenizer", args.target,
                                      "--port", "0", "--http-port", str(port)],
@@ -111,7 +113,7 @@ class Up:
                 raise RuntimeError(f"coordinator {n} from {root} did not start (logs in {log_dir})")
 
     @staticmethod
-    def _ready(proc: subprocess.Popen, log_dir: Path) -> bool:
+    def _ready(proc: subprocess.Popen) -> bool:
         started = time.monotonic()
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -155,6 +157,8 @@ class Up:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+        for log in self._logs:
+            log.close()
 
 
 async def load(urls: list[str], args: argparse.Namespace) -> list[tuple[float, float, float]]:
