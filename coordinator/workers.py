@@ -357,13 +357,14 @@ class RequestChannel:
         return self.client.fitted_cost()
 
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
-                      propose: int = 0) -> Prefilled:
+                      propose: int = 0, wait_for_room_s: float = 0.0) -> Prefilled:
         # prompt_len > 0 is a rebuild (the request moved, or was preempted): it may replace what the worker
         # still holds of it. A first Prefill never does: the worker refuses an id that is live there.
         reply = await self._call("Prefill", target_pb2.PrefillRequest(
             seq_id=seq_id, token_ids=token_ids, sampling=sampling_to_proto(sampling), prompt_len=prompt_len,
             owner=self.owner, replace=prompt_len > 0, propose=propose, max_len=self.max_len,
-            priority=self.priority, arrival_time=self.arrival_time, queued=self._queued(seq_id)),
+            priority=self.priority, arrival_time=self.arrival_time, queued=self._queued(seq_id),
+            wait_for_room_s=wait_for_room_s),
             prompt_tokens=len(token_ids))
         return Prefilled(reply.next_token, proposal_from_proto(reply.proposal) if propose else None,
                          reply.reused_tokens, logprobs_from_proto(reply.logprobs), list(reply.forced_tokens),

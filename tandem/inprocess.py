@@ -91,7 +91,8 @@ class LocalTarget:
         return _fitted(self.engine.engine)
 
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
-                      propose: int = 0) -> Prefilled:
+                      propose: int = 0, wait_for_room_s: float = 0.0) -> Prefilled:
+        # (wait_for_room_s: nothing is refused for room in process, where requests reserve their room up front)
         result = await self.batcher.submit(PrefillCall(seq_id, token_ids, sampling, prompt_len, propose=propose))
         proposal = None
         if isinstance(result, Proposed):

@@ -80,7 +80,7 @@ from tandem.rpc import distributions
 from tandem.rpc.batcher import Unfinished
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.prefill_chunks import PrefillChunks
-from tandem.rpc.room_waits import QueuedPrompt
+from tandem.rpc.room_waits import QueuedPrompt, check_room_hold
 from tandem.rpc.sequence_engine import (
     Run,
     SequenceEngine,
@@ -115,6 +115,7 @@ class PrefillCall:
     priority: int = 0  # lower goes first where the KV pool runs short (``SequenceEngine._admit``)
     arrival_time: float = 0.0  # when its request reached its coordinator (Unix seconds); 0: not said (room_waits)
     queued: tuple[QueuedPrompt, ...] = ()  # the coordinator's requests waiting behind it for room here (room_waits)
+    wait_for_room_s: float = 0.0  # refused for room: held this long for room first (``tandem.rpc.batcher``); 0: not
 
 
 @dataclass(slots=True)
@@ -396,6 +397,7 @@ class TargetEngine(SequenceEngine[TargetSequence, "_Plan"]):
         if isinstance(call, PrefillCall):
             if not call.token_ids:
                 raise InvalidRequestError("token_ids is empty: nothing to prefill")
+            check_room_hold(call.wait_for_room_s)
             check_token_ids("token_ids", call.token_ids, self.vocab_size)
             check_token_ids("logit_bias", (t for t, _ in call.sampling.logit_bias), self.vocab_size)
             if len(call.token_ids) >= self.max_context:

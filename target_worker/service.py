@@ -25,7 +25,8 @@ class TargetService(WorkerServiceBase, target_pb2_grpc.TargetWorkerServicer):
                            request.prompt_len, request.owner, request.replace, request.propose, request.max_len,
                            request.priority, request.arrival_time,
                            tuple(QueuedPrompt(q.seq_id, q.arrival_time, q.tokens, q.max_len, q.priority)
-                                 for q in request.queued[:MAX_QUEUED]))
+                                 for q in request.queued[:MAX_QUEUED]),
+                           request.wait_for_room_s)
         result: Prefilled | Proposed = await self.batcher.submit(call)
         prefilled = result.result if isinstance(result, Proposed) else result
         reply = target_pb2.PrefillResponse(next_token=prefilled.next_token, reused_tokens=prefilled.reused_tokens,

@@ -23,6 +23,14 @@ has done part of its work (a chunk of a long prompt, tandem/rpc/prefill_chunks.p
 and the call goes back to the head of the queue, with its cost asked anew, so that
 its next part runs in the next batch beside whatever else is waiting.
 
+A call refused for room (a Prefill a full KV pool cannot hold) may be held here instead of answered:
+``hold_s(item, error)`` says for how many seconds (0: answered with its refusal at once). A held call
+tries again beside every later batch, for a batch may free room (a release, a sequence that ends), and
+is admitted in the very step that frees it; once its time is up it gets its last refusal. Answered at
+once, it left the room that freed idle until its coordinator asked again (up to 0.75 s), or gave it to
+whoever asked first, not to who waited longest. A held call alone never makes a batch run: only
+something else can free room.
+
 The model thread: by default each batcher has a thread of its own, and
 ``run_batch`` (every change to the engine's state) runs only there. In one
 process, a draft engine's batcher and a target engine's batcher can be given
@@ -33,6 +41,7 @@ the same time (on a 2-core CPU they would only slow each other down).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -53,6 +62,9 @@ class _Pending(Generic[Item]):
     item: Item
     cost: int
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    held_since: float = 0.0  # when it was first refused for room and held (perf_counter): the held calls' order
+    held_until: float | None = None  # refused for room and held (perf_counter deadline); None: not held
+    refusal: BaseException | None = None  # a held call's last refusal: its answer once its time is up
 
 
 class Batcher(Generic[Item, Result]):
@@ -67,6 +79,7 @@ class Batcher(Generic[Item, Result]):
         key: Callable[[Item], Hashable] | None = None,
         gather_wait_s: Callable[[], float] = lambda: 0.0,
         executor: Executor | None = None,
+        hold_s: Callable[[Item, BaseException], float] | None = None,
     ) -> None:
         self.run_batch = run_batch
         self.cost = cost
@@ -76,6 +89,9 @@ class Batcher(Generic[Item, Result]):
         self.gather_wait_s = gather_wait_s  # longest wait for the cycling sequences, asked anew per batch
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # sequences of the last two batches
         self._queue: list[_Pending[Item]] = []
+        # Seconds a call refused with an error may be held for room (see the module doc); None: never held.
+        self.hold_s = hold_s
+        self._held: list[_Pending[Item]] = []  # calls refused for room, held: oldest first
         self._wakeup = asyncio.Event()
         # The model thread. A shared executor (see the module doc) belongs to the caller: stop() leaves it running.
         self._owns_executor = executor is None
@@ -91,7 +107,13 @@ class Batcher(Generic[Item, Result]):
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        """Calls waiting: for the next batch, or held for room."""
+        return len(self._queue) + len(self._held)
+
+    @property
+    def held(self) -> int:
+        """Calls refused for room and held until room frees or their time is up."""
+        return len(self._held)
 
     @property
     def step_running_s(self) -> float:
@@ -117,6 +139,10 @@ class Batcher(Generic[Item, Result]):
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+        for pending in self._held:  # a held call gets its refusal: its coordinator may ask elsewhere
+            if not pending.future.done():
+                pending.future.set_exception(pending.refusal or RuntimeError("the worker stopped"))
+        self._held.clear()
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -134,7 +160,47 @@ class Batcher(Generic[Item, Result]):
                 break  # the first call always runs, even if alone it exceeds the budget
             batch.append(self._queue.pop(0))
             tokens += nxt.cost
+        # Held calls try again beside it, oldest first, in what is left of the budget (the oldest in any case: a
+        # batch of long chunks would otherwise keep it out). A refused one computes nothing; an admitted one its
+        # first chunk, as it would have had its coordinator asked again.
+        self._held = [p for p in self._held if not p.future.cancelled()]
+        held = 0
+        while held < len(self._held) and (held == 0 or tokens + self._held[held].cost <= self.token_budget):
+            tokens += self._held[held].cost
+            held += 1
+        batch += self._held[:held]
+        del self._held[:held]
         return batch
+
+    def _refuse_expired(self) -> float | None:
+        """Answer the held calls whose time is up with their refusal; seconds until the next one's is (None: none
+        held)."""
+        now = time.perf_counter()
+        kept = []
+        for pending in self._held:
+            if pending.future.done():
+                continue
+            if pending.held_until is not None and pending.held_until <= now:
+                pending.future.set_exception(pending.refusal)
+            else:
+                kept.append(pending)
+        self._held = kept
+        return min((p.held_until - now for p in kept if p.held_until is not None), default=None)
+
+    def _hold(self, pending: _Pending[Item], refusal: BaseException) -> bool:
+        """Whether ``pending``, refused with ``refusal``, is held for room (see the module doc)."""
+        if pending.held_until is None:
+            seconds = self.hold_s(pending.item, refusal) if self.hold_s is not None else 0.0
+            if seconds <= 0:
+                return False
+            pending.held_since = time.perf_counter()
+            pending.held_until = pending.held_since + seconds
+        if time.perf_counter() >= pending.held_until:
+            return False
+        pending.refusal = refusal
+        pending.cost = self.cost(pending.item)
+        bisect.insort(self._held, pending, key=lambda p: p.held_since)  # oldest first, whatever batch it came from
+        return True
 
     async def _gather(self) -> None:
         """Wait up to ``gather_wait_s()`` for a call from every cycling sequence (see the module doc)."""
@@ -156,9 +222,13 @@ class Batcher(Generic[Item, Result]):
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            next_expiry = self._refuse_expired()
             if not self._queue:
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), next_expiry)
+                except TimeoutError:
+                    continue  # a held call's time is up
             await self._gather()
             batch = [p for p in self._take_batch() if not p.future.cancelled()]
             if not batch:
@@ -188,7 +258,8 @@ class Batcher(Generic[Item, Result]):
                     pending.cost = self.cost(pending.item)
                     unfinished.append(pending)
                 elif isinstance(result, BaseException):
-                    pending.future.set_exception(result)
+                    if not self._hold(pending, result):
+                        pending.future.set_exception(result)
                 else:
                     pending.future.set_result(result)
             self._queue[:0] = unfinished  # ahead of calls that came later: a started prompt finishes first

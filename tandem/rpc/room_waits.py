@@ -37,15 +37,35 @@ short enough that the places of a coordinator that died go soon.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Container
 from typing import NamedTuple
 
+from tandem.errors import InvalidRequestError, KVCacheExhaustedError
 from tandem.rpc.coordinator_clocks import CoordinatorClocks
 
-# A coordinator's longest pause between tries is KV_BACKOFF_MAX_S (2 s) times its jitter (at most 1.5).
+# A coordinator's longest pause between tries is KV_BACKOFF_MAX_S (2 s) times its jitter (at most 1.5), and a worker
+# holds a refused Prefill for room at most this long (``PrefillRequest.wait_for_room_s``), so that the places of the
+# requests it named (``queued``) last until it asks again.
 HOLD_S = 5.0
 MAX_QUEUED = 256  # waiting requests one Prefill tells of (PrefillRequest.queued): the first, in order
+
+
+def check_room_hold(seconds: float) -> None:
+    """A Prefill's ``wait_for_room_s``: 0 (refused at once) or a positive number of seconds (at most ``HOLD_S`` are
+    held)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidRequestError(f"wait_for_room_s must be a number of seconds >= 0, got {seconds}")
+
+
+def room_hold_s(call: object, refusal: BaseException) -> float:
+    """How long a call refused with ``refusal`` is held for room (``Batcher.hold_s``): a Prefill that asked to be
+    (``wait_for_room_s``) and was refused because the KV pool was full, at most ``HOLD_S``; any other, not at all."""
+    if not isinstance(refusal, KVCacheExhaustedError):
+        return 0.0
+    seconds = getattr(call, "wait_for_room_s", 0.0)
+    return min(seconds, HOLD_S) if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 class Waiting(NamedTuple):

@@ -18,6 +18,7 @@ from tandem.parallel.engine import TensorParallelEngine, load_engine
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.leases import Leases
 from tandem.rpc.metrics import PrefixCacheCollector, SharedPromptCollector, WorkerMetrics
+from tandem.rpc.room_waits import room_hold_s
 from tandem.rpc.server import ManagedServer, serve_until_signalled
 from tandem.rpc.startup_lock import StartupLock
 from tandem.tokenizer import load_tokenizer, stop_token_ids, tokenizer_fingerprint
@@ -99,6 +100,7 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
         role_engine.run_batch, role_engine.call_cost, cfg.token_budget, on_batch,
         key=lambda call: call.seq_id,
         gather_wait_s=lambda: gather_fraction * engine.cost_fit.base_s, executor=model_thread,
+        hold_s=room_hold_s,  # a Prefill refused for room waits here for it when it asked to (wait_for_room_s)
     )
     service = role.make_service(
         role_engine, batcher, server, cfg.model_name, tokenizer_fingerprint(tokenizer),

@@ -51,6 +51,12 @@ KV_WAIT_MAX_S = 300.0
 # In a coordinator's room queue only its first request asks again, so it may ask sooner: at most this apart (besides
 # at once when one of the coordinator's requests frees room), for what other coordinators' requests free.
 ROOM_PAUSE_MAX_S = 0.5
+# A Prefill refused for room asks again to be held by its worker for this long (``PrefillRequest.wait_for_room_s``):
+# admitted there in the step that frees its room, by whomever. The pause before asking again counts the time held,
+# so a worker that held it asks again at once, and one that does not hold (an older worker) is asked as before. Held
+# longer, a request could not move to another replica that frees room meanwhile, and the worker would hear later of
+# the requests that joined the queue behind it (``queued``).
+ROOM_HOLD_S = 1.0
 
 
 class Tally(Protocol):
@@ -109,19 +115,21 @@ class FailoverVerifier:
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
                       propose: int = 0) -> Prefilled:
         # A replacement gets this very Prefill: nothing to rebuild before it.
-        return await self._survive(seq_id, lambda v: v.prefill(seq_id, token_ids, sampling, prompt_len, propose),
-                                   rebuild=False)
+        return await self._survive(
+            seq_id, lambda v, hold: v.prefill(seq_id, token_ids, sampling, prompt_len, propose, wait_for_room_s=hold),
+            rebuild=False)
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int], draft_probs: Sequence[Any],
                      draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:
-        return await self._survive(seq_id, lambda v: v.verify(seq_id, committed_len, draft_tokens, draft_probs,
-                                                              draft_parents, propose))
+        return await self._survive(seq_id, lambda v, _hold: v.verify(seq_id, committed_len, draft_tokens,
+                                                                     draft_probs, draft_parents, propose))
 
     async def release(self, seq_id: str) -> None:
         await self.target.release(seq_id)
 
-    async def _survive(self, seq_id: str, call: Callable[[Verifier], Awaitable[T]], rebuild: bool = True) -> T:
-        """``call`` on the current target, moving or preempting the request as its replica requires.
+    async def _survive(self, seq_id: str, call: Callable[[Verifier, float], Awaitable[T]], rebuild: bool = True) -> T:
+        """``call(target, hold)`` on the current target, moving or preempting the request as its replica requires;
+        ``hold``: how long a Prefill may be held there for room (``ROOM_HOLD_S`` once the request was refused).
 
         ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
         it there from the committed history.
@@ -133,23 +141,27 @@ class FailoverVerifier:
         finally:
             waiting.end()
 
-    async def _until_served(self, seq_id: str, call: Callable[[Verifier], Awaitable[T]], rebuild: bool,
+    async def _until_served(self, seq_id: str, call: Callable[[Verifier, float], Awaitable[T]], rebuild: bool,
                             waiting: _Wait) -> T:
         s = self.state
         needs_rebuild = False
         backoff, waited = KV_BACKOFF_S, 0.0
+        hold = 0.0  # how long its next Prefill may be held for room: none at first, so a refusal may move it
         while True:
             holds = rebuild  # whether the target holds the sequence's KV: a Verify's does, a first Prefill's not yet
             if not holds or needs_rebuild:  # it asks for room: behind the requests ranked before it that wait
                 waited += await waiting.behind_earlier()
+            asked = time.perf_counter()
             try:
                 if needs_rebuild:
                     holds = False
                     await self.target.prefill(seq_id, s.history, s.sampling, len(s.prompt_ids),
-                                              propose=self.rebuild_propose(self.target))
+                                              propose=self.rebuild_propose(self.target), wait_for_room_s=hold)
                     holds = True
-                return await call(self.target)
+                return await call(self.target, hold)
             except KVCacheExhaustedError:
+                refused_after = time.perf_counter() - asked  # (held by the worker, or on its way there and back)
+                waited += refused_after
                 if waited >= KV_WAIT_MAX_S:
                     raise
                 waiting.start()
@@ -162,8 +174,9 @@ class FailoverVerifier:
                 # (a refused Prefill holds nothing: the worker admits a call whole or not at all, and drops the
                 # chunks it computed of a prompt it then refuses; under a burst, a release per refusal queued
                 # hundreds of needless calls on the busy worker)
-                waited += await waiting.pause(backoff * random.uniform(0.5, 1.5))
+                waited += await waiting.pause(max(0.0, backoff * random.uniform(0.5, 1.5) - refused_after))
                 backoff = min(2 * backoff, KV_BACKOFF_MAX_S if self.room is None else ROOM_PAUSE_MAX_S)
+                hold = ROOM_HOLD_S
                 replacement = await self.replicas.replace_target(faulty=False)
                 if replacement is None:
                     raise

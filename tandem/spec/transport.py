@@ -86,11 +86,12 @@ class Verifier(Protocol):
     """The target side: prefill a prompt, verify drafts, forget a sequence."""
 
     async def prefill(self, seq_id: str, token_ids: list[int], sampling: SamplingParams, prompt_len: int = 0,
-                      propose: int = 0) -> Prefilled:
+                      propose: int = 0, wait_for_room_s: float = 0.0) -> Prefilled:
         """Ingest the prompt; the target's first token. ``prompt_len`` > 0: rebuild a moved request
         from its whole committed history (the first ``prompt_len`` tokens its prompt); echoes the last.
         ``propose`` > 0: the request drafts with the target's heads; their first proposal, of at most
-        that many nodes, comes with the reply."""
+        that many nodes, comes with the reply. ``wait_for_room_s`` > 0: a full KV pool holds the call up to
+        that long for room before refusing it (a target worker; in process nothing is refused for room)."""
 
     async def verify(self, seq_id: str, committed_len: int, draft_tokens: list[int],
                      draft_probs: Sequence[Any], draft_parents: Sequence[int] = (), propose: int = 0) -> Verified:

@@ -52,6 +52,7 @@ class ScriptedTarget(FakeTarget):
         self.max_lens: list[int] = []  # each Prefill's max_len, in order
         self.priorities: list[int] = []  # each Prefill's priority, in order
         self.arrivals: list[float] = []  # each Prefill's arrival_time, in order (refused ones included)
+        self.room_holds: list[float] = []  # each Prefill's wait_for_room_s, in order (refused ones included)
         self.queued: list[tuple[str, list[str]]] = []  # each Prefill's seq_id and the seq_ids it said queue behind
         self.info_sent_at: list[float] = []  # each Info poll's sent_at (the coordinator's clock)
         self.full_prefills = 0  # Prefills to refuse first as a full pool refuses them (RESOURCE_EXHAUSTED)
@@ -71,6 +72,7 @@ class ScriptedTarget(FakeTarget):
     async def Prefill(self, request, context):
         self.calls["Prefill"] += 1
         self.arrivals.append(request.arrival_time)
+        self.room_holds.append(request.wait_for_room_s)
         self.queued.append((request.seq_id, [q.seq_id for q in request.queued]))
         if self.full_prefills:
             self.full_prefills -= 1

@@ -17,6 +17,7 @@ import pytest
 
 from coordinator.http.responses import tandem_stats
 from tandem.spec.adaptive import IN_FLIGHT_TOKENS
+from tandem.spec.failover import ROOM_HOLD_S
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 from tests.coordinator.inprocess import tiny_tokenizer
 from tests.http.harness import LOGPROB, MODEL, TOKENS, http_coordinator
@@ -829,10 +830,11 @@ def test_a_prompt_cache_key_reaches_the_service_as_its_routing_key(tokenizer):
     run(go())
 
 
-def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it(tokenizer):
+def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it_and_asks_to_be_held(tokenizer):
     """The target orders prompts waiting for room by when their requests arrived, whichever coordinator sent them
     (tandem/rpc/room_waits.py): each Prefill carries the request's arrival on the wall clock, and a Prefill asked
-    again after a full pool refused it carries the same one (its place), not the time of asking."""
+    again after a full pool refused it carries the same one (its place), not the time of asking; asked again, it asks
+    the target to hold it until room frees (``wait_for_room_s``)."""
     async def go():
         async with http_coordinator(tokenizer) as running:
             target = running.target
@@ -844,6 +846,8 @@ def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it(tokeniz
             assert code == 200, body
             first, *retries, second = target.arrivals
             assert len(retries) == 2 and retries == [first, first]  # refused twice, asked again with its arrival
+            # asked first to be refused at once (it may move), then to be held for room by the target
+            assert target.room_holds == [0.0, ROOM_HOLD_S, ROOM_HOLD_S, 0.0]
             assert before <= first < second <= time.time()
             # its Info polls say the coordinator's clock, by which the target compares the arrivals on its own
             assert target.info_sent_at and all(0 < sent <= time.time() for sent in target.info_sent_at)

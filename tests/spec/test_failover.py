@@ -52,7 +52,7 @@ class Replica:
         if error is not None:
             raise error
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         self._answer(("prefill", list(token_ids), prompt_len, propose))
         return Prefilled(token_ids[-1] if prompt_len else 9)
 
@@ -163,6 +163,57 @@ def test_a_refused_prefill_placed_on_another_replica_gives_up_its_place_on_the_f
     assert asyncio.run(go()) == Prefilled(9)
     assert full.released == ["s"] and roomy.released == [] and roomy.calls == [("prefill", PROMPT, 0, 0)]
     assert state.stats.preemptions == 0 and state.stats.room_waits == 1
+
+
+class Holding(Replica):
+    """A target worker that holds a refused Prefill for the time it was asked to (``wait_for_room_s``), at most
+    ``held_s``, before refusing it; notes each Prefill's hold."""
+
+    def __init__(self, name: str, errors=(), held_s: float = 0.0) -> None:
+        super().__init__(name, errors)
+        self.held_s = held_s
+        self.holds: list[float] = []
+
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
+        self.holds.append(wait_for_room_s)
+        if self.errors and self.errors[0] is not None:
+            await asyncio.sleep(min(wait_for_room_s, self.held_s))
+        return await super().prefill(seq_id, token_ids, sampling, prompt_len, propose)
+
+
+def test_a_prefill_refused_for_room_asks_to_be_held_by_its_worker_and_the_time_held_is_its_pause(monkeypatch):
+    """Asked first without a hold (a refusal may move it to a replica with room), then with ``ROOM_HOLD_S``: the
+    worker admits it when room frees, whoever frees it. The pause before asking again counts the time it was held,
+    so after a hold it asks again at once; an older worker that refuses at once is asked after the usual pause."""
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.2)
+    pauses = []
+    pause = failover._Wait.pause
+
+    async def noted(self, backoff_s):
+        pauses.append(backoff_s)
+        return await pause(self, backoff_s)
+
+    monkeypatch.setattr(failover._Wait, "pause", noted)
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    full = Holding("full", [KVCacheExhaustedError("full")] * 2, held_s=0.65)
+    assert asyncio.run(verifier(full, Spares(targets=[full] * 2), state).prefill("s", PROMPT, state.sampling)) \
+        == Prefilled(9)
+    assert full.holds == [0.0, failover.ROOM_HOLD_S, failover.ROOM_HOLD_S]
+    assert pauses[0] > 0 and pauses[1] == 0.0  # held 0.65 s, past its longest pause then (0.4 s x 1.5)
+    # a preempted request's rebuild asks to be held too
+    state, full = request(), Holding("full", [KVCacheExhaustedError("full"), None])
+    asyncio.run(verifier(full, Spares(targets=[full]), state).verify("s", len(state.history), [4], []))
+    assert full.holds == [failover.ROOM_HOLD_S] and full.released == ["s"]
+
+
+def test_the_time_a_worker_held_a_prefill_counts_toward_the_longest_wait(monkeypatch):
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    monkeypatch.setattr(failover, "KV_WAIT_MAX_S", 0.25)
+    state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+    full = Holding("full", [KVCacheExhaustedError("full")] * 1000, held_s=0.3)
+    with pytest.raises(KVCacheExhaustedError):
+        asyncio.run(verifier(full, Spares(targets=[full] * 1000), state).prefill("s", PROMPT, state.sampling))
+    assert len(full.holds) == 2  # refused at once, then held past the longest wait: given up
 
 
 def test_without_a_spare_or_past_the_longest_wait_the_error_reaches_the_caller(monkeypatch):
@@ -354,7 +405,7 @@ class SlowRelease(Replica):
         await asyncio.sleep(0.01)
         self.released.append(seq_id)
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         self.calls.append(("released before this prefill", list(self.released)))
         return await super().prefill(seq_id, token_ids, sampling, prompt_len, propose)
 

@@ -113,7 +113,7 @@ class HeadsTarget:
             drafted.append(target_next(history + drafted) if self.good else 10_000)
         return TreeProposal(drafted, list(range(-1, len(drafted) - 1)))
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         await asyncio.sleep(0)
         token = target_next(list(token_ids))
         self.histories[seq_id] = [*token_ids, token]

@@ -65,7 +65,7 @@ class FakeTarget:
     def fitted_cost(self) -> FittedCost | None:
         return FittedCost(0.1, 0.001)
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         await asyncio.sleep(0)
         if prompt_len:  # a rebuild: the whole history, nothing new
             self.histories[seq_id] = list(token_ids)

@@ -32,7 +32,7 @@ class DyingTarget(FakeTarget):
         self.calls_left, self.error = calls, error
         self.prefills: list[list[int]] = []
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         self.prefills.append(list(token_ids))
         assert prompt_len in (0, len(PROMPT))  # a rebuild says where the prompt ends
         if self.calls_left <= 0:
@@ -51,7 +51,7 @@ class RecordingTarget(FakeTarget):
         super().__init__()
         self.prefills: list[list[int]] = []
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         self.prefills.append(list(token_ids))
         assert prompt_len in (0, len(PROMPT))  # a rebuild says where the prompt ends
         return await super().prefill(seq_id, token_ids, sampling, prompt_len)
@@ -160,7 +160,7 @@ class FullTarget(FakeTarget):
         self.after, self.refusals = after, refusals
         self.prefills: list[list[int]] = []
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         self.prefills.append(list(token_ids))
         assert prompt_len in (0, len(PROMPT))  # a rebuild says where the prompt ends
         return await super().prefill(seq_id, token_ids, sampling, prompt_len)

@@ -78,7 +78,7 @@ class OneSlotTarget:
     def fitted_cost(self) -> FittedCost:
         return FittedCost(0.1, 0.001)
 
-    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0):
+    async def prefill(self, seq_id, token_ids, sampling, prompt_len=0, propose=0, wait_for_room_s=0.0):
         if self.free <= 0:
             raise KVCacheExhaustedError(f"KV cache full: sequence {seq_id!r} needs 1 more blocks than are free")
         self.free -= 1
