@@ -27,7 +27,8 @@ class WorkerMetrics:
                                       buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=registry)
         self.batch_seconds = Histogram(f"{prefix}_batch_seconds", "wall time of one batch",
                                        buckets=LATENCY_BUCKETS, registry=registry)
-        self.queue_depth = Gauge(f"{prefix}_queue_depth", "calls waiting for the next batch, or held for room", registry=registry)
+        self.queue_depth = Gauge(f"{prefix}_queue_depth", "calls waiting for the next batch, or held for room",
+                                 registry=registry)
         self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV cache blocks in use", registry=registry)
         self.kv_blocks_total = Gauge(f"{prefix}_kv_blocks_total", "KV cache blocks in the pool", registry=registry)
         self.active_sequences = Gauge(f"{prefix}_active_sequences", "sequences holding KV", registry=registry)
