@@ -12,7 +12,8 @@ workers file), and sends request i to coordinator i mod N: each coordinator orde
 the target orders those of all of them by when they arrived (tandem/rpc/room_waits.py).
 
 Reported per side: the pairs of requests whose first tokens came in the other order than they were sent (of all
-pairs), time to first token and latency (median, 90th percentile, worst, from each request's send), tokens per
+pairs; ``late_inversions``: those more than ``LATE_S`` apart, a request passed over rather than two admitted
+together), time to first token and latency (median, 90th percentile, worst, from each request's send), tokens per
 second over the whole load, and the preemptions the coordinator counted (``vllm:num_preemptions_total``).
 
 Writes room_queue_bench.json / .md / .png into --out (default benchmarks/results).
@@ -53,8 +54,11 @@ from benchmarks.common import (  # noqa: E402
 
 NAME = "room_queue_bench"
 START_TIMEOUT_S = 300.0
-COLUMNS = ("side", "round", "inversions", "pairs", "ttft_p50_s", "ttft_p90_s", "ttft_max_s", "latency_p50_s",
-           "latency_p90_s", "latency_max_s", "tokens_per_s", "preemptions")
+# A pair out of order by more than this (first tokens this far apart in the other order) is a request passed over,
+# not requests admitted together whose first tokens came a fraction of a second apart.
+LATE_S = 1.0
+COLUMNS = ("side", "round", "inversions", "late_inversions", "pairs", "ttft_p50_s", "ttft_p90_s", "ttft_max_s",
+           "latency_p50_s", "latency_p90_s", "latency_max_s", "tokens_per_s", "preemptions")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,10 +195,12 @@ async def load(urls: list[str], args: argparse.Namespace) -> list[tuple[float, f
 def summary(side: str, round_: int, runs: list[tuple[float, float, float]], preemptions: float,
             tokens: int) -> dict[str, Any]:
     inversions = sum(1 for a in runs for b in runs if a[0] < b[0] and a[1] > b[1])
+    late = sum(1 for a in runs for b in runs if a[0] < b[0] and a[1] > b[1] + LATE_S)
     ttft = [first - sent for sent, first, _ in runs]
     latency = [done - sent for sent, _, done in runs]
     span = max(done for _, _, done in runs) - min(sent for sent, _, _ in runs)
-    return {"side": side, "round": round_, "inversions": inversions, "pairs": len(runs) * (len(runs) - 1) // 2,
+    return {"side": side, "round": round_, "inversions": inversions, "late_inversions": late,
+            "pairs": len(runs) * (len(runs) - 1) // 2,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_max_s": max(ttft),
             "latency_p50_s": percentile(latency, 50), "latency_p90_s": percentile(latency, 90),
             "latency_max_s": max(latency), "tokens_per_s": len(runs) * tokens / span, "preemptions": preemptions}

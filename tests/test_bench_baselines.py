@@ -534,9 +534,10 @@ def test_room_queue_bench_counts_requests_that_started_out_of_order_and_checks_i
     from benchmarks import room_queue_bench
 
     # (sent, first token, done): the third was sent last and saw its first token first, the first second
-    runs = [(0.0, 5.0, 9.0), (1.0, 6.0, 8.0), (2.0, 3.0, 7.0)]
+    runs = [(0.0, 5.0, 9.0), (1.0, 6.0, 8.0), (2.0, 4.5, 7.0)]
     row = room_queue_bench.summary("x", 0, runs, preemptions=4.0, tokens=10)
     assert row["inversions"] == 2 and row["pairs"] == 3  # (first, third) and (second, third)
+    assert row["late_inversions"] == 1  # (second, third): 1.5 s apart; the first's is 0.5 s
     assert row["ttft_max_s"] == 5.0 and row["latency_max_s"] == 9.0 and row["tokens_per_s"] == 30 / 9.0
     with pytest.raises(SystemExit, match="--requests"):
         room_queue_bench.main(["--requests", "1", "--out", str(tmp_path)])

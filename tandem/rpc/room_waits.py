@@ -2,8 +2,9 @@
 ranked below them.
 
 A worker keeps no queue: a Prefill its KV pool cannot hold is refused, and the coordinator asks again after a
-pause (``tandem.spec.failover``). Whatever frees room goes to whoever asks next, and that is not always who came
-first:
+pause (``tandem.spec.failover``; asked again, the Prefill is held here for up to a second first, and admitted if
+room frees meanwhile: ``wait_for_room_s``, ``tandem.rpc.batcher``). Whatever frees room goes to whoever asks next,
+and that is not always who came first:
 
 - With priorities, the running sequences of a low priority go on growing into every block that frees, and a
   high-priority prompt that arrived to a full pool would wait for them to end.

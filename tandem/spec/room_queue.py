@@ -1,6 +1,7 @@
 """The coordinator's waiting queue: requests waiting for room in a full target KV pool take their turns in order.
 
-A target worker keeps no queue: a Prefill it has no room for is refused, and the request asks again later. Each
+A target worker keeps no queue: a Prefill it has no room for is refused (held there a while first, when it asks to
+be), and the request asks again later. Each
 request used to back off on its own (50 ms doubling to 2 s, jittered), so whoever asked first after room freed got
 it, and that favoured the newest: a request refused once asks again within 75 ms, one refused ten times within 3 s.
 Measured under ``tandem up`` (SmolLM2, a 1,024-token pool, 40 requests of 200 tokens sent 0.25 s apart): 161 of
@@ -16,7 +17,10 @@ its KV, or the one before it was admitted. A request ranked above every waiting 
 Releases by other coordinators are seen only by the pause. Each coordinator orders its own requests; a target
 shared by several orders them by when they arrived (``PrefillRequest.arrival_time``), keeping a waiting prompt's
 place ahead of later ones (``tandem.rpc.room_waits``), which merges the queues into one. As only the first asks,
-each of its Prefills tells its target of the others waiting behind it that are placed there (``queued``).
+each of its Prefills tells its target of the others waiting behind it that are placed there (``queued``). Once
+refused, the first's Prefills ask the target to hold them for room (``wait_for_room_s``,
+``tandem.spec.failover.ROOM_HOLD_S``): the target admits it in the step that frees its room, whichever coordinator's
+request freed it, where it used to wait for the first's next try (up to 0.75 s; ``tandem.rpc.batcher``).
 """
 
 from __future__ import annotations
