@@ -139,10 +139,7 @@ class Batcher(Generic[Item, Result]):
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for pending in self._held:  # a held call gets its refusal: its coordinator may ask elsewhere
-            if not pending.future.done():
-                pending.future.set_exception(pending.refusal or RuntimeError("the worker stopped"))
-        self._held.clear()
+        self.refuse_held()
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -171,6 +168,13 @@ class Batcher(Generic[Item, Result]):
         batch += self._held[:held]
         del self._held[:held]
         return batch
+
+    def refuse_held(self) -> None:
+        """Answer every held call with its refusal now (the worker drains or stops: its coordinator asks elsewhere)."""
+        for pending in self._held:
+            if not pending.future.done():
+                pending.future.set_exception(pending.refusal)
+        self._held.clear()
 
     def _refuse_expired(self) -> float | None:
         """Answer the held calls whose time is up with their refusal; seconds until the next one's is (None: none

@@ -68,6 +68,7 @@ class ManagedServer:
         self.service_names: list[str] = []
         self.serving = False  # warmed up: set_serving has run
         self.draining = False
+        self.on_drain: list[Callable[[], None]] = []  # run as draining starts (a batcher answers its held calls)
         self.port = 0
         self.metrics_port: int | None = None
         self.metrics_host: str | None = None
@@ -134,6 +135,8 @@ class ManagedServer:
         if self.draining:
             return
         self.draining = True
+        for hook in self.on_drain:
+            hook()
         log.info("%s: draining for up to %.1fs", self.role, self.options.drain_grace_s)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.options.drain_grace_s)

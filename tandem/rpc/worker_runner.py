@@ -102,6 +102,9 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
         gather_wait_s=lambda: gather_fraction * engine.cost_fit.base_s, executor=model_thread,
         hold_s=room_hold_s,  # a Prefill refused for room waits here for it when it asked to (wait_for_room_s)
     )
+    # Draining, it takes no new sequence: a Prefill held for room is refused at once, and its coordinator asks a
+    # replica that stays (the drain waits for calls in flight, and a held one would take a sequence it must give up).
+    server.on_drain.append(batcher.refuse_held)
     service = role.make_service(
         role_engine, batcher, server, cfg.model_name, tokenizer_fingerprint(tokenizer),
         sorted(stop_token_ids(cfg.engine.model_dir, tokenizer, engine.config)),

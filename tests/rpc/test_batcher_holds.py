@@ -13,8 +13,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from tandem.config import ServerOptions
 from tandem.errors import KVCacheExhaustedError
 from tandem.rpc.batcher import Batcher
+from tandem.rpc.server import ManagedServer
 
 Call = tuple[str, str]
 
@@ -169,6 +171,25 @@ def test_a_stopping_batcher_answers_its_held_calls_with_their_refusal():
         waiting = await refused_and_held(batcher, "b")
         await batcher.stop()  # its coordinator may ask another replica at once
         return await asyncio.gather(waiting, return_exceptions=True)
+
+    (answer,) = asyncio.run(scenario())
+    assert isinstance(answer, KVCacheExhaustedError)
+
+
+def test_a_draining_worker_answers_its_held_calls_at_once_and_takes_no_more():
+    """Draining, a worker takes no new sequence: its held calls get their refusal as the drain starts (not after
+    their hold), so that their coordinators ask a replica that stays; the drain then waits for nothing held."""
+    slots = Slots(free=0)
+
+    async def scenario():
+        server = ManagedServer("target", ServerOptions(host="127.0.0.1", port=0))
+        await server.start()
+        async with batching(slots, 30.0) as batcher:
+            server.on_drain.append(batcher.refuse_held)
+            waiting = await refused_and_held(batcher, "b")
+            await server.drain_and_stop()
+            assert waiting.done() and batcher.held == 0
+            return await asyncio.gather(waiting, return_exceptions=True)
 
     (answer,) = asyncio.run(scenario())
     assert isinstance(answer, KVCacheExhaustedError)
