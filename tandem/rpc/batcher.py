@@ -192,11 +192,12 @@ class Batcher(Generic[Item, Result]):
         return min((p.held_until - now for p in kept if p.held_until is not None), default=None)
 
     def _hold(self, pending: _Pending[Item], refusal: BaseException) -> bool:
-        """Whether ``pending``, refused with ``refusal``, is held for room (see the module doc)."""
+        """Whether ``pending``, refused with ``refusal``, is held for room (see the module doc). A held call that
+        fails for another reason on a later try (a bad call, a worker that drains) is answered with it at once."""
+        seconds = self.hold_s(pending.item, refusal) if self.hold_s is not None else 0.0
+        if seconds <= 0:
+            return False
         if pending.held_until is None:
-            seconds = self.hold_s(pending.item, refusal) if self.hold_s is not None else 0.0
-            if seconds <= 0:
-                return False
             pending.held_since = time.perf_counter()
             pending.held_until = pending.held_since + seconds
         if time.perf_counter() >= pending.held_until:

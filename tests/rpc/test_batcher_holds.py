@@ -193,3 +193,25 @@ def test_a_draining_worker_answers_its_held_calls_at_once_and_takes_no_more():
 
     (answer,) = asyncio.run(scenario())
     assert isinstance(answer, KVCacheExhaustedError)
+
+
+def test_a_held_call_that_fails_for_another_reason_on_a_later_try_is_answered_at_once():
+    slots = Slots(free=0)
+    run_batch = slots.run_batch
+
+    def failing_later(calls):  # once held, "b"'s next try fails as a bad call does
+        results = run_batch(calls)
+        return [ValueError("bad call") if call == ("take", "b") and len(slots.batches) > 1 else result
+                for call, result in zip(calls, results)]
+
+    slots.run_batch = failing_later
+
+    async def scenario():
+        async with batching(slots, 30.0) as batcher:
+            waiting = await refused_and_held(batcher, "b")
+            await batcher.submit(("free", "x"))
+            # answered by the batch that tried it, not held on until its time is up (30 s)
+            return await asyncio.gather(asyncio.wait_for(waiting, 5.0), return_exceptions=True)
+
+    (answer,) = asyncio.run(scenario())
+    assert isinstance(answer, ValueError)
