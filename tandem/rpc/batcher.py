@@ -232,7 +232,7 @@ class Batcher(Generic[Item, Result]):
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), next_expiry)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (not the builtin on Python 3.10)
                     continue  # a held call's time is up
             await self._gather()
             batch = [p for p in self._take_batch() if not p.future.cancelled()]

@@ -97,6 +97,6 @@ class RoomQueue:
     async def _woken(turn: Turn, timeout_s: float | None) -> None:
         try:
             await asyncio.wait_for(turn.wake.wait(), timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (not the builtin on Python 3.10)
             pass
         turn.wake.clear()
