@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -192,3 +193,35 @@ def test_the_faulty_worker_sends_q_coarse_and_encoded_twice(workers, model_dir, 
     twice = decode_distributions(distributions.encode_distributions(once), VOCAB)
     assert torch.allclose(received, twice[0], atol=1e-6)
     assert (received - once[0]).abs().max() > 1e-2
+
+
+def test_a_target_holds_a_prefill_that_asks_to_wait_for_room_until_a_release_frees_it(workers):
+    """Through the worker process: with its pool full, a Prefill that asks for no hold is refused at once, and one
+    that asks to wait for room (``wait_for_room_s``) is held (counted in Info's queue_depth) and answered as soon
+    as a release frees its room."""
+    channel, target = stubs(workers["target"].port, target_pb2_grpc.TargetWorkerStub)
+    prompts = {name: pattern * 100 for name, pattern in  # 400 tokens: 100 of the pool's 256 blocks of 4 tokens
+               (("a", [2, 3, 4, 5]), ("b", [3, 4, 5, 2]), ("late", [4, 5, 2, 3]))}
+
+    def prefill(name: str, wait_for_room_s: float = 0.0) -> target_pb2.PrefillRequest:
+        return target_pb2.PrefillRequest(seq_id=name, token_ids=prompts[name], sampling=sampling(1),
+                                         wait_for_room_s=wait_for_room_s)
+
+    with channel:
+        try:
+            target.Prefill(prefill("a"))
+            target.Prefill(prefill("b"))  # 200 blocks held, each keeping room to grow: no room for a third
+            with pytest.raises(grpc.RpcError) as err:
+                target.Prefill(prefill("late"))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            held = target.Prefill.future(prefill("late", wait_for_room_s=60.0))
+            for _ in range(200):
+                if target.Info(common_pb2.WorkerInfoRequest()).queue_depth == 1:
+                    break
+                time.sleep(0.05)
+            assert target.Info(common_pb2.WorkerInfoRequest()).queue_depth == 1 and not held.done()
+            assert target.Release(common_pb2.ReleaseRequest(seq_id="a")).released
+            assert 0 <= held.result(timeout=60).next_token < VOCAB  # admitted once "a" left, long before 60 s
+        finally:
+            for name in prompts:
+                target.Release(common_pb2.ReleaseRequest(seq_id=name))
