@@ -215,11 +215,16 @@ def test_a_target_holds_a_prefill_that_asks_to_wait_for_room_until_a_release_fre
                 target.Prefill(prefill("late"))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             held = target.Prefill.future(prefill("late", wait_for_room_s=60.0))
+            # held: one call waiting and no batch running, in three looks in a row (a first look may catch the call
+            # queued for its first try, or in it)
+            idle_with_one = 0
             for _ in range(200):
-                if target.Info(common_pb2.WorkerInfoRequest()).queue_depth == 1:
+                info = target.Info(common_pb2.WorkerInfoRequest())
+                idle_with_one = idle_with_one + 1 if info.queue_depth == 1 and info.step_running_s == 0 else 0
+                if idle_with_one == 3:
                     break
                 time.sleep(0.05)
-            assert target.Info(common_pb2.WorkerInfoRequest()).queue_depth == 1 and not held.done()
+            assert idle_with_one == 3 and not held.done()
             assert target.Release(common_pb2.ReleaseRequest(seq_id="a")).released
             assert 0 <= held.result(timeout=60).next_token < VOCAB  # admitted once "a" left, long before 60 s
         finally:
