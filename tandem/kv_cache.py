@@ -111,7 +111,8 @@ class PagedKVCache:
               growth: Callable[[SeqId, int], int] | None = None,
               rank: Callable[[SeqId], int] | None = None,
               waiting: Sequence[tuple[int, float, int]] = (),
-              arrival: Callable[[SeqId], float] | None = None) -> list[int | None]:
+              arrival: Callable[[SeqId], float] | None = None,
+              keeps_place: Callable[[SeqId], bool] | None = None) -> list[int | None]:
         """Which of a batch's calls the pool can hold, changing nothing.
 
         ``lengths``: per call, its sequence and the KV length it will have after the batch.
@@ -135,7 +136,10 @@ class PagedKVCache:
         each takes what is free, up to its blocks, after the held sequences of its own rank and before the new
         ones of its rank that arrived after it (``arrival``: when each new sequence's request arrived; None:
         new sequences go in call order, and waiting prompts after them) and everything ranked below, which are
-        then refused (as they start, or as they grow) until the waiting prompt fits.
+        then refused (as they start, or as they grow) until the waiting prompt fits. ``keeps_place``: whether a
+        new sequence refused here keeps its place; one that does sets aside what is free, up to its blocks and its
+        room, as a waiting prompt does, against the calls after it in this batch (a prompt held at the worker asks
+        in every batch, where its place would otherwise never apply).
         Returns, per call, None when admitted, else the blocks it would need beyond what is left.
         """
         rank_of = rank or (lambda seq_id: 0)
@@ -179,6 +183,8 @@ class PagedKVCache:
                 reserved += own
             else:
                 refused[i] = n + reserve + own - free
+                if keeps_place is not None and keeps_place(seq_id):
+                    free -= min(free, n + own)
         return refused
 
     def _growth(self, length: int, blocks: int, tokens: int) -> int:

@@ -164,6 +164,20 @@ def test_a_waiting_prompt_goes_before_the_new_prompts_of_its_rank_that_arrived_a
     assert cache.num_free_blocks == 6  # (nothing changed)
 
 
+def test_a_refused_new_prompt_that_keeps_its_place_sets_aside_what_is_free_against_the_calls_after_it():
+    """``keeps_place``: a new prompt refused in this batch that keeps its place (a prompt held at the worker asks in
+    every batch, so its place from an earlier refusal never applies) takes what is free, up to its blocks, before
+    the calls after it: lower ranks' growth and the later prompts of its rank."""
+    cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.append_slots({"low": 8})  # 6 free
+    rank = {"low": 1, "urgent": 0, "late": 0}.__getitem__
+    arrived = {"urgent": 10.0, "late": 20.0, "low": 0.0}.__getitem__
+    calls = [("urgent", 28), ("low", 16), ("late", 4)]  # urgent needs 7 blocks: refused either way
+    assert cache.admit(calls, rank=rank, arrival=arrived) == [1, None, None]  # the others took its room
+    assert cache.admit(calls, rank=rank, arrival=arrived, keeps_place=lambda s: s == "urgent") == [1, 2, 1]
+    assert cache.admit(calls, rank=rank, arrival=arrived, keeps_place=lambda s: False) == [1, None, None]
+
+
 def test_slots_resolve_positions_through_the_block_table():
     cache = make_cache()
     cache.append_slots({"pad": 1})

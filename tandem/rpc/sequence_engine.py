@@ -220,16 +220,21 @@ class SequenceEngine(Generic[Sequence, Plan]):
             self._learn_queued(plans)
             waiting = self.room_waits.holding(asked)
         lowest = max((rank(held) for held in self.sequences), default=0)  # the lowest priority held
-        for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting, arrival)):
+
+        def keeps_place(seq_id: str) -> bool:
+            """A new sequence refused for room keeps its place (blocks for its prompt and its room): ahead of the
+            prompts of its rank that came after it, or of a held sequence ranked below it."""
+            return (growth is not None and not kv.has_sequence(seq_id)
+                    and bool(said_arrival.get(seq_id) or rank(seq_id) < lowest))
+
+        for plan, short in zip(plans, kv.admit(lengths, growth, rank, waiting, arrival, keeps_place)):
             seq_id = plan.call.seq_id
             if short is None:
                 self.room_waits.forget(seq_id)
                 continue
             results[plan.index] = KVCacheExhaustedError(
                 f"KV cache full: sequence {seq_id!r} needs {short} more blocks than are free; retry later")
-            if growth is not None and not kv.has_sequence(seq_id) and (said_arrival[seq_id] or rank(seq_id) < lowest):
-                # a new sequence that keeps its place (blocks for its prompt and its room): ahead of the prompts of
-                # its rank that came after it, or of a held sequence ranked below it
+            if keeps_place(seq_id):
                 self.room_waits.refused(seq_id, Waiting(rank(seq_id), arrival(seq_id),
                                                         kv.blocks_needed(plan.kv_len + growth(seq_id, plan.kv_len))))
 

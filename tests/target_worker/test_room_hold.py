@@ -15,7 +15,7 @@ from tandem.rpc.batcher import Batcher
 from tandem.rpc.room_waits import HOLD_S, room_hold_s
 from target_worker.engine import PrefillCall, Prefilled, ReleaseCall
 from tests.target_worker.test_engine import one_thread  # noqa: F401 - autouse: one torch thread
-from tests.target_worker.test_priority import GREEDY, full_target, prompt, small
+from tests.target_worker.test_priority import GREEDY, full_target, grow, prompt, small, urgent
 
 
 def waiting_prompt(wait_for_room_s: float) -> PrefillCall:
@@ -62,6 +62,17 @@ def test_a_prompt_that_asks_to_wait_for_room_is_admitted_when_a_release_frees_it
     assert batches == [1, 2, 2]  # refused; tried beside "later"; admitted beside the release that freed its room
     assert engine.engine.kv_cache.has_sequence("first")
     assert len(engine.room_waits) == 1  # its place forgotten; "later" keeps its own, behind it
+
+
+def test_a_prompt_asking_in_every_batch_keeps_its_place_in_each_of_them(tiny_qwen2_dir):
+    """A held prompt is tried beside every batch, so the place a refusal keeps (for the batches it is not in) must
+    hold in the batches it is in too: against lower priorities' growth, and against later prompts of its own."""
+    engine, _, (a_first, b_first) = full_target(tiny_qwen2_dir, low=1)
+    refused = engine.run_batch([urgent(), grow("a", 40, a_first), grow("b", 32, b_first)])
+    assert all(isinstance(r, KVCacheExhaustedError) for r in refused)  # the low ones do not grow into its room
+    engine, _, _ = full_target(tiny_qwen2_dir, low=0)
+    first, later = engine.run_batch([waiting_prompt(1.0), small("later", 200.0)])
+    assert isinstance(first, KVCacheExhaustedError) and isinstance(later, KVCacheExhaustedError)  # later fits, waits
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf])
