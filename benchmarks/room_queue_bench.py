@@ -5,7 +5,9 @@ gets ``--requests`` streamed completions of ``--tokens`` tokens each, one every 
 OpenAI API. Requests refused for room wait; the coordinator's room queue (tandem/spec/room_queue.py) gives them
 room in the order they started. With ``--baseline DIR`` (a checkout of the code before it, its stubs built with
 ``python -m tandem.proto_build``) the same load runs against that code too, alternating ``--rounds`` times, so
-that both sides are measured in one run on one machine.
+that both sides are measured in one run on one machine. ``--room-hold S`` sets this side's coordinators'
+``--room-hold``; ``--baseline-room-hold S`` the baseline's, which without ``--baseline`` is this code again: the
+hold on and off, measured side by side on one code.
 
 ``--coordinators N`` (N > 1) starts N - 1 more coordinators beside ``tandem up``'s, on the same workers (its
 workers file), and sends request i to coordinator i mod N: each coordinator orders its own waiting requests, and
@@ -73,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinators sharing the workers, requests sent to each in turn (default: %(default)s)")
     p.add_argument("--baseline", type=Path, default=None,
                    help="a checkout of the code to compare with (its `tandem` package is run); none: this code only")
+    p.add_argument("--room-hold", type=float, default=None, metavar="S",
+                   help="this side's coordinators' --room-hold (default: theirs)")
+    p.add_argument("--baseline-room-hold", type=float, default=None, metavar="S",
+                   help="the baseline's --room-hold; without --baseline, the baseline is this code with it")
     p.add_argument("--label", default="room queue", help="this code's name in the results (default: %(default)s)")
     p.add_argument("--baseline-label", default="before (each request backs off alone)",
                    help="the baseline's name in the results (default: %(default)s)")
@@ -90,12 +96,13 @@ def free_port() -> int:
 class Up:
     """``tandem up`` from the checkout ``root``, serving the OpenAI API on a free port until stopped."""
 
-    def __init__(self, root: Path, args: argparse.Namespace, log_dir: Path) -> None:
+    def __init__(self, root: Path, args: argparse.Namespace, log_dir: Path, room_hold: float | None = None) -> None:
         self.http_port = free_port()
         env = {**os.environ, "PYTHONPATH": str(root)}
+        hold = ["--room-hold", repr(room_hold)] if room_hold is not None else []  # (None: code without the flag)
         cmd = [sys.executable, "-m", "tandem", "up", "--target", args.target, "--draft", args.target,
                "--kv-cache-tokens", str(args.kv_cache_tokens), "--port", "0", "--http-port", str(self.http_port),
-               "--log-dir", str(log_dir)]
+               "--log-dir", str(log_dir), *hold]
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.extra: list[tuple[subprocess.Popen, int]] = []  # more coordinators: (process, HTTP port)
@@ -109,7 +116,7 @@ class Up:
             self._logs.append(log)
             proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "coordinator", "--discovery", "file",
                                      "--workers-file", str(log_dir / "workers.json"), "--tokenizer", args.target,
-                                     "--port", "0", "--http-port", str(port)],
+                                     "--port", "0", "--http-port", str(port), *hold],
                                     cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             self.extra.append((proc, port))
             if not self._serving(port):
@@ -210,17 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests < 2 or args.gap < 0 or args.tokens < 1 or args.rounds < 1 or args.coordinators < 1:
         raise SystemExit("--requests must be >= 2, --gap >= 0, --tokens, --rounds and --coordinators >= 1")
-    sides = {args.label: _REPO_ROOT}
+    sides = {args.label: (_REPO_ROOT, args.room_hold)}  # side -> (checkout, --room-hold or None)
     if args.baseline is not None:
         if not (args.baseline / "tandem" / "v1").is_dir():
             raise SystemExit(f"--baseline {args.baseline}: no tandem/v1 stubs there; run `python -m "
                              "tandem.proto_build` in it first")
-        sides = {args.baseline_label: args.baseline.resolve(), **sides}
+        sides = {args.baseline_label: (args.baseline.resolve(), args.baseline_room_hold), **sides}
+    elif args.baseline_room_hold is not None:
+        if args.baseline_label == args.label:
+            raise SystemExit("--baseline-label and --label must differ")
+        sides = {args.baseline_label: (_REPO_ROOT, args.baseline_room_hold), **sides}
     records, timelines = [], []
     for round_ in range(args.rounds):
-        for side, root in sides.items():
+        for side, (root, room_hold) in sides.items():
             log_dir = Path(tempfile.mkdtemp(prefix=f"{args.name}-{round_}-"))  # each run's process logs
-            up = Up(root, args, log_dir)
+            up = Up(root, args, log_dir, room_hold)
             try:
                 runs = asyncio.run(load(up.urls, args))
                 records.append(summary(side, round_, runs, up.preemptions(), args.tokens))

@@ -194,7 +194,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # The request's channels survive their replicas (moves, preemption) by the placement's pools.
         verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
             options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting,
-            room=self.room_queue, queue_key=(request.priority, state.stats.started_at))
+            room=self.room_queue, queue_key=(request.priority, state.stats.started_at),
+            room_hold_s=self.cfg.room_hold_s)
         channel = placement.draft_channel()
         draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
         loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,

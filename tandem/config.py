@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
 from tandem.rpc.leases import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_S, MAX_IDLE_TTL_S, MAX_LEASE_S, MIN_LEASE_S
+from tandem.rpc.room_waits import HOLD_S, ROOM_HOLD_S
 
 if TYPE_CHECKING:
     import torch
@@ -429,6 +430,12 @@ def read_chat_template(path: Path) -> str:
     return text
 
 
+def check_room_hold_flag(seconds: float) -> None:
+    """``--room-hold``: 0 (a Prefill refused for room is refused at once) up to what a target holds, ``HOLD_S``."""
+    if not 0 <= seconds <= HOLD_S:  # (NaN fails too)
+        raise InvalidRequestError(f"--room-hold must be in 0..{HOLD_S:g} seconds (0: refused at once), got {seconds}")
+
+
 @dataclass(slots=True)
 class CoordinatorConfig:
     """The coordinator: where its workers are, and its defaults for requests that leave things unset."""
@@ -466,6 +473,9 @@ class CoordinatorConfig:
     move_wait_s: float = 30.0  # how long a moving request waits for a healthy target replica
     placement: str = "prefix"  # PLACEMENT_MODES
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
+    # How long a Prefill refused for room asks its target to hold it until room frees, admitted in the step that
+    # frees it whoever frees it (first come, first served across coordinators); 0: refused at once, asked again.
+    room_hold_s: float = ROOM_HOLD_S
     # Security and limits (README "Security", "Bad input"). TLS files and tokens are validated where
     # they are read (ClientTLS, BearerAuth), before this is built.
     worker_tls: ClientTLS | None = None  # TLS (mutual with a client certificate) to every worker; None: plaintext
@@ -513,6 +523,7 @@ class CoordinatorConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                                       f"got {self.scheduling_policy!r}")
+        check_room_hold_flag(self.room_hold_s)
         if self.call_timeout_s <= 0 or self.info_poll_s <= 0 or self.move_wait_s < 0:
             raise InvalidRequestError("timeouts and poll intervals must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -520,14 +531,14 @@ class CoordinatorConfig:
         if self.redis_url and not self.continuation_cache:
             raise InvalidRequestError("--redis-url shares the continuation cache, "
                                       "which --no-continuation-cache turns off")
-
-    def chat_template_text(self) -> str | None:
-        """The ``--chat-template`` file's template; None without one."""
-        return None if self.chat_template is None else read_chat_template(self.chat_template)
         if self.redis_url:
             from tandem.spec.shared_cache import parse_redis_url
 
             parse_redis_url(self.redis_url)  # a malformed URL is refused at start, naming what is wrong
+
+    def chat_template_text(self) -> str | None:
+        """The ``--chat-template`` file's template; None without one."""
+        return None if self.chat_template is None else read_chat_template(self.chat_template)
 
     def _check_discovery(self) -> None:
         from tandem.workers_file import check_address

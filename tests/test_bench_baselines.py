@@ -545,3 +545,48 @@ def test_room_queue_bench_counts_requests_that_started_out_of_order_and_checks_i
         room_queue_bench.main(["--coordinators", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="proto_build"):
         room_queue_bench.main(["--baseline", str(tmp_path), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--baseline-label and --label must differ"):
+        room_queue_bench.main(["--baseline-room-hold", "0", "--label", "x", "--baseline-label", "x"])
+
+
+def test_room_queue_bench_passes_each_sides_room_hold_to_every_coordinator_it_starts(tmp_path, monkeypatch):
+    """``--baseline-room-hold`` without ``--baseline``: this checkout twice, the hold set per side on ``tandem up``
+    and on each extra coordinator (and not at all where unset, for code older than the flag)."""
+    from benchmarks import room_queue_bench
+
+    started = []
+
+    class Proc:
+        pid = 0
+
+        def __init__(self):
+            self.stdout = iter(["ready\n"])  # (what tandem up prints once it serves)
+
+        def poll(self):
+            return 0
+
+    def popen(cmd, **kwargs):
+        started.append(cmd)
+        return Proc()
+
+    import subprocess
+    import types
+
+    # (the module's own name only: lscpu and matplotlib still start their processes)
+    monkeypatch.setattr(room_queue_bench, "subprocess", types.SimpleNamespace(
+        Popen=popen, PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired))
+    monkeypatch.setattr(room_queue_bench.Up, "_serving", staticmethod(lambda port: True))
+    monkeypatch.setattr(room_queue_bench, "load", lambda urls, args: _two_requests())
+    monkeypatch.setattr(room_queue_bench.Up, "preemptions", lambda self: 0.0)
+    monkeypatch.setattr(room_queue_bench, "save_figure", lambda *a: None)
+    room_queue_bench.main(["--coordinators", "2", "--room-hold", "1.5", "--baseline-room-hold", "0",
+                           "--out", str(tmp_path)])
+    holds = [cmd[cmd.index("--room-hold") + 1] if "--room-hold" in cmd else None for cmd in started]
+    assert holds == ["0.0", "0.0", "1.5", "1.5"]  # the baseline first: tandem up, then its extra coordinator
+    started.clear()
+    room_queue_bench.main(["--out", str(tmp_path)])
+    assert ["--room-hold" in cmd for cmd in started] == [False]
+
+
+async def _two_requests() -> list:
+    return [(0.0, 1.0, 2.0), (0.5, 1.5, 2.5)]  # (sent, first token, done) of two requests

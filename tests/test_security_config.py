@@ -101,6 +101,10 @@ def coordinator_config(**kwargs) -> CoordinatorConfig:
     (dict(max_new_tokens_limit=100), r"default max new tokens \(256, --max-new-tokens\) exceeds "
                                      r"--max-new-tokens-limit \(100\)"),
     (dict(max_concurrent_per_client=-2), r"--max-concurrent-per-client must be >= 0 \(0: unlimited\), got -2"),
+    (dict(room_hold_s=-0.5), r"--room-hold must be in 0\.\.5 seconds \(0: refused at once\), got -0\.5"),
+    (dict(room_hold_s=6.0), r"--room-hold must be in 0\.\.5 seconds"),
+    (dict(room_hold_s=float("nan")), r"--room-hold must be in 0\.\.5 seconds .*got nan"),
+    (dict(redis_url="http://cache:6379"), r"redis URL: scheme 'http' is not supported"),
 ])
 def test_coordinator_limits_are_validated(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -112,6 +116,7 @@ def test_coordinator_limit_defaults():
     assert (cfg.max_request_bytes, cfg.max_prompt_tokens, cfg.max_new_tokens_limit,
             cfg.max_concurrent_per_client, cfg.expose_worker_addresses, cfg.auth) == (4 << 20, None, None, 0,
                                                                                         False, None)
+    assert coordinator_config().room_hold_s == 1.0 and coordinator_config(room_hold_s=0).room_hold_s == 0
 
 
 def test_serve_refuses_a_missing_certificate_before_loading_anything(tmp_path, capsys):

@@ -222,6 +222,19 @@ def test_tandem_up_refuses_a_rank_timeout_that_is_not_a_positive_number_before_s
         up_spec("--tensor-parallel-size", "2", "--rank-timeout", value)
 
 
+def test_tandem_up_passes_the_room_hold_to_its_coordinator_and_refuses_a_bad_one_before_starting_anything():
+    from tandem.cli import build_parser
+
+    args = list(up_spec("--room-hold", "0").coordinator_args)
+    assert args[args.index("--room-hold") + 1] == "0.0"
+    # ...in a form `tandem serve coordinator` takes, so a restarted coordinator starts with it too
+    served = build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t", *args])
+    assert served.room_hold == 0.0
+    assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t"]).room_hold == 1.0
+    with pytest.raises(InvalidRequestError, match="--room-hold must be in 0..5 seconds"):
+        up_spec("--room-hold", "9")
+
+
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
 def test_tandem_up_refuses_a_port_something_listens_on_before_loading_anything(flag, capsys):
     """A second `tandem up` on a port in use started its workers, then shared the port with the first (gRPC binds

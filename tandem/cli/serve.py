@@ -30,6 +30,7 @@ from tandem.config import (
 )
 from tandem.parent_watch import stop_with_launcher
 from tandem.rpc.leases import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_S
+from tandem.rpc.room_waits import HOLD_S, ROOM_HOLD_S
 from tandem.rpc.server import configure_logging
 
 
@@ -213,6 +214,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "oldest sequences; a request's priority must be 0, as vLLM's default) or priority "
                             "(vLLM's: a request's priority, lower first, then fcfs; a prompt of a higher priority "
                             "starts ahead of the growth of lower ones, which are preempted and resume later)")
+    coord.add_argument("--room-hold", type=float, default=ROOM_HOLD_S, metavar="SECONDS",
+                       help="a request refused for room asks its target to hold its next Prefill this long, at most "
+                            f"{HOLD_S:g} s: admitted in the step that frees its room, whichever coordinator's request "
+                            "frees it, so that requests from every coordinator start in the order they came; 0: "
+                            "refused at once and asked again after a pause (a later prompt may then take room that "
+                            "frees meanwhile) (default: %(default)s)")
     coord.add_argument("--ngram-min", type=int, default=1)
     coord.add_argument("--ngram-max", type=int, default=4)
     coord.add_argument("--no-continuation-cache", action="store_true",
@@ -297,7 +304,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         call_timeout_s=args.call_timeout, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
         max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement,
-        scheduling_policy=args.scheduling_policy, http_port=args.http_port,
+        scheduling_policy=args.scheduling_policy, room_hold_s=args.room_hold, http_port=args.http_port,
         chat_template=args.chat_template, **coordinator_options(args),
     )
     from coordinator.main import serve

@@ -54,10 +54,12 @@ from tandem.config import (
     SCHEDULING_POLICIES,
     available_device,
     check_device_name,
+    check_room_hold_flag,
     read_chat_template,
 )
 from tandem.errors import InvalidRequestError
 from tandem.rpc.auth import token_from
+from tandem.rpc.room_waits import ROOM_HOLD_S
 from tandem.supervisor import RestartPolicy, Supervisor
 from tandem.tokenizer import check_same_tokenizer, load_tokenizer, same_tokenizer_files
 from tandem.up_admin import MAX_REPLICAS, AdminServer, state_file
@@ -129,6 +131,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs, or priority: requests' priority (lower first) decides who goes first where a "
                         "target's KV pool runs short (see `tandem serve coordinator --help`) (default: %(default)s)")
+    p.add_argument("--room-hold", type=float, default=ROOM_HOLD_S, metavar="SECONDS",
+                   help="how long a request refused for room asks the target to hold it until room frees (0: "
+                        "refused at once, asked again; see `tandem serve coordinator --help`) (default: %(default)s)")
     add_draft_flags(p)
     p.add_argument("--admin-port", type=int, default=0,
                    help="port of the local control endpoint `tandem scale` calls, on 127.0.0.1 only "
@@ -177,6 +182,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         raise InvalidRequestError(f"--cuda-graphs needs --device cuda, and the workers would run on {args.device}")
     if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
         raise InvalidRequestError(f"--rank-timeout must be a positive number of seconds, got {args.rank_timeout}")
+    check_room_hold_flag(args.room_hold)
     target_args = ("--heads", str(args.heads)) if args.heads else ()
     if args.rank_timeout is not None:
         target_args += ("--rank-timeout", repr(args.rank_timeout))
@@ -184,7 +190,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     coordinator_args += ["--redis-url", args.redis_url] if args.redis_url else []
     if (http := http_port(args)) is not None:
         coordinator_args += ["--http-port", str(http)]
-    coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy]
+    coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy,
+                         "--room-hold", repr(args.room_hold)]
     if args.chat_template:
         read_chat_template(args.chat_template)  # refused here, named, before any process starts
         coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]

@@ -50,6 +50,9 @@ from tandem.rpc.coordinator_clocks import CoordinatorClocks
 # holds a refused Prefill for room at most this long (``PrefillRequest.wait_for_room_s``), so that the places of the
 # requests it named (``queued``) last until it asks again.
 HOLD_S = 5.0
+# How long a coordinator asks a Prefill refused for room to be held, by default (``--room-hold``;
+# ``tandem.spec.failover``).
+ROOM_HOLD_S = 1.0
 MAX_QUEUED = 256  # waiting requests one Prefill tells of (PrefillRequest.queued): the first, in order
 
 

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from tandem.errors import InternalError, KVCacheExhaustedError, WorkerUnavailableError
+from tandem.rpc.room_waits import ROOM_HOLD_S
 from tandem.sampling_params import SamplingParams
 from tandem.spec.request import GenerationStats, RequestState
 from tandem.spec.room_queue import QueueKey, RoomQueue, Turn
@@ -51,12 +52,11 @@ KV_WAIT_MAX_S = 300.0
 # In a coordinator's room queue only its first request asks again, so it may ask sooner: at most this apart (besides
 # at once when one of the coordinator's requests frees room), for what other coordinators' requests free.
 ROOM_PAUSE_MAX_S = 0.5
-# A Prefill refused for room asks again to be held by its worker for this long (``PrefillRequest.wait_for_room_s``):
-# admitted there in the step that frees its room, by whomever. The pause before asking again counts the time held,
-# so a worker that held it asks again at once, and one that does not hold (an older worker) is asked as before. Held
-# longer, a request could not move to another replica that frees room meanwhile, and the worker would hear later of
-# the requests that joined the queue behind it (``queued``).
-ROOM_HOLD_S = 1.0
+# A Prefill refused for room asks again to be held by its worker for ``room_hold_s`` (``ROOM_HOLD_S`` by default,
+# ``--room-hold``; ``PrefillRequest.wait_for_room_s``): admitted there in the step that frees its room, by whomever.
+# The pause before asking again counts the time held, so a worker that held it asks again at once, and one that does
+# not hold (an older worker) is asked as before. Held longer, a request could not move to another replica that frees
+# room meanwhile, and the worker would hear later of the requests that joined the queue behind it (``queued``).
 
 
 class Tally(Protocol):
@@ -90,12 +90,14 @@ class FailoverVerifier:
     request while it waits (for room in a full pool, preempted or not yet admitted, or for a healthy replica after a
     fault) until its call is served: the coordinator's queue, as a scheduler's waiting queue counts. ``room``: the
     coordinator's queue of requests waiting for room (``tandem.spec.room_queue``), where this one waits its turn at
-    ``queue_key`` (its priority and start); None: it backs off alone.
+    ``queue_key`` (its priority and start); None: it backs off alone. ``room_hold_s``: how long each Prefill after a
+    refusal for room asks its worker to hold it until room frees (0: refused at once, asked again after a pause).
     """
 
     def __init__(self, target: Verifier, replicas: ReplicaSource, state: RequestState,
                  rebuild_propose: Callable[[Verifier], int], waiting: Tally | None = None,
-                 room: RoomQueue | None = None, queue_key: QueueKey = (0, 0.0)) -> None:
+                 room: RoomQueue | None = None, queue_key: QueueKey = (0, 0.0),
+                 room_hold_s: float = ROOM_HOLD_S) -> None:
         self.target = target
         self.replicas = replicas
         self.state = state  # the committed history a rebuild feeds, and the stats moves count in
@@ -103,6 +105,7 @@ class FailoverVerifier:
         self.waiting = waiting
         self.room = room
         self.queue_key = queue_key
+        self.room_hold_s = room_hold_s
         self._releases: set[asyncio.Task] = set()
 
     @property
@@ -129,7 +132,7 @@ class FailoverVerifier:
 
     async def _survive(self, seq_id: str, call: Callable[[Verifier, float], Awaitable[T]], rebuild: bool = True) -> T:
         """``call(target, hold)`` on the current target, moving or preempting the request as its replica requires;
-        ``hold``: how long a Prefill may be held there for room (``ROOM_HOLD_S`` once the request was refused).
+        ``hold``: how long a Prefill may be held there for room (``room_hold_s`` once the request was refused).
 
         ``rebuild``: before repeating the call on a replica that does not hold the sequence, rebuild
         it there from the committed history.
@@ -176,7 +179,7 @@ class FailoverVerifier:
                 # hundreds of needless calls on the busy worker)
                 waited += await waiting.pause(max(0.0, backoff * random.uniform(0.5, 1.5) - refused_after))
                 backoff = min(2 * backoff, KV_BACKOFF_MAX_S if self.room is None else ROOM_PAUSE_MAX_S)
-                hold = ROOM_HOLD_S
+                hold = self.room_hold_s
                 replacement = await self.replicas.replace_target(faulty=False)
                 if replacement is None:
                     raise

@@ -285,6 +285,12 @@ def test_the_target_gets_its_rank_timeout_as_given():
     assert flag(container(render(None, "target.rankTimeoutSeconds=7"), "target")["args"], "--rank-timeout") == "7"
 
 
+def test_the_coordinator_gets_its_room_hold_as_given_within_what_a_target_holds():
+    assert flag(container(render(), "coordinator")["args"], "--room-hold") == "1"
+    assert flag(container(render(None, "coordinator.roomHoldSeconds=0"), "coordinator")["args"], "--room-hold") == "0"
+    assert "roomHoldSeconds" in render_error("coordinator.roomHoldSeconds=6")
+
+
 def test_clients_reconnect_after_five_minutes_unless_the_values_say_never():
     """The Service balances connections: the coordinator asks each client to reconnect now and then (so that
     replicas the autoscaler adds get calls); the workers, dialed per replica by the coordinator, never do."""

@@ -851,6 +851,11 @@ def test_each_prefill_says_when_its_request_arrived_and_a_retry_keeps_it_and_ask
             assert before <= first < second <= time.time()
             # its Info polls say the coordinator's clock, by which the target compares the arrivals on its own
             assert target.info_sent_at and all(0 < sent <= time.time() for sent in target.info_sent_at)
+        async with http_coordinator(tokenizer, room_hold_s=0.0) as running:  # --room-hold 0: never held
+            running.target.full_prefills = 1
+            code, body = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2})
+            assert code == 200, body
+            assert running.target.room_holds == [0.0, 0.0]
     run(go())
 
 

@@ -206,6 +206,18 @@ def test_a_prefill_refused_for_room_asks_to_be_held_by_its_worker_and_the_time_h
     assert full.holds == [failover.ROOM_HOLD_S] and full.released == ["s"]
 
 
+def test_a_coordinator_may_ask_for_another_hold_or_none(monkeypatch):
+    """``room_hold_s`` (``--room-hold``) is what every Prefill after a refusal asks for; 0: refused at once each time,
+    the request paused between asks as before holds existed."""
+    monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
+    for hold in (0.0, 0.25):
+        state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
+        full = Holding("full", [KVCacheExhaustedError("full")] * 2, held_s=0.0)
+        chosen = FailoverVerifier(full, Spares(targets=[full] * 2), state, lambda target: 3, room_hold_s=hold)
+        assert asyncio.run(chosen.prefill("s", PROMPT, state.sampling)) == Prefilled(9)
+        assert full.holds == [0.0, hold, hold]
+
+
 def test_the_time_a_worker_held_a_prefill_counts_toward_the_longest_wait(monkeypatch):
     monkeypatch.setattr(failover, "KV_BACKOFF_S", 0.001)
     monkeypatch.setattr(failover, "KV_WAIT_MAX_S", 0.25)
