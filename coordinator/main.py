@@ -70,6 +70,7 @@ async def serve(cfg: CoordinatorConfig) -> None:
                                  served_model=targets.served_model, kv_usage=targets.kv_usage)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache, match_rates)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
+    server.drain_work = service.drain  # on SIGTERM: both APIs' requests finish, or end saying why, within the grace
     # The OpenAI-compatible API on this event loop, into the same service; bound now so that the READY line names
     # its port, answering 503 until the warm-up is done.
     http = HttpApi(service, access, cfg, tokenizer, server.registry) if cfg.http_port is not None else None

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from coordinator.chat import TemplateVariablesError, chat_template_refusals, conversation, tool_use
+from coordinator.in_flight import InFlight
 from coordinator.placement import Placement
 from coordinator.prefix_routing import client_key, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
@@ -119,6 +120,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._releases: set[asyncio.Task] = set()  # ended requests' sequences being released on their workers
         # Requests waiting for room in a full target pool, taking their turns by priority and age
         self.room_queue = RoomQueue()
+        # The requests running now: a drain waits for them, and ends with a clear error those its grace cannot
+        self.in_flight = InFlight()
 
     # ----- releases --------------------------------------------------------
     def _release_later(self, release: Coroutine[Any, Any, None]) -> None:
@@ -130,6 +133,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         task.add_done_callback(self._releases.discard)
         task.add_done_callback(lambda _: self.room_queue.room_freed())  # the first waiting for room asks now
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # (each release logs its own)
+
+    async def drain(self, grace_s: float) -> None:
+        """Draining (no new requests are taken): those in flight get ``grace_s`` to finish, and those still running
+        shortly before it is up are ended with an error that says why (``coordinator.in_flight``)."""
+        if len(self.in_flight):
+            log.info("coordinator: %d request(s) in flight get up to %.1fs to finish", len(self.in_flight), grace_s)
+        ended = await self.in_flight.drain(grace_s)
+        if ended:
+            log.warning("coordinator: ended %d request(s) still running as the drain grace (%.1fs, --drain-grace) "
+                        "ran out; their clients were told to send them again", ended, grace_s)
 
     async def finish_releases(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the releases under way (at shutdown, before the worker channels close)."""
@@ -246,44 +259,51 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         outcome = "error"
         emitted = 0
         last = state.stats.started_at
-        try:
-            async for _ in run.loop.run():
-                now = time.perf_counter()
-                new = state.num_generated - emitted
-                if new:
-                    if emitted == 0:
-                        metrics.ttft.observe(now - state.stats.started_at)
-                        metrics.vllm.ttft.observe(now - state.stats.started_at)
-                    else:
-                        for _ in range(new):
-                            metrics.itl.observe((now - last) / new)
-                            metrics.vllm.itl.observe((now - last) / new)
-                    metrics.generated_tokens.inc(new)
-                    emitted, last = state.num_generated, now
-                yield
-            outcome = "ok"
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
-        finally:
-            run.placement.leave()
-            metrics.active.dec()
-            metrics.requests.labels(outcome).inc()
-            stats = state.stats
-            metrics.vllm.finished(stats, outcome, state.finish_reason, len(state.prompt_ids))
-            if stats.preemptions:
-                metrics.preemptions.inc(stats.preemptions)
-            if stats.room_waits:
-                metrics.room_waits.inc(stats.room_waits)
-            if stats.draft_wait_rounds:
-                metrics.draft_wait_rounds.inc(stats.draft_wait_rounds)
-            if stats.drafted:
-                metrics.acceptance_rate.observe(stats.acceptance_rate)
-            if stats.rounds:
-                waited = stats.draft_wait_s + stats.verify_wait_s
-                metrics.overhead.observe(max(0.0, stats.round_wall_s - waited) / stats.rounds)
-            if outcome == "ok" and stats.elapsed_s > 0:
-                metrics.tokens_per_s.observe(stats.tokens_per_s)
+        with self.in_flight.running():  # (around the except below, which asks it whose cancellation this was)
+            try:
+                async for _ in run.loop.run():
+                    now = time.perf_counter()
+                    new = state.num_generated - emitted
+                    if new:
+                        if emitted == 0:
+                            metrics.ttft.observe(now - state.stats.started_at)
+                            metrics.vllm.ttft.observe(now - state.stats.started_at)
+                        else:
+                            for _ in range(new):
+                                metrics.itl.observe((now - last) / new)
+                                metrics.vllm.itl.observe((now - last) / new)
+                        metrics.generated_tokens.inc(new)
+                        emitted, last = state.num_generated, now
+                    yield
+                outcome = "ok"
+            except asyncio.CancelledError:
+                ended = self.in_flight.ended()  # the drain grace ran out: the client hears why (coordinator.in_flight)
+                if ended is None:
+                    outcome = "cancelled"
+                    raise
+                raise ended from None
+            except GeneratorExit:
+                outcome = "cancelled"
+                raise
+            finally:
+                run.placement.leave()
+                metrics.active.dec()
+                metrics.requests.labels(outcome).inc()
+                stats = state.stats
+                metrics.vllm.finished(stats, outcome, state.finish_reason, len(state.prompt_ids))
+                if stats.preemptions:
+                    metrics.preemptions.inc(stats.preemptions)
+                if stats.room_waits:
+                    metrics.room_waits.inc(stats.room_waits)
+                if stats.draft_wait_rounds:
+                    metrics.draft_wait_rounds.inc(stats.draft_wait_rounds)
+                if stats.drafted:
+                    metrics.acceptance_rate.observe(stats.acceptance_rate)
+                if stats.rounds:
+                    waited = stats.draft_wait_s + stats.verify_wait_s
+                    metrics.overhead.observe(max(0.0, stats.round_wall_s - waited) / stats.rounds)
+                if outcome == "ok" and stats.elapsed_s > 0:
+                    metrics.tokens_per_s.observe(stats.tokens_per_s)
 
     def _validate(self, request: generation_pb2.GenerateRequest
                   ) -> tuple[RequestState, SpecOptions, ToolUse | None]:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -69,6 +70,9 @@ class ManagedServer:
         self.serving = False  # warmed up: set_serving has run
         self.draining = False
         self.on_drain: list[Callable[[], None]] = []  # run as draining starts (a batcher answers its held calls)
+        # Awaited with the drain grace before the server stops (a coordinator's requests finish, or are ended with
+        # a clear error when the grace runs short: coordinator.in_flight); the server then gets what is left of it.
+        self.drain_work: Callable[[float], Awaitable[object]] | None = None
         self.port = 0
         self.metrics_port: int | None = None
         self.metrics_host: str | None = None
@@ -139,7 +143,12 @@ class ManagedServer:
             hook()
         log.info("%s: draining for up to %.1fs", self.role, self.options.drain_grace_s)
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.options.drain_grace_s)
+        grace = self.options.drain_grace_s
+        if self.drain_work is not None:
+            started = time.monotonic()
+            await self.drain_work(grace)
+            grace = max(0.0, grace - (time.monotonic() - started))
+        await self.server.stop(grace)
 
 
 class _StartingGate(grpc.aio.ServerInterceptor):

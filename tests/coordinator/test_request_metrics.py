@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
+from coordinator.in_flight import InFlight
 from coordinator.service import GenerationService
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ class Loop:
 
 def test_a_requests_waiting_rounds_and_tokens_are_counted_when_it_ends():
     registry = CollectorRegistry()
-    service = SimpleNamespace(metrics=CoordinatorMetrics(registry))
+    service = SimpleNamespace(metrics=CoordinatorMetrics(registry), in_flight=InFlight())
     state = RequestState([1, 2, 3], SamplingParams(), StopConditions(3))
 
     async def drive():

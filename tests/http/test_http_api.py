@@ -867,7 +867,9 @@ def test_the_first_waiting_request_tells_the_target_of_those_queued_behind_it(to
             target = running.target
             target.full_prefills = 6  # the first is refused until the second has queued behind it
             first = asyncio.ensure_future(post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2}))
-            while not target.queued:
+            # (refused and waiting in the coordinator's queue: its refusal back, not only its Prefill sent; a second
+            # request sent before that asked at once, as first, and was refused too, on a loaded machine)
+            while not len(running.service.room_queue):
                 await asyncio.sleep(0.01)
             second = asyncio.ensure_future(post(running.url + "/completions", {"prompt": "hello", "max_tokens": 2}))
             assert [code for code, _ in await asyncio.gather(first, second)] == [200, 200]
