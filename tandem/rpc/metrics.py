@@ -27,8 +27,12 @@ class WorkerMetrics:
                                       buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=registry)
         self.batch_seconds = Histogram(f"{prefix}_batch_seconds", "wall time of one batch",
                                        buckets=LATENCY_BUCKETS, registry=registry)
+        # (read from the batcher at scrape time, ``worker_runner``: set after a batch, it read 0 while calls sat held
+        # with no batch running)
         self.queue_depth = Gauge(f"{prefix}_queue_depth", "calls waiting for the next batch, or held for room",
                                  registry=registry)
+        self.held_for_room = Gauge(f"{prefix}_held_for_room", "Prefills refused for room and held until room frees "
+                                   "(wait_for_room_s; counted in queue_depth too)", registry=registry)
         self.kv_blocks_used = Gauge(f"{prefix}_kv_blocks_used", "KV cache blocks in use", registry=registry)
         self.kv_blocks_total = Gauge(f"{prefix}_kv_blocks_total", "KV cache blocks in the pool", registry=registry)
         self.active_sequences = Gauge(f"{prefix}_active_sequences", "sequences holding KV", registry=registry)

@@ -92,7 +92,6 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
         metrics.batch_seconds.observe(seconds)
         metrics.batch_size.observe(num_calls)
         metrics.batch_tokens.observe(num_tokens)
-        metrics.queue_depth.set(batcher.queue_depth)
         kv_gauges()
 
     gather_fraction = role.gather_fraction if cfg.gather_fraction is None else cfg.gather_fraction
@@ -105,6 +104,8 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
     # Draining, it takes no new sequence: a Prefill held for room is refused at once, and its coordinator asks a
     # replica that stays (the drain waits for calls in flight, and a held one would take a sequence it must give up).
     server.on_drain.append(batcher.refuse_held)
+    metrics.queue_depth.set_function(lambda: batcher.queue_depth)  # (as it is when scraped, batch running or not)
+    metrics.held_for_room.set_function(lambda: batcher.held)
     service = role.make_service(
         role_engine, batcher, server, cfg.model_name, tokenizer_fingerprint(tokenizer),
         sorted(stop_token_ids(cfg.engine.model_dir, tokenizer, engine.config)),

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class Worker:
         self.name = name
         self.log_path = log_path
         self.port: int | None = None
+        self.metrics_port = 0  # 0: none served
         self.ready = threading.Event()
         self.lines: list[str] = []
         self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_path.open("w"),
@@ -50,7 +52,7 @@ class Worker:
             self.lines.append(line)
             match = READY.search(line)
             if match:
-                self.port = int(match.group(2))
+                self.port, self.metrics_port = int(match.group(2)), int(match.group(3))
                 self.ready.set()
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -79,8 +81,8 @@ def workers(model_dir, tmp_path_factory):
     shared = ["--startup-lock", str(logs / "startup.lock"), "--log-level", "INFO"]  # (the last --log-level wins)
     faulty = [sys.executable, "-m", "tests.integration.faulty_draft_worker", "--fault", "double-encoding"]
     started = {
-        "target": Worker("target", [*serve, "target", "--model", str(model_dir), *WORKER_ARGS, *shared],
-                         logs / "target.log"),
+        "target": Worker("target", [*serve, "target", "--model", str(model_dir), *WORKER_ARGS, *shared,
+                                    "--metrics-port", "0"], logs / "target.log"),
         "draft": Worker("draft", [*serve, "draft", "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS, *shared],
                         logs / "draft.log"),
         "faulty": Worker("faulty", [*faulty, "--model", str(model_dir), *WORKER_ARGS, *DRAFT_ARGS],
@@ -197,8 +199,8 @@ def test_the_faulty_worker_sends_q_coarse_and_encoded_twice(workers, model_dir, 
 
 def test_a_target_holds_a_prefill_that_asks_to_wait_for_room_until_a_release_frees_it(workers):
     """Through the worker process: with its pool full, a Prefill that asks for no hold is refused at once, and one
-    that asks to wait for room (``wait_for_room_s``) is held (counted in Info's queue_depth) and answered as soon
-    as a release frees its room."""
+    that asks to wait for room (``wait_for_room_s``) is held (counted in Info's queue_depth and the metrics) and
+    answered as soon as a release frees its room."""
     channel, target = stubs(workers["target"].port, target_pb2_grpc.TargetWorkerStub)
     prompts = {name: pattern * 100 for name, pattern in  # 400 tokens: 100 of the pool's 256 blocks of 4 tokens
                (("a", [2, 3, 4, 5]), ("b", [3, 4, 5, 2]), ("late", [4, 5, 2, 3]))}
@@ -225,6 +227,11 @@ def test_a_target_holds_a_prefill_that_asks_to_wait_for_room_until_a_release_fre
                     break
                 time.sleep(0.05)
             assert idle_with_one == 3 and not held.done()
+            # ...and so its metrics say, read as they are when scraped (an autoscaler's queue-depth signal)
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{workers['target'].metrics_port}/metrics",
+                                             timeout=10).read().decode()
+            assert re.search(r"^tandem_target_queue_depth 1\.0$", metrics, re.M), metrics
+            assert re.search(r"^tandem_target_held_for_room 1\.0$", metrics, re.M), metrics
             assert target.Release(common_pb2.ReleaseRequest(seq_id="a")).released
             assert 0 <= held.result(timeout=60).next_token < VOCAB  # admitted once "a" left, long before 60 s
         finally:
