@@ -7,9 +7,10 @@ request still running is ended by the coordinator itself with ``ShuttingDownErro
 clients retry; on HTTP a 503, or in a stream an ``error`` event with code ``draining`` and then ``[DONE]``),
 while the servers can still deliver it. Its KV on the workers is released as for a client that went away.
 
-A request is ended by cancelling the task that runs it (the one asyncio task iterating its stream: a gRPC
-handler's, or one HTTP choice's): the loop unwinds as on a cancellation, and the service turns that one
-cancellation into the error (``ended``).
+How a request is ended depends on where its task is. Waiting for its own work (a worker call, its turn for
+room), the task is cancelled: the loop unwinds as on a cancellation, and the service turns that one cancellation
+into the error (``Tracked.ended``). Handed back to its API between rounds (gRPC writing a message), it is not
+cancelled, which would cancel the write and the call with it: it ends as soon as it asks for its next round.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from tandem.errors import ShuttingDownError
 
@@ -26,57 +28,67 @@ from tandem.errors import ShuttingDownError
 CUT_S = 1.0
 
 
-class InFlight:
-    """The tasks running requests, counted per task (one task may run one request at a time, or a few in turn)."""
+@dataclass(eq=False)
+class Tracked:
+    """One request in flight: the task running it, and whether it is to end."""
 
-    def __init__(self) -> None:
-        self._running: dict[asyncio.Task, int] = {}
-        self._ended: set[asyncio.Task] = set()  # cancelled by ``end_all``, not by their clients
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.reason = ""  # why they were ended, once they were
-
-    def __len__(self) -> int:
-        return sum(self._running.values())
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """Around one request's run, in the task that runs it."""
-        task = asyncio.current_task()
-        assert task is not None, "a request runs in a task"
-        self._running[task] = self._running.get(task, 0) + 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            left = self._running.pop(task) - 1
-            if left:
-                self._running[task] = left
-            else:
-                self._ended.discard(task)
-            if not self._running:
-                self._idle.set()
+    task: asyncio.Task
+    inside: bool = True  # at its own work; False while handed back to its API between rounds
+    reason: str = ""  # set: it is to end, saying this
+    cancelled: bool = False  # ended by a cancellation of its task (``ended`` takes it back)
 
     def ended(self) -> ShuttingDownError | None:
-        """Called where the current task's request caught a cancellation: the error to raise instead where the
-        cancellation was ``end_all``'s (its one cancellation is taken back), else None (the client went away)."""
-        task = asyncio.current_task()
-        if task not in self._ended:
+        """Where the request caught a cancellation: the error to raise instead where the cancellation was the
+        drain's (taken back from the task, so that its error can still be written), else None (its client left)."""
+        if not self.cancelled:
             return None
-        self._ended.discard(task)
-        uncancel = getattr(task, "uncancel", None)  # (Python 3.11+: the task counts cancellations)
+        self.cancelled = False
+        uncancel = getattr(self.task, "uncancel", None)  # (Python 3.11+: a task counts its cancellations)
         if uncancel is not None:
             uncancel()
         return ShuttingDownError(self.reason)
 
+    def check(self) -> None:
+        """Where the request asks for its next round: raise if it is to end."""
+        if self.reason:
+            raise ShuttingDownError(self.reason)
+
+
+class InFlight:
+    """The requests running now."""
+
+    def __init__(self) -> None:
+        self._running: set[Tracked] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    @contextmanager
+    def running(self) -> Iterator[Tracked]:
+        """Around one request's run, in the task that runs it."""
+        task = asyncio.current_task()
+        assert task is not None, "a request runs in a task"
+        tracked = Tracked(task)
+        self._running.add(tracked)
+        self._idle.clear()
+        try:
+            yield tracked
+        finally:
+            self._running.discard(tracked)
+            if not self._running:
+                self._idle.set()
+
     def end_all(self, reason: str) -> int:
-        """End every request running now with ``ShuttingDownError(reason)``; returns how many tasks were ended."""
-        self.reason = reason
-        fresh = [task for task in self._running if task not in self._ended and not task.done()]
-        for task in fresh:
-            self._ended.add(task)
-            task.cancel()
-        return len(fresh)
+        """End every request running now with ``ShuttingDownError(reason)``; returns how many."""
+        ending = [tracked for tracked in self._running if not tracked.reason]
+        for tracked in ending:
+            tracked.reason = reason
+            if tracked.inside and not tracked.task.done():
+                tracked.cancelled = True
+                tracked.task.cancel()
+        return len(ending)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Whether every request ended within ``timeout_s``."""

@@ -259,7 +259,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         outcome = "error"
         emitted = 0
         last = state.stats.started_at
-        with self.in_flight.running():  # (around the except below, which asks it whose cancellation this was)
+        with self.in_flight.running() as tracked:  # (around the except below, which asks whose cancellation it was)
             try:
                 async for _ in run.loop.run():
                     now = time.perf_counter()
@@ -274,10 +274,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                 metrics.vllm.itl.observe((now - last) / new)
                         metrics.generated_tokens.inc(new)
                         emitted, last = state.num_generated, now
+                    tracked.inside = False  # (handed to the API: a drain ending it now waits for its next round)
                     yield
+                    tracked.inside = True
+                    tracked.check()
                 outcome = "ok"
             except asyncio.CancelledError:
-                ended = self.in_flight.ended()  # the drain grace ran out: the client hears why (coordinator.in_flight)
+                ended = tracked.ended()  # the drain grace ran out: the client hears why (coordinator.in_flight)
                 if ended is None:
                     outcome = "cancelled"
                     raise

@@ -107,35 +107,57 @@ def test_requests_that_finish_within_the_grace_are_not_ended(tokenizer):
 
 
 def test_only_the_drains_own_cancellation_becomes_the_error():
-    """A request cancelled by its client (gone) stays cancelled; one ended by the drain raises ShuttingDownError,
-    once: its task's cancellation is taken back, so it can still write its error."""
-    async def request(in_flight: InFlight, started: asyncio.Event) -> str:
-        with in_flight.running():
+    """A request cancelled by its client (gone) stays cancelled; one ended by the drain while at its own work raises
+    ShuttingDownError, once (its task's cancellation is taken back, so it can still write its error); one handed to
+    its API between rounds is not cancelled (that would cancel the write) and ends when it asks for its next."""
+    async def request(in_flight: InFlight, started: asyncio.Event, rounds: list) -> str:
+        with in_flight.running() as tracked:
             try:
                 started.set()
-                await asyncio.sleep(WAIT_S)
+                for _ in range(3):
+                    await asyncio.sleep(WAIT_S)  # its own work: a worker call
+                    rounds.append(1)
             except asyncio.CancelledError:
-                ended = in_flight.ended()
+                ended = tracked.ended()
                 if ended is None:
                     raise
-                await asyncio.sleep(0)  # (not cancelled again)
                 assert isinstance(ended, ShuttingDownError)
+                await asyncio.sleep(0)  # (not cancelled again: it can write its error)
                 return str(ended)
+        return "finished"
+
+    async def between_rounds(in_flight: InFlight, handed: asyncio.Event, go_on: asyncio.Event) -> str:
+        with in_flight.running() as tracked:
+            tracked.inside = False  # handed to its API, which writes a message meanwhile
+            handed.set()
+            await go_on.wait()  # (a write: cancelling the task here would cancel it)
+            tracked.inside = True
+            try:
+                tracked.check()
+            except ShuttingDownError as exc:
+                return f"ended at its next round: {exc}"
         return "finished"
 
     async def go():
         in_flight = InFlight()
-        started = asyncio.Event()
-        gone = asyncio.ensure_future(request(in_flight, started))
+        started, rounds = asyncio.Event(), []
+        gone = asyncio.ensure_future(request(in_flight, started, rounds))
         await started.wait()
         started.clear()
-        ended = asyncio.ensure_future(request(in_flight, started))
+        ended = asyncio.ensure_future(request(in_flight, started, rounds))
         await started.wait()
-        assert len(in_flight) == 2
+        handed, go_on = asyncio.Event(), asyncio.Event()
+        writing = asyncio.ensure_future(between_rounds(in_flight, handed, go_on))
+        await handed.wait()
+        assert len(in_flight) == 3
         gone.cancel()  # the client's doing
         with pytest.raises(asyncio.CancelledError):
             await gone
-        assert in_flight.end_all("stopping") == 1
-        assert await ended == "stopping" and len(in_flight) == 0
-        assert await in_flight.wait_idle(0.0)
+        assert in_flight.end_all("stopping") == 2
+        assert await ended == "stopping"
+        await asyncio.sleep(0.05)
+        assert not writing.done()  # not cancelled mid-write
+        go_on.set()
+        assert await writing == "ended at its next round: stopping"
+        assert len(in_flight) == 0 and await in_flight.wait_idle(0.0) and rounds == []
     asyncio.run(go())
