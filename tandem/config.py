@@ -342,12 +342,16 @@ class EngineConfig:
         return self.kv_cache_tokens // self.block_size
 
 
+# Seconds a server's calls in flight get to finish after SIGTERM (--drain-grace).
+DEFAULT_DRAIN_GRACE_S = 10.0
+
+
 @dataclass(slots=True)
 class ServerOptions:
     host: str = "0.0.0.0"
     port: int = 0  # 0: any free port (printed once bound)
     metrics_port: int | None = None  # Prometheus /metrics; None disables, 0 picks a free port
-    drain_grace_s: float = 10.0
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
     tls: ServerTLS | None = None  # validated by ServerTLS itself (tandem/rpc/tls.py); None: plaintext
     # A client's connection older than this is asked to reconnect (gRPC's GOAWAY, HTTP's "Connection: close"), its
     # calls in flight finishing on it: behind a Kubernetes Service, which balances connections and not calls, a

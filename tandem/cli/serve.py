@@ -17,6 +17,7 @@ from tandem.cli.generate import resolve_or_prepare
 from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flags, coordinator_options, server_tls
 from tandem.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_DRAIN_GRACE_S,
     DISCOVERY_MODES,
     DTYPES,
     PACKED_WEIGHTS,
@@ -45,7 +46,7 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="gRPC port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: a free one; default: off)")
-    p.add_argument("--drain-grace", type=float, default=10.0,
+    p.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S,
                    help="seconds in-flight calls get to finish after SIGTERM (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")

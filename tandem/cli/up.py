@@ -49,6 +49,7 @@ from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flag
 from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
 from tandem.config import (
+    DEFAULT_DRAIN_GRACE_S,
     DTYPES,
     PLACEMENT_MODES,
     SCHEDULING_POLICIES,
@@ -66,6 +67,10 @@ from tandem.up_admin import MAX_REPLICAS, AdminServer, state_file
 
 DEFAULT_DRAFT = "qwen-coder-0.5b"
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port, where such servers usually listen
+# How long a process gets after SIGTERM before it is killed: at least STOP_GRACE_S, and the coordinator's drain grace
+# plus STOP_MARGIN_S to close after it.
+STOP_GRACE_S = 15.0
+STOP_MARGIN_S = 5.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -131,6 +136,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs, or priority: requests' priority (lower first) decides who goes first where a "
                         "target's KV pool runs short (see `tandem serve coordinator --help`) (default: %(default)s)")
+    p.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS",
+                   help="seconds the requests in flight get to finish when tandem up stops (Ctrl-C, SIGTERM); those "
+                        "still running then end with an error that says so (default: %(default)s)")
     p.add_argument("--room-hold", type=float, default=ROOM_HOLD_S, metavar="SECONDS",
                    help="how long a request refused for room asks the target to hold it until room frees (0: "
                         "refused at once, asked again; see `tandem serve coordinator --help`) (default: %(default)s)")
@@ -183,6 +191,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
         raise InvalidRequestError(f"--rank-timeout must be a positive number of seconds, got {args.rank_timeout}")
     check_room_hold_flag(args.room_hold)
+    if not args.drain_grace >= 0:  # (NaN too)
+        raise InvalidRequestError(f"--drain-grace must be a number of seconds >= 0, got {args.drain_grace}")
     target_args = ("--heads", str(args.heads)) if args.heads else ()
     if args.rank_timeout is not None:
         target_args += ("--rank-timeout", repr(args.rank_timeout))
@@ -191,7 +201,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if (http := http_port(args)) is not None:
         coordinator_args += ["--http-port", str(http)]
     coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy,
-                         "--room-hold", repr(args.room_hold)]
+                         "--room-hold", repr(args.room_hold), "--drain-grace", repr(args.drain_grace)]
     if args.chat_template:
         read_chat_template(args.chat_template)  # refused here, named, before any process starts
         coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]
@@ -265,9 +275,15 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         supervisor.stop()
         admin.stop()
-        cluster.stop()
+        cluster.stop(grace_s=stop_grace_s(args.drain_grace))
         supervisor.join(timeout_s=30)
     return 1 if supervisor.gave_up else 0
+
+
+def stop_grace_s(drain_grace_s: float) -> float:
+    """How long each process gets after SIGTERM before it is killed: the coordinator its drain grace and time to
+    close (its requests end, saying why, a second before the grace is up), and never less than before."""
+    return max(STOP_GRACE_S, drain_grace_s + STOP_MARGIN_S)
 
 
 def http_port(args: argparse.Namespace) -> int | None:
