@@ -5,7 +5,8 @@ as server-sent events), ``POST /v1/responses`` (OpenAI's Responses API, run as t
 completion it asks for), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``,
 ``GET /metrics`` (the coordinator's Prometheus metrics, as on its metrics port: vLLM serves them here, so a
 scrape configured for it finds them), ``GET /version``, and vLLM's tokenizer routes ``POST /tokenize``,
-``POST /detokenize``, ``GET /tokenizer_info`` (``coordinator.http.tokenize``).
+``POST /detokenize``, ``GET /tokenizer_info`` (``coordinator.http.tokenize``), and SageMaker's ``GET``/``POST /ping``
+(``/health``'s answer) and ``POST /invocations`` (a chat completion or a completion, by the body's fields).
 
 Only the edges are HTTP's. A request goes the gRPC API's way, in process: the
 same bearer tokens and per-client budget (``AccessControl``: ``identify``,
@@ -84,6 +85,10 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
+        # SageMaker's two routes, as vLLM serves them: a container there is probed on /ping and sent /invocations
+        app.router.add_get("/ping", self.health)
+        app.router.add_post("/ping", self.health)
+        app.router.add_post("/invocations", self.invocations)
         app.router.add_get("/version", self.version)
         if self.registry is not None:
             app.router.add_get("/metrics", self.metrics)
@@ -202,6 +207,18 @@ class HttpApi:
                 return web.json_response(answer(body))
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, {"prompt": "messages"}) from None
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's inference route, as vLLM routes it: a body with ``messages`` is a chat completion, one with
+        ``prompt`` a completion (streamed too, with ``stream``); the same token, limits and errors as those routes."""
+        self._client(request)  # (a missing token is a 401 before anything of the body is said)
+        body = parse_json(await self._body(request))  # (aiohttp keeps the body: the route reads it again)
+        if "messages" in body:
+            return await self.chat_completions(request)
+        if "prompt" in body:
+            return await self.completions(request)
+        raise ApiError(400, "POST /invocations takes a chat completion (a body with messages) or a completion (a body "
+                            "with prompt), and this body has neither")
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while serving; 503 while starting (no target worker yet) or draining. No token needed."""

@@ -1030,6 +1030,38 @@ def test_503_while_starting_and_while_draining(tokenizer):
     run(go())
 
 
+def test_sagemakers_routes_ping_and_invocations_as_vllm_serves_them(tokenizer):
+    """``/ping`` answers as ``/health`` (GET or POST, no token); ``/invocations`` runs a body with messages as a chat
+    completion and one with prompt as a completion, streamed too, with the same token; any other body is a 400."""
+    async def go():
+        async with http_coordinator(tokenizer, serve=False) as running:
+            async with aiohttp.ClientSession() as session, session.get(running.root + "/ping") as reply:
+                assert reply.status == 503 and (await reply.json())["error"]["code"] == "starting"
+        async with http_coordinator(tokenizer, tokens=("client-one-0123456789abcdef",)) as running:
+            auth = {"Authorization": "Bearer client-one-0123456789abcdef"}
+            async with aiohttp.ClientSession() as session:
+                for method in (session.get, session.post):
+                    async with method(running.root + "/ping") as reply:  # (no token: a probe holds none)
+                        assert reply.status == 200 and (await reply.json()) == {"status": "serving"}
+            code, chat = await post(running.root + "/invocations",
+                                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, auth)
+            assert code == 200 and chat["object"] == "chat.completion"
+            assert chat["choices"][0]["message"]["content"] == TEXT[:3]
+            code, completion = await post(running.root + "/invocations", {"prompt": "hi", "max_tokens": 2}, auth)
+            assert code == 200 and completion["object"] == "text_completion"
+            assert completion["choices"][0]["text"] == TEXT[:2]
+            async with aiohttp.ClientSession() as session, session.post(
+                    running.root + "/invocations", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                    headers=auth) as reply:
+                lines = [line.strip() async for line in reply.content if line.strip()]
+            assert reply.status == 200 and lines[-1] == b"data: [DONE]"
+            code, body = await post(running.root + "/invocations", {"input": "hi"}, auth)
+            assert code == 400 and "messages" in body["error"]["message"] and "prompt" in body["error"]["message"]
+            code, body = await post(running.root + "/invocations", {"prompt": "hi"})
+            assert code == 401 and body["error"]["code"] == "invalid_api_key"
+    run(go())
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_kv(tokenizer):
     async def go():
         async with http_coordinator(tokenizer) as running:
