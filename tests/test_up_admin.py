@@ -235,6 +235,35 @@ def test_tandem_up_passes_the_room_hold_to_its_coordinator_and_refuses_a_bad_one
         up_spec("--room-hold", "9")
 
 
+def test_a_second_ctrl_c_while_tandem_up_stops_stops_everything_at_once():
+    """The first Ctrl-C gives the coordinator's requests its drain grace; a second one, meanwhile, stops every
+    process at once (SIGTERM, then SIGKILL) rather than leave the user waiting or processes behind."""
+    import os
+    import signal
+    import time
+
+    from tandem.cli.up import stop_cluster, stop_grace_s
+
+    class Cluster:
+        def __init__(self):
+            self.graces = []
+
+        def stop(self, grace_s):
+            self.graces.append(grace_s)
+            if len(self.graces) == 1:  # draining: the user presses Ctrl-C again
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # (interrupted)
+                raise AssertionError("the second Ctrl-C did not interrupt the drain")
+
+    cluster, said = Cluster(), []
+    before = signal.getsignal(signal.SIGINT)
+    stop_cluster(cluster, 30.0, said.append)
+    assert cluster.graces == [stop_grace_s(30.0), 0.0]
+    assert said == ["stopping: requests in flight get up to 30 s to finish (Ctrl-C again to stop now)",
+                    "stopping now"]
+    assert signal.getsignal(signal.SIGINT) is before  # left as it was
+
+
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
 def test_tandem_up_refuses_a_port_something_listens_on_before_loading_anything(flag, capsys):
     """A second `tandem up` on a port in use started its workers, then shared the port with the first (gRPC binds

@@ -40,6 +40,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tandem import model_store
@@ -272,12 +273,26 @@ def run(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
     finally:
-        print("stopping...", file=sys.stderr)
         supervisor.stop()
         admin.stop()
-        cluster.stop(grace_s=stop_grace_s(args.drain_grace))
+        stop_cluster(cluster, args.drain_grace, lambda message: print(message, file=sys.stderr, flush=True))
         supervisor.join(timeout_s=30)
     return 1 if supervisor.gave_up else 0
+
+
+def stop_cluster(cluster: LocalCluster, drain_grace_s: float, say: Callable[[str], None]) -> None:
+    """Stop every process, the coordinator first, its requests given ``drain_grace_s`` (its own drain grace) to
+    finish; a second Ctrl-C meanwhile stops them all at once (SIGTERM, then SIGKILL what is still up)."""
+    say(f"stopping: requests in flight get up to {drain_grace_s:g} s to finish (Ctrl-C again to stop now)")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (the main thread's; a second Ctrl-C raises)
+    try:
+        cluster.stop(grace_s=stop_grace_s(drain_grace_s))
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a third is not to leave processes behind)
+        say("stopping now")
+        cluster.stop(grace_s=0.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop_grace_s(drain_grace_s: float) -> float:
