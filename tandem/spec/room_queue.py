@@ -19,7 +19,7 @@ shared by several orders them by when they arrived (``PrefillRequest.arrival_tim
 place ahead of later ones (``tandem.rpc.room_waits``), which merges the queues into one. As only the first asks,
 each of its Prefills tells its target of the others waiting behind it that are placed there (``queued``). Once
 refused, the first's Prefills ask the target to hold them for room (``wait_for_room_s``,
-``tandem.spec.failover.ROOM_HOLD_S``): the target admits it in the step that frees its room, whichever coordinator's
+``--room-hold``, 1 s by default): the target admits it in the step that frees its room, whichever coordinator's
 request freed it, where it used to wait for the first's next try (up to 0.75 s; ``tandem.rpc.batcher``).
 """
 
