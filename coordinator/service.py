@@ -289,6 +289,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 outcome = "cancelled"
                 raise
             finally:
+                if outcome == "error" and tracked.reason:
+                    outcome = "drained"  # ended by the coordinator's drain (coordinator.in_flight)
                 run.placement.leave()
                 metrics.active.dec()
                 metrics.requests.labels(outcome).inc()

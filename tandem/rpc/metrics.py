@@ -164,7 +164,8 @@ class CoordinatorMetrics:
         p = "tandem_coordinator"
         # the same requests under vLLM's names, for gateways and dashboards built for vLLM (tandem.rpc.vllm_metrics)
         self.vllm = VllmMetrics(registry, served_model, kv_usage)
-        self.requests = Counter(f"{p}_requests", "requests by outcome", ["outcome"], registry=registry)
+        self.requests = Counter(f"{p}_requests", "requests by outcome: ok, cancelled (the client left), drained (ended "
+                                "as the coordinator's drain grace ran out), error", ["outcome"], registry=registry)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "tokens streamed to clients", registry=registry)
         self.accepted_len = Histogram(f"{p}_accepted_length", "draft tokens accepted per speculative round",
                                       buckets=LENGTH_BUCKETS, registry=registry)

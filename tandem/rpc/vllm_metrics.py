@@ -51,7 +51,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 # The request's outcome as the coordinator counts it (tandem_coordinator_requests) -> vLLM's finished_reason
-OUTCOME_REASONS = {"cancelled": "abort", "error": "error"}
+OUTCOME_REASONS = {"cancelled": "abort", "drained": "abort", "error": "error"}
 MAX_LEN_BUCKETED = 131072  # request token histograms' last bucket: 100,000 (the served context is not known yet)
 
 
@@ -136,8 +136,8 @@ class VllmMetrics:
                 self.spec_accepted_per_pos.labels(str(position)).inc()
 
     def finished(self, stats: GenerationStats, outcome: str, finish_reason: str | None, prompt_tokens: int) -> None:
-        """A request has ended: ``outcome`` as ``tandem_coordinator_requests`` counts it (ok, cancelled, error),
-        ``finish_reason`` the request's own (stop or length)."""
+        """A request has ended: ``outcome`` as ``tandem_coordinator_requests`` counts it (ok, cancelled, drained,
+        error), ``finish_reason`` the request's own (stop or length)."""
         self.in_flight -= 1
         reason = OUTCOME_REASONS.get(outcome) or finish_reason or "length"
         self.request_success.labels(reason).inc()

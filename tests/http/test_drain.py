@@ -85,6 +85,8 @@ def test_requests_still_running_when_the_drain_grace_runs_out_end_saying_so_on_b
                 assert "send the request again" in refused.value.details()
             await until(lambda: not running.target.live, "their KV released")
             running.target.gate.set()
+            registry = running.server.registry
+            assert registry.get_sample_value("tandem_coordinator_requests_total", {"outcome": "drained"}) == 3
     asyncio.run(go())
 
 
