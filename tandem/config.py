@@ -346,6 +346,12 @@ class EngineConfig:
 DEFAULT_DRAIN_GRACE_S = 10.0
 
 
+def check_drain_grace_flag(seconds: float) -> None:
+    """``--drain-grace``: a number of seconds >= 0 (a server's, and what ``tandem up`` gives its coordinator)."""
+    if not seconds >= 0:  # (NaN too)
+        raise InvalidRequestError(f"--drain-grace must be a number of seconds >= 0, got {seconds}")
+
+
 @dataclass(slots=True)
 class ServerOptions:
     host: str = "0.0.0.0"
@@ -363,8 +369,7 @@ class ServerOptions:
             raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidRequestError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
-        if self.drain_grace_s < 0:
-            raise InvalidRequestError(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
+        check_drain_grace_flag(self.drain_grace_s)
         if self.max_connection_age_s is not None and not self.max_connection_age_s > 0:
             raise InvalidRequestError(f"--max-connection-age must be a positive number of seconds (0 or unset: "
                                       f"never), got {self.max_connection_age_s}")

@@ -56,6 +56,7 @@ from tandem.config import (
     SCHEDULING_POLICIES,
     available_device,
     check_device_name,
+    check_drain_grace_flag,
     check_room_hold_flag,
     read_chat_template,
 )
@@ -192,8 +193,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if args.rank_timeout is not None and not args.rank_timeout > 0:  # NaN too
         raise InvalidRequestError(f"--rank-timeout must be a positive number of seconds, got {args.rank_timeout}")
     check_room_hold_flag(args.room_hold)
-    if not args.drain_grace >= 0:  # (NaN too)
-        raise InvalidRequestError(f"--drain-grace must be a number of seconds >= 0, got {args.drain_grace}")
+    check_drain_grace_flag(args.drain_grace)
     target_args = ("--heads", str(args.heads)) if args.heads else ()
     if args.rank_timeout is not None:
         target_args += ("--rank-timeout", repr(args.rank_timeout))
