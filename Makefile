@@ -119,6 +119,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/row_buckets.py
 	$(PYTHON) benchmarks/row_split.py --limit 32
 	$(PYTHON) benchmarks/concurrent_streams.py --rounds 2
+	$(PYTHON) benchmarks/load_curve.py
 	$(PYTHON) benchmarks/int8_rows.py
 	$(PYTHON) benchmarks/spec_bench.py
 	$(PYTHON) benchmarks/seeded_sampling.py

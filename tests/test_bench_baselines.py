@@ -590,3 +590,41 @@ def test_room_queue_bench_passes_each_sides_room_hold_to_every_coordinator_it_st
 
 async def _two_requests() -> list:
     return [(0.0, 1.0, 2.0), (0.5, 1.5, 2.5)]  # (sent, first token, done) of two requests
+
+
+def test_load_curve_compares_each_method_with_the_first_per_level_and_checks_its_flags(tmp_path):
+    import argparse
+
+    import pytest
+
+    from benchmarks import load_curve
+
+    def run(tokens_s: float, outputs: list[list[int]]) -> dict[str, Any]:
+        return {"seconds": 1.0, "tokens/s": tokens_s, "own tokens/s p50": tokens_s / 2, "ttft p50 s": 0.1,
+                "tokens per round": 2.0, "outputs": outputs}
+
+    args = argparse.Namespace(concurrency=[1, 4], methods=["none", "auto"])
+    rounds = [{(1, "none"): run(10.0, [[1, 2]]), (1, "auto"): run(20.0, [[1, 2]]),
+               (4, "none"): run(40.0, [[1], [2], [3], [4]]), (4, "auto"): run(30.0, [[1], [2], [3], [9]])},
+              {(1, "none"): run(12.0, [[1, 2]]), (1, "auto"): run(30.0, [[1, 2]]),
+               (4, "none"): run(40.0, [[1], [2], [3], [4]]), (4, "auto"): run(34.0, [[1], [2], [3], [4]])}]
+    rows = {(r["clients"], r["method"]): r for r in load_curve.summarise(args, rounds)}
+    assert rows[(1, "auto")]["tokens/s"] == 25.0 and rows[(1, "auto")]["x none"] == 25.0 / 11.0
+    assert rows[(4, "auto")]["x none"] == 32.0 / 40.0  # slower than target-only under load: shown, not hidden
+    assert rows[(4, "auto")]["same as none"] == "7/8" and rows[(4, "none")]["same as none"] == "8/8"
+    assert rows[(1, "none")]["runs tokens/s"] == [10.0, 12.0]
+
+    base = ["--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="--requests-per-client"):
+        load_curve.main(["--requests-per-client", "0", *base])
+    with pytest.raises(SystemExit, match="--categories"):
+        load_curve.main(["--categories", "humaneval,poetry", *base])
+    with pytest.raises(SystemExit, match="--draft none"):
+        load_curve.main(["--draft", "none", "--methods", "none,auto", *base])
+    with pytest.raises(SystemExit, match="--concurrency"):
+        load_curve.main(["--concurrency", "0,2", *base])
+
+    prompt_args = load_curve.build_parser().parse_args(["--concurrency", "1,3", "--categories", "humaneval,qa"])
+    load_curve.check_args(prompt_args)
+    prompts = load_curve.prompts_for(prompt_args)  # 3 clients x 2 requests, the categories in turn
+    assert len(prompts) == 6 and prompts[0].startswith(("def ", "from ", "import ")) and "def " not in prompts[1][:4]

@@ -155,6 +155,7 @@ class SpeculationLoop:
                         if options.uses_heads and options.adaptive_k else None)
         self._rounds_at_zero = 0  # rounds adaptive k held a draft model at k = 0 (see _choose_k)
         self._draft_waiting = False  # this round goes without the draft model (see _draft_waits)
+        self._model_held = False  # adaptive k held the draft model at 0 this round: it looks up instead (_round)
         # What the rounds without the draft cost (priced by the cost model) and the tokens they committed
         self._waiting_priced_s, self._waiting_tokens = 0.0, 0
         self._heads_last_round = options.uses_heads  # the round before was a heads round (or the Prefill)
@@ -217,12 +218,16 @@ class SpeculationLoop:
         s, stats = self.state, self.state.stats
         started = time.perf_counter()
         self._draft_waiting = self._draft_waits()
+        self._model_held = False
         stats.draft_wait_rounds += int(self._draft_waiting)
         committed = len(s.history)
         if ready is not None and ready.source == GRAMMAR and ready.base_len == committed:
             proposal, k = ready, len(ready.tokens)  # sure tokens: all verified, whatever k would be
         else:
             k = self._choose_k(after_tokens=0)
+            if k == 0 and self._looks_up_instead():
+                self._model_held = True
+                k = self._choose_k(after_tokens=0)  # without the model: the lookup's kind of match decides
             proposal = await self._proposal(k, ready, self._choose_tree(k))
         if proposal.source in LOOKUP_SOURCES:
             k = len(proposal.tokens)  # cut to the k its kind of match earns (``_lookup_k``), up to the lookup cap
@@ -606,8 +611,23 @@ class SpeculationLoop:
 
     @property
     def _drafter(self) -> DraftProposer | None:
-        """The draft model this round drafts with: none when the request has none, or while it waits."""
-        return None if self._draft_waiting else self.draft
+        """The draft model this round drafts with: none when the request has none, while it waits, or while
+        adaptive k holds it back and the round looks up instead."""
+        return None if self._draft_waiting or self._model_held else self.draft
+
+    def _looks_up_instead(self) -> bool:
+        """Whether a round whose draft model adaptive k held at 0 runs as an n-gram round instead of a plain step.
+
+        Adaptive k holds the draft model back where its steps cost more than its tokens save: under load, where
+        plain batching already spends the compute a lone stream leaves idle, and each stream's draft steps and
+        rows are paid for every stream. A lookup costs no model step, so a ``hybrid`` request (``auto``'s
+        choice with a draft model) still proposes what its text, the continuation cache or the client's
+        prediction repeat, verified as far as the kind of match earns (``_lookup_k``), as an ``ngram`` request
+        does. Before, such a round was a plain step. Measured with the Qwen pair through real processes, four
+        clients at once on an AMX Xeon: ``ngram`` 1.30-1.33x target-only, fixed-k ``draft`` 1.10-1.20x, ``auto``
+        0.89-1.00x, its rounds mostly held at 0 (``benchmarks/load_curve.py``)."""
+        opts = self.options
+        return self._drafter is not None and opts.uses_ngram and opts.adaptive_k
 
     def _draft_waits(self) -> bool:
         """Whether this round goes without the draft model: reading what it lacks would not pay yet.
@@ -675,8 +695,8 @@ class SpeculationLoop:
             if source == PREDICTION:
                 stats.prediction_accepted += accepted
                 stats.prediction_rejected += drafted - accepted
-            # (a waiting round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
-            if not self._draft_waiting and source != GRAMMAR:
+            # (a waiting or held round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
+            if not (self._draft_waiting or self._model_held) and source != GRAMMAR:
                 self.state.tracker.observe(chain_len, along)
             if self.match_rates is not None and self.options.adaptive_k and source in LOOKUP_SOURCES:
                 self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,

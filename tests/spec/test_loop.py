@@ -508,3 +508,30 @@ def test_a_lookup_round_s_tree_stays_within_what_a_round_may_hold(monkeypatch):
     monkeypatch.setattr(CheapRowsTarget, "verify", counting)
     state, _ = run_repeating(monkeypatch, SpecOptions("ngram", 4, tree="on", tree_width=2))
     assert max(sent) == MAX_K and state.stats.tree_rounds > 0
+
+
+class DearDraft(FakeDraft):
+    """A draft model whose step costs five target steps: adaptive k holds it at 0 (a draft under load)."""
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.5, 0.01)
+
+
+def test_a_hybrid_round_whose_draft_model_is_held_at_zero_looks_up_instead(monkeypatch):
+    """Where the draft model does not pay, a hybrid request's rounds still verify what its text repeats (a lookup
+    costs no model step), and those guesses do not teach the rate that decides whether the model pays; the draft
+    model is asked only in its exploration rounds."""
+    free = target_next
+    monkeypatch.setattr(sys.modules[__name__], "target_next", lambda h: free(h) if len(h) < 30 else h[-20])
+    target, draft = CheapRowsTarget(), DearDraft()
+    state = RequestState([3, 1, 4, 1, 5], SamplingParams(), StopConditions(120))
+    loop = SpeculationLoop(state, "s", SpecOptions("hybrid", 4, hybrid_min_match=3), target, draft, CostModel(),
+                           10_000, match_rates=MatchRates())
+    before = (state.tracker.accepted, state.tracker.rejected)
+    asyncio.run(loop.run_to_end())
+    assert state.generated == target_only([3, 1, 4, 1, 5], 120)
+    assert state.stats.ngram_rounds > 5 and state.stats.accepted > 40  # the repeated run was copied, not decoded
+    assert state.stats.rounds < 60  # (a plain step a token: 119 rounds)
+    assert draft.calls <= state.stats.rounds // EXPLORE_EVERY + 1  # exploration only
+    observed = state.tracker.accepted + state.tracker.rejected - sum(before)
+    assert observed <= draft.calls  # each exploring round drafts one token; the lookups taught nothing
