@@ -211,15 +211,19 @@ def summarise(args: argparse.Namespace, rounds: list[dict[tuple[int, str], dict[
 def chart(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     fig, (ax_total, ax_ratio) = new_figure(ncols=2, width=5.5)
     reference = args.methods[0]
-    for method in args.methods:
+    for index, method in enumerate(args.methods):
         mine = [r for r in rows if r["method"] == method]
-        ax_total.plot([r["clients"] for r in mine], [r["tokens/s"] for r in mine], marker="o", label=method)
+        colour = f"C{index}"  # a method's colour in both panels
+        ax_total.plot([r["clients"] for r in mine], [r["tokens/s"] for r in mine], marker="o", color=colour,
+                      label=method)
         if method != reference:
-            ax_ratio.plot([r["clients"] for r in mine], [r[f"x {reference}"] for r in mine], marker="o", label=method)
+            ax_ratio.plot([r["clients"] for r in mine], [r[f"x {reference}"] for r in mine], marker="o",
+                          color=colour, label=method)
     ax_total.set(xscale="log", xlabel="clients at once", ylabel="aggregate tokens/s", title="Throughput")
     ax_ratio.axhline(1.0, color="grey", linewidth=1)
     ax_ratio.set(xscale="log", xlabel="clients at once", ylabel=f"x {reference}", title=f"Speedup over {reference}")
     for ax in (ax_total, ax_ratio):
+        ax.minorticks_off()
         ax.set_xticks(args.concurrency, [str(c) for c in args.concurrency])
         ax.legend()
     save_figure(fig, args.out, args.name)
