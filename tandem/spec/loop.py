@@ -387,8 +387,9 @@ class SpeculationLoop:
                     runs = [list(hit.tokens[:reach]), *(list(run) for run in hit.runs)]
             if predicted is not None and predicted.match_len >= matched:
                 return predicted  # the client's own evidence of this answer wins a tie
-            if drafter is None or (proposal.tokens and (matched >= opts.hybrid_min_match
-                                                        or self._lookup_pays_more(proposal))):
+            drafted_ahead = ready is not None and ready.base_len == committed  # (its model steps are spent)
+            if drafter is None or (proposal.tokens and (matched >= opts.hybrid_min_match or (
+                    not drafted_ahead and self._lookup_pays_more(proposal)))):
                 proposal.tokens = proposal.tokens[:self._lookup_k(proposal, k)]
                 return self._with_tree(proposal, len(proposal.tokens), shape, branches, runs)
         elif predicted is not None:  # a draft model's request: the prediction matched hybrid_min_match+ tokens
