@@ -724,14 +724,28 @@ class SpeculationLoop:
             if source == PREDICTION:
                 stats.prediction_accepted += accepted
                 stats.prediction_rejected += drafted - accepted
-            # (a waiting or held round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
-            if not (self._draft_waiting or self._model_held) and source != GRAMMAR:
+            if self._teaches_request_rate(source):
                 self.state.tracker.observe(chain_len, along)
             if self.match_rates is not None and self.options.adaptive_k and source in LOOKUP_SOURCES:
                 self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,
                                          chain_len, along)
         if self.observer:
             self.observer.on_round(k, drafted, accepted, source)
+
+    def _teaches_request_rate(self, source: str) -> bool:
+        """Whether a round of ``source`` teaches the request's acceptance rate (what adaptive k, where the draft
+        stops, and the tree's shape plan with).
+
+        Where the request has a draft model, that rate decides whether the model drafts, so only the model's
+        rounds teach it: a lookup round is judged by its own kind of match (``MatchRates``), and one that copies
+        a quoted passage keeps 15 of 15 tokens, which made the model look surer than it is, so ``hybrid`` kept
+        drafting under load where lookups alone measured faster (``benchmarks/load_curve.py``). Sure tokens
+        (a grammar's) teach nothing. A request without a draft model learns from its lookups, its only source."""
+        if source == GRAMMAR:
+            return False
+        if self.draft is None:
+            return True
+        return source == DRAFT and not (self._draft_waiting or self._model_held)
 
     def _record_tree(self, tree: TokenTree, chain_len: int, kept: list[int], along: int) -> None:
         """What a tree round teaches: did a candidate off the chain save the round where the chain failed?"""

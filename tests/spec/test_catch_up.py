@@ -144,7 +144,7 @@ def test_waiting_rounds_leave_the_rate_the_draft_is_valued_at_alone():
     """While the draft waits, n-gram guesses (often wrong) verify: their misses must not talk the request
     out of its draft (measured before this rule: a HumanEval prompt's rate fell from 0.75 to 0.3 in 20
     waiting rounds, and it never drafted)."""
-    from tandem.spec.proposers import NGRAM, Proposal
+    from tandem.spec.proposers import DRAFT, NGRAM, Proposal
 
     loop = lone_loop(prompt_len=800)
     loop._draft_waiting = True
@@ -153,8 +153,10 @@ def test_waiting_rounds_leave_the_rate_the_draft_is_valued_at_alone():
         loop._record(4, 4, 0, Proposal(len(loop.state.history), [1, 2, 3, 4], source=NGRAM), 4, 0)
     assert loop.state.tracker.rate == rate and loop.state.stats.rounds == 20
     loop._draft_waiting = False
-    loop._record(4, 4, 0, Proposal(len(loop.state.history), [1, 2, 3, 4], source=NGRAM), 4, 0)
-    assert loop.state.tracker.rate < rate  # a round that is not waiting counts as before
+    loop._record(4, 4, 4, Proposal(len(loop.state.history), [1, 2, 3, 4], source=NGRAM), 4, 4)
+    assert loop.state.tracker.rate == rate  # a lookup teaches its kind of match's rate (MatchRates), not the model's
+    loop._record(4, 4, 0, Proposal(len(loop.state.history), [1, 2, 3, 4], source=DRAFT), 4, 0)
+    assert loop.state.tracker.rate < rate  # the model's own rounds count
 
 
 # ----- a hybrid round: a short lookup match against the draft model's round ------------------------------
