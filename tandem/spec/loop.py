@@ -370,9 +370,7 @@ class SpeculationLoop:
         drafter = self._drafter
         if opts.uses_ngram or drafter is None:  # (a request whose draft is lost, or waits, goes on with n-grams)
             reach = self._lookup_cap()
-            # (a hybrid round finds short matches too: one may still beat the model's round, _lookup_pays_more)
-            min_n = opts.ngram_min if opts.method == "ngram" or drafter is None or opts.adaptive_k \
-                else opts.hybrid_min_match
+            min_n = opts.ngram_min if opts.method == "ngram" or drafter is None else opts.hybrid_min_match
             max_n = max(min_n, opts.ngram_max)
             proposal, matched = ngram_proposal(s.history, reach, min_n, max_n, self._ngrams)
             if shape is not None:  # the other continuations of the request's text, of any match length
@@ -387,9 +385,7 @@ class SpeculationLoop:
                     runs = [list(hit.tokens[:reach]), *(list(run) for run in hit.runs)]
             if predicted is not None and predicted.match_len >= matched:
                 return predicted  # the client's own evidence of this answer wins a tie
-            drafted_ahead = ready is not None and ready.base_len == committed  # (its model steps are spent)
-            if drafter is None or (proposal.tokens and (matched >= opts.hybrid_min_match or (
-                    not drafted_ahead and self._lookup_pays_more(proposal)))):
+            if drafter is None or (matched >= opts.hybrid_min_match and proposal.tokens):
                 proposal.tokens = proposal.tokens[:self._lookup_k(proposal, k)]
                 return self._with_tree(proposal, len(proposal.tokens), shape, branches, runs)
         elif predicted is not None:  # a draft model's request: the prediction matched hybrid_min_match+ tokens
@@ -451,31 +447,6 @@ class SpeculationLoop:
         proposal = Proposal(len(self.state.history), tokens, source=PREDICTION, match_len=matched)
         proposal.tokens = tokens[:self._lookup_k(proposal, reach)]
         return proposal if proposal.tokens else None
-
-    def _lookup_pays_more(self, proposal: Proposal) -> bool:
-        """Whether a hybrid round's lookup, matched on fewer than ``hybrid_min_match`` tokens, is expected to bring
-        more tokens per second than the draft model's round would.
-
-        Each side at its own rate and price: the lookup at its kind of match's acceptance (``MatchRates``) with
-        rows alone to pay, the model at the request's acceptance with its draft steps too, each at the k its
-        rate earns (``choose_k``), the load included (``LoadAwareCost``). Under load the model's steps are paid
-        for every stream while rows on a CPU with AMX (or a GPU) stay nearly free, so a short match that a lone
-        stream would leave to the model is worth verifying: with 2 and 4 clients at once (the Qwen pair on an
-        AMX Xeon, ``benchmarks/load_curve.py``), ``ngram`` alone ran 12-17% ahead of ``auto`` when only matches
-        of 3+ tokens were looked up. Only for an adaptive request with the coordinator's match rates."""
-        if self.match_rates is None or not self.options.adaptive_k:
-            return False
-        lookup_costs, model_costs = self._round_costs(drafting=False), self._round_costs(drafting=True)
-        lookup_rate = self.match_rates.rate(proposal.source, proposal.match_len, not self.state.sampling.is_greedy)
-        lookup_k = choose_k(lookup_rate, lookup_costs, len(proposal.tokens))
-        if lookup_k == 0:
-            return False
-        model_rate = self.state.tracker.rate
-        model_k = choose_k(model_rate, model_costs, self.options.k_max)
-        if model_k == 0:
-            return False  # a round that drafts only to explore: it measures the model, whatever a lookup offers
-        lookup_pace = expected_tokens(lookup_rate, lookup_k) / lookup_costs.round_seconds(lookup_k)
-        return lookup_pace > expected_tokens(model_rate, model_k) / model_costs.round_seconds(model_k)
 
     def _lookup_cap(self) -> int:
         """The most tokens a lookup may propose this round: ``lookup_k_max`` (a fixed k: the request's k), within
@@ -724,28 +695,14 @@ class SpeculationLoop:
             if source == PREDICTION:
                 stats.prediction_accepted += accepted
                 stats.prediction_rejected += drafted - accepted
-            if self._teaches_request_rate(source):
+            # (a waiting or held round's n-gram guesses say nothing of the draft's, nor sure tokens of anyone's)
+            if not (self._draft_waiting or self._model_held) and source != GRAMMAR:
                 self.state.tracker.observe(chain_len, along)
             if self.match_rates is not None and self.options.adaptive_k and source in LOOKUP_SOURCES:
                 self.match_rates.observe(source, proposal.match_len, not self.state.sampling.is_greedy,
                                          chain_len, along)
         if self.observer:
             self.observer.on_round(k, drafted, accepted, source)
-
-    def _teaches_request_rate(self, source: str) -> bool:
-        """Whether a round of ``source`` teaches the request's acceptance rate (what adaptive k, where the draft
-        stops, and the tree's shape plan with).
-
-        Where the request has a draft model, that rate decides whether the model drafts, so only the model's
-        rounds teach it: a lookup round is judged by its own kind of match (``MatchRates``), and one that copies
-        a quoted passage keeps 15 of 15 tokens, which made the model look surer than it is, so ``hybrid`` kept
-        drafting under load where lookups alone measured faster (``benchmarks/load_curve.py``). Sure tokens
-        (a grammar's) teach nothing. A request without a draft model learns from its lookups, its only source."""
-        if source == GRAMMAR:
-            return False
-        if self.draft is None:
-            return True
-        return source == DRAFT and not (self._draft_waiting or self._model_held)
 
     def _record_tree(self, tree: TokenTree, chain_len: int, kept: list[int], along: int) -> None:
         """What a tree round teaches: did a candidate off the chain save the round where the chain failed?"""
