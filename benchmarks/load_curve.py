@@ -9,11 +9,13 @@ where that happens on this machine, side by side in one run.
 One cluster of real processes (a target worker, a draft worker and a coordinator on 127.0.0.1, as `tandem up`
 starts them) serves every configuration. At each ``--concurrency`` level C, C clients each send
 ``--requests-per-client`` greedy chat requests one after another (a closed loop, as a benchmark client of a
-server runs), from a fixed list of Spec-Bench and HumanEval prompts; every method gets the same prompts at
-that level, and the methods take turns, their order reversed each round. Before measuring, each prompt is
-read once (a one-token request), so every measured request finds its prompt in the target's prefix cache
-whatever its method. The coordinator runs with ``--no-continuation-cache``: the same prompts come back for
-every method and round, and a cache of earlier answers would propose them whole.
+server runs), from a fixed list of Spec-Bench and HumanEval prompts, the categories in turn (a level of C
+clients takes the list's first C x ``--requests-per-client``, so one client reads only the first categories'
+prompts); every method gets the same prompts at that level, and the methods take turns, their order reversed
+each round. Before measuring, each prompt is read once (a one-token request), so every measured request finds
+its prompt in the target's prefix cache whatever its method. The coordinator runs with
+``--no-continuation-cache``: the same prompts come back for every method and round, and a cache of earlier
+answers would propose them whole.
 
 Reported per (concurrency, method): aggregate tokens/s over the wave, each request's own tokens/s (tokens
 after its first over the time after it: what one user sees), time to first token, mean tokens per target
