@@ -601,7 +601,7 @@ def test_load_curve_compares_each_method_with_the_first_per_level_and_checks_its
 
     def run(tokens_s: float, outputs: list[list[int]]) -> dict[str, Any]:
         return {"seconds": 1.0, "tokens/s": tokens_s, "own tokens/s p50": tokens_s / 2, "ttft p50 s": 0.1,
-                "tokens per round": 2.0, "outputs": outputs}
+                "tokens per round": 2.0, "outputs": outputs, "all-busy tokens/s": tokens_s + 1}
 
     args = argparse.Namespace(concurrency=[1, 4], methods=["none", "auto"])
     rounds = [{(1, "none"): run(10.0, [[1, 2]]), (1, "auto"): run(20.0, [[1, 2]]),
@@ -613,6 +613,17 @@ def test_load_curve_compares_each_method_with_the_first_per_level_and_checks_its
     assert rows[(4, "auto")]["x none"] == 32.0 / 40.0  # slower than target-only under load: shown, not hidden
     assert rows[(4, "auto")]["same as none"] == "7/8" and rows[(4, "none")]["same as none"] == "8/8"
     assert rows[(1, "none")]["runs tokens/s"] == [10.0, 12.0]
+    assert rows[(4, "auto")]["all-busy tokens/s"] == 33.0 and rows[(4, "auto")]["all-busy x none"] == 33.0 / 41.0
+
+    # The all-busy window ends when the first client has its last answer: client 0's two requests end at 3 s, client
+    # 1's one at 10 s; tokens that arrived by 3 s count (2 + 3 + 4 of client 1's, not its 5 at 9 s), over 3 s.
+    def request(ended: float, arrivals: list[tuple[float, int]]) -> dict[str, Any]:
+        return {"ended": ended, "arrivals": arrivals}
+
+    per_client = [[request(1.5, [(1.0, 2)]), request(3.0, [(2.5, 3)])],
+                  [request(10.0, [(0.5, 4), (9.0, 5)])]]
+    assert load_curve.all_busy_rate(0.0, per_client) == 9 / 3.0
+    assert load_curve.all_busy_rate(0.0, [[], []]) is None
 
     base = ["--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="--requests-per-client"):
