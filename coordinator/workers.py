@@ -214,7 +214,7 @@ class WorkerClient:
             return None
         info = self.info
         return FittedCost(info.forward_base_s, info.forward_per_token_s, info.last_forward_base_s,
-                          info.last_forward_per_token_s, info.prompt_token_s)
+                          info.last_forward_per_token_s, info.prompt_token_s, info.device_key, info.calls_per_batch)
 
     def sequence_room(self) -> int | None:
         """The most tokens one sequence may reach here: the worker's whole KV pool (from its Info) less the tokens a

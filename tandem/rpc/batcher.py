@@ -52,6 +52,10 @@ from typing import Generic, TypeVar
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
+# Weight of the newest step in ``Batcher.calls_per_batch``: about the last ten steps count, so that it follows load
+# as clients come and go within a few rounds.
+CALLS_SMOOTHING = 0.1
+
 
 class Unfinished:
     """A result meaning: this call has done part of its work; queue it again (first) for the next batch."""
@@ -99,6 +103,7 @@ class Batcher(Generic[Item, Result]):
         self._task: asyncio.Task | None = None
         self._step_started: float | None = None  # perf_counter when the running batch began; None: idle
         self._step_tokens = 0  # the running batch's cost
+        self._calls_per_batch = 0.0  # calls with a cost per batch that had any, a moving average (0: none ran yet)
 
     @property
     def executor(self) -> Executor:
@@ -127,6 +132,12 @@ class Batcher(Generic[Item, Result]):
     def step_tokens(self) -> int:
         """The running batch's cost (its calls' ``cost``, the budget's unit); 0 between batches."""
         return 0 if self._step_started is None else self._step_tokens
+
+    @property
+    def calls_per_batch(self) -> float:
+        """Calls that computed (a cost above 0: not a release) per batch step that had any, averaged over recent
+        steps (0 before the first): how often the sequences calling here share a step (Info's ``calls_per_batch``)."""
+        return self._calls_per_batch
 
     def forget(self, key: Hashable) -> None:
         """A released sequence: no batch waits for it any more."""
@@ -207,6 +218,11 @@ class Batcher(Generic[Item, Result]):
         bisect.insort(self._held, pending, key=lambda p: p.held_since)  # oldest first, whatever batch it came from
         return True
 
+    def _count_calls(self, computing: int) -> None:
+        if computing:
+            old = self._calls_per_batch
+            self._calls_per_batch = computing if old == 0 else old + CALLS_SMOOTHING * (computing - old)
+
     async def _gather(self) -> None:
         """Wait up to ``gather_wait_s()`` for a call from every cycling sequence (see the module doc)."""
         wait_s = self.gather_wait_s()
@@ -239,6 +255,7 @@ class Batcher(Generic[Item, Result]):
             if not batch:
                 continue
             self._step_tokens = sum(p.cost for p in batch)
+            self._count_calls(sum(1 for p in batch if p.cost > 0))
             started = self._step_started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.run_batch, [p.item for p in batch])

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from tandem.block_pool import PrefixCacheStats
+from tandem.device_key import device_key
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.server import ManagedServer
@@ -33,6 +34,7 @@ class WorkerServiceBase:
         self.model_name = model_name
         self.fingerprint = tokenizer_fingerprint
         self.stop_token_ids = stop_token_ids
+        self._device_key: str | None = None  # (at the first Info: the engine is loaded by then)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         # Shielded: a caller that gives up (its deadline passed while the release queued behind forward
@@ -70,7 +72,14 @@ class WorkerServiceBase:
                                 else _prefix_cache_info(heads, self.engine.caches_generated)),
             shared_prompt_waits=waits, prompt_score_blocks=scored, step_running_s=self.batcher.step_running_s,
             step_tokens=max(self.batcher.step_tokens, model.rows_in_forward),
+            device_key=self.device_key(), calls_per_batch=self.batcher.calls_per_batch,
         )
+
+    def device_key(self) -> str:
+        """What the model computes on (``tandem.device_key``; a tensor-parallel target's: its rank 0's GPU)."""
+        if self._device_key is None:
+            self._device_key = device_key(self.engine.engine.device)
+        return self._device_key
 
 
 def _prefix_cache_info(stats: PrefixCacheStats, generated: bool) -> common_pb2.PrefixCacheInfo:

@@ -67,6 +67,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
+from tandem.device_key import shares_device
 from tandem.errors import InternalError
 from tandem.spec.adaptive import (
     EXPLORE_EVERY,
@@ -578,9 +579,11 @@ class SpeculationLoop:
             drafting = self._drafter is not None
         if not drafting or self.draft is None:
             costs.draft_base_s = 1e-9  # a lookup, not a model: drafting is free
-        elif (fit := self.draft.channel.fitted_cost()) is not None:
+        elif (draft_fit := self.draft.channel.fitted_cost()) is not None:
             # hybrid plans with the draft model's cost: the expensive case
-            costs.draft_base_s, costs.draft_per_token_s = fit.base_s, fit.per_token_s
+            costs.draft_base_s, costs.draft_per_token_s = draft_fit.base_s, draft_fit.per_token_s
+            costs.draft_calls_per_batch = draft_fit.calls_per_batch
+            costs.draft_shares_device = fit is not None and shares_device(fit.device_key, draft_fit.device_key)
         return costs
 
     def _catch_up_pays(self, k: int, costs: LoadAwareCost) -> bool:

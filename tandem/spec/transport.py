@@ -80,6 +80,11 @@ class FittedCost:
     # What a prompt token adds to a pass (a prefill's price per token; 0: not measured yet). A draft
     # that must first read a long prompt pays about this per token (``SpeculationLoop._draft_waits``).
     prompt_token_s: float = 0.0
+    # What the worker computes on (``tandem.device_key``; "": not said) and how many calls its recent batch steps
+    # held (0: none ran yet): a draft sharing the target's device, its streams out of step, costs the target the
+    # draft steps of every stream (``tandem.spec.adaptive.LoadAwareCost``).
+    device_key: str = ""
+    calls_per_batch: float = 0.0
 
 
 class Verifier(Protocol):

@@ -14,7 +14,7 @@ import torch
 
 from tandem.errors import InvalidRequestError
 from tandem.rpc import distributions
-from tandem.rpc.batcher import Batcher
+from tandem.rpc.batcher import CALLS_SMOOTHING, Batcher
 from tandem.rpc.calls import ReleaseCall
 from tandem.rpc.distributions import MIN_WIRE_PROB, decode_distributions, encode_distributions, encode_for_sampling
 from tandem.v1 import common_pb2
@@ -67,6 +67,38 @@ def test_a_failing_batch_fails_each_of_its_calls_and_the_loop_goes_on():
         return value
 
     assert asyncio.run(scenario()) == 2
+
+
+def test_the_batcher_counts_the_computing_calls_its_steps_hold():
+    """Info's ``calls_per_batch``: releases (cost 0) are not counted, and the first step sets the mean at once."""
+    gate = threading.Event()
+
+    def run_batch(items: list[int]) -> list[int]:
+        gate.wait(5)
+        return items
+
+    async def scenario() -> list[float]:
+        batcher = Batcher(run_batch, cost=lambda i: 0 if i < 0 else 1, token_budget=10)
+        batcher.start()
+        seen = [batcher.calls_per_batch]
+        first = asyncio.create_task(batcher.submit(1))
+        await asyncio.sleep(0.05)  # the first step runs alone, held at the gate; three calls and a release queue
+        rest = [asyncio.create_task(batcher.submit(i)) for i in (2, 3, 4, -1)]
+        await asyncio.sleep(0.05)
+        seen.append(batcher.calls_per_batch)
+        gate.set()
+        await asyncio.gather(first, *rest)
+        seen.append(batcher.calls_per_batch)
+        alone = await batcher.submit(-2)  # a step of releases only counts nothing
+        seen.append(batcher.calls_per_batch)
+        await batcher.stop()
+        assert alone == -2
+        return seen
+
+    before, first, both, after_release = asyncio.run(scenario())
+    assert before == 0.0 and first == 1.0
+    assert both == pytest.approx(1.0 + CALLS_SMOOTHING * (3 - 1.0))  # then a step of 3 computing calls, averaged in
+    assert after_release == both
 
 
 def test_the_batcher_says_how_long_its_running_batch_has_taken_and_zero_between_batches():

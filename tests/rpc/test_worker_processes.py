@@ -23,6 +23,7 @@ import grpc
 import pytest
 import torch
 
+from tandem.device_key import shares_device
 from tandem.rpc.distributions import decode_distributions
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -154,6 +155,11 @@ def test_a_speculative_round_over_grpc(workers):
         verdict = target.Verify(target_pb2.VerifyRequest(seq_id="s", committed_len=len(PROMPT) + 1,
                                                          draft_tokens=proposal.tokens, draft_probs=proposal.probs))
         assert 0 <= verdict.num_accepted <= 2 and 0 <= verdict.next_token < VOCAB
+        # Both on this machine's CPUs: a coordinator prices the draft's steps as taken from the target's device;
+        # each has computed, so its steps' calls are counted (one at a time here).
+        t_info, d_info = target.Info(common_pb2.WorkerInfoRequest()), draft.Info(common_pb2.WorkerInfoRequest())
+        assert t_info.device_key.startswith("cpu:") and shares_device(t_info.device_key, d_info.device_key)
+        assert t_info.calls_per_batch >= 1.0 and d_info.calls_per_batch >= 1.0
 
         # Domain errors come back as their status codes.
         with pytest.raises(grpc.RpcError) as err:

@@ -535,3 +535,43 @@ def test_a_hybrid_round_whose_draft_model_is_held_at_zero_looks_up_instead(monke
     assert draft.calls <= state.stats.rounds // EXPLORE_EVERY + 1  # exploration only
     observed = state.tracker.accepted + state.tracker.rejected - sum(before)
     assert observed <= draft.calls  # each exploring round drafts one token; the lookups taught nothing
+
+
+SHARED_CPU = "cpu:node-1:0,1"
+
+
+class BusyTarget(FakeTarget):
+    """A target two streams share, on the machine's CPUs; a step 0.22 s, a row almost free (bf16 on AMX)."""
+
+    streams = 2
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.22, 0.0005, device_key=SHARED_CPU)
+
+
+class DraftOn(FakeDraft):
+    """A draft step 0.1 s, on the given device, whose steps hold one call each (streams out of step)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+    def fitted_cost(self) -> FittedCost | None:
+        return FittedCost(0.1, 0.001, device_key=self.key, calls_per_batch=1.0)
+
+
+@pytest.mark.parametrize("key, drafts", [("cuda:node-1:GPU-7", True), (SHARED_CPU, False)])
+def test_a_draft_on_the_target_s_device_drafts_only_where_every_stream_s_steps_pay(key, drafts):
+    """With two streams out of step, a draft on a GPU of its own pays (its steps take nothing from the target); the
+    same draft beside the target on one CPU takes the device for each stream's steps in turn, and is held at 0
+    but for its exploring rounds."""
+    target, draft = BusyTarget(), DraftOn(key)
+    state = RequestState([3, 1, 4, 1, 5], SamplingParams(), StopConditions(80))
+    loop = SpeculationLoop(state, "s", SpecOptions("hybrid", 4, hybrid_min_match=3), target, draft, CostModel(),
+                           10_000, match_rates=MatchRates())
+    asyncio.run(loop.run_to_end())
+    assert state.generated == target_only([3, 1, 4, 1, 5], 80)
+    if drafts:
+        assert draft.calls > state.stats.rounds // 2
+    else:
+        assert draft.calls <= state.stats.rounds // EXPLORE_EVERY + 1  # exploration only

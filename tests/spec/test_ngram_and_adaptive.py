@@ -206,6 +206,26 @@ def test_under_load_drafting_must_promise_a_clear_gain():
     assert choose_k(0.75, costs, 4) > 0
 
 
+def test_a_draft_on_the_target_s_device_is_charged_every_stream_s_steps_its_batches_do_not_share():
+    """Two streams out of step on one CPU (measured: draft steps held 1.08 calls) pay two draft batches a step."""
+    from tandem.spec.adaptive import LoadAwareCost
+
+    costs = LoadAwareCost(CostModel(), streams=2, target_base_s=0.22, target_per_token_s=0.0005,
+                          draft_base_s=0.1, draft_per_token_s=0.001)
+    own_device = costs.draft_step_s()
+    assert own_device == 0.1 + 0.001 * 2  # a device of its own: one step of both streams' batch
+    assert choose_k(0.76, costs, 4) > 0
+    costs.draft_shares_device, costs.draft_calls_per_batch = True, 1.0
+    assert costs.draft_step_s() == (0.1 + 0.001) * 2  # two batches of one call, each taking the device
+    assert choose_k(0.76, costs, 4) == 0
+    costs.draft_calls_per_batch = 2.0  # streams in step: one batch of both, as on a device of its own
+    assert costs.draft_step_s() == own_device
+    costs.draft_calls_per_batch = 0.0  # not measured yet: taken as one call a batch
+    assert costs.draft_step_s() == (0.1 + 0.001) * 2
+    costs.streams = 1  # a lone stream shares its batches with no one
+    assert costs.draft_step_s() == 0.1 + 0.001
+
+
 def test_the_in_process_generator_seeds_an_unfitted_cost_fit(tiny_qwen2_dir):
     """As a worker does at start: without a fit, adaptive k and the heads' budget would plan blind."""
     from tandem.config import EngineConfig
