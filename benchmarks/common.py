@@ -14,10 +14,12 @@ import json
 import os
 import platform
 import random
+import re
 import resource
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +216,20 @@ def machine_line(info: dict[str, Any]) -> str:
 
 
 # ----- result files ------------------------------------------------------
+def histogram_totals(services: Iterable[Any], names: Sequence[str]) -> dict[str, float]:
+    """``<name>_sum`` and ``<name>_count`` of each histogram in ``names``, summed over the Prometheus endpoints of
+    ``services`` (a local cluster's processes: ``metrics_port``)."""
+    totals: dict[str, float] = {}
+    for service in services:
+        url = f"http://127.0.0.1:{service.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        for m in re.finditer(r"^(\w+)_(sum|count) (\S+)$", text, re.M):
+            if m.group(1) in names:
+                key = f"{m.group(1)}_{m.group(2)}"
+                totals[key] = totals.get(key, 0.0) + float(m.group(3))
+    return totals
+
+
 def fmt(value: Any, digits: int = 2) -> str:
     """A table cell: floats rounded, None as an em dash."""
     if value is None:

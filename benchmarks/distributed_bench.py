@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from benchmarks.common import (  # noqa: E402
     DEFAULT_SPEC_BENCH,
     fmt,
     grouped_bars,
+    histogram_totals,
     load_prompts,
     markdown_table,
     new_figure,
@@ -93,19 +92,10 @@ def in_process(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     return result
 
 
-def scrape(cluster: LocalCluster) -> dict[str, float]:
-    """Sums and counts of the histograms the overhead is computed from, over every process."""
-    wanted = ("tandem_coordinator_round_overhead_seconds", "tandem_target_batch_seconds", "tandem_draft_batch_seconds",
-              "tandem_target_batch_size", "tandem_target_batch_tokens", "tandem_draft_batch_size",
-              "tandem_coordinator_chosen_k")
-    totals: dict[str, float] = {}
-    for service in cluster.services:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
-        for m in re.finditer(r"^(\w+)_(sum|count) (\S+)$", text, re.M):
-            if m.group(1) in wanted:
-                key = f"{m.group(1)}_{m.group(2)}"
-                totals[key] = totals.get(key, 0.0) + float(m.group(3))
-    return totals
+# The histograms the overheads are computed from, summed over every process of the cluster.
+SCRAPED = ("tandem_coordinator_round_overhead_seconds", "tandem_target_batch_seconds", "tandem_draft_batch_seconds",
+           "tandem_target_batch_size", "tandem_target_batch_tokens", "tandem_draft_batch_size",
+           "tandem_coordinator_chosen_k")
 
 
 def overheads(before: dict[str, float], after: dict[str, float], record: dict) -> dict[str, float]:
@@ -137,7 +127,7 @@ def through_services(cluster: LocalCluster, client: TandemClient, prompts: list[
         return reply, time.perf_counter() - t0
 
     start = time.perf_counter()
-    before = scrape(cluster)
+    before = histogram_totals(cluster.services, SCRAPED)
     if streams == 1:
         results = [one(ids) for ids in prompts]
         seconds = sum(s for _, s in results)
@@ -156,7 +146,7 @@ def through_services(cluster: LocalCluster, client: TandemClient, prompts: list[
               "acceptance_rate": accepted / drafted if drafted else None,
               "token_ids": [list(r.token_ids) for r, _ in results] if streams == 1 else None,
               "pipelined": pipelining}
-    record.update(overheads(before, scrape(cluster), record))
+    record.update(overheads(before, histogram_totals(cluster.services, SCRAPED), record))
     return record
 
 

@@ -20,8 +20,9 @@ answers would propose them whole.
 Reported per (concurrency, method): aggregate tokens/s over the wave, the same while every client was still
 busy (``all_busy_rate``: the wave's tail, its slowest client alone, left out), each request's own tokens/s (tokens
 after its first over the time after it: what one user sees), time to first token, mean tokens per target
-round, and whether each greedy output equals the first method's (target-only where it runs). Medians over
-``--rounds``. Writes load_curve.json / .md / .png into ``--out`` (default benchmarks/results).
+round, the calls each worker's batch steps held (how often the streams were in step there), and whether each
+greedy output equals the first method's (target-only where it runs). Medians over ``--rounds``. Writes
+load_curve.json / .md / .png into ``--out`` (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     ALL_CATEGORIES,
     DEFAULT_RESULTS_DIR,
     DEFAULT_SPEC_BENCH,
+    histogram_totals,
     load_prompts,
     machine_info,
     machine_line,
@@ -174,6 +176,22 @@ def run_level(client: Any, prompts: list[str], clients: int, method: str, max_ne
             "outputs": [r["tokens"] for r in results]}
 
 
+# The workers' histograms of calls per batch step: how often the streams share a step at each worker.
+BATCH_SIZES = ("tandem_target_batch_size", "tandem_draft_batch_size")
+
+
+def calls_per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean calls per batch step of the target and the draft worker between two scrapes (None: no step ran). Where
+    streams fall out of step their calls share fewer steps: with 2 clients, the draft worker's steps held 1.08
+    calls (a draft beside its target on one CPU then takes the device once per stream, ``LoadAwareCost``)."""
+    def mean(role: str) -> float | None:
+        name = f"tandem_{role}_batch_size"
+        steps = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        return (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / steps if steps > 0 else None
+
+    return {"target calls per step": mean("target"), "draft calls per step": mean("draft")}
+
+
 def measure(args: argparse.Namespace, prompts: list[str]) -> list[dict[tuple[int, str], dict[str, Any]]]:
     from tandem.client import TandemClient, build_request
     from tandem.cluster import ClusterSpec, LocalCluster
@@ -195,7 +213,9 @@ def measure(args: argparse.Namespace, prompts: list[str]) -> list[dict[tuple[int
             for clients in args.concurrency:
                 level_prompts = prompts[: clients * args.requests_per_client]
                 for method in methods:
+                    before = histogram_totals(cluster.services, BATCH_SIZES)
                     result = run_level(client, level_prompts, clients, method, args.max_new_tokens)
+                    result.update(calls_per_step(before, histogram_totals(cluster.services, BATCH_SIZES)))
                     measured[(clients, method)] = result
                     print(f"round {round_index + 1}/{args.rounds}: {clients} clients, {method}: "
                           f"{result['tokens/s']:.1f} tokens/s over {result['seconds']:.1f} s", flush=True)
@@ -227,6 +247,8 @@ def summarise(args: argparse.Namespace, rounds: list[dict[tuple[int, str], dict[
                          f"all-busy x {reference}": _ratio(median(busy), median(busy, base)),
                          "own tokens/s p50": median("own tokens/s p50"), "ttft p50 s": median("ttft p50 s"),
                          "tokens per round": median("tokens per round"),
+                         "target calls per step": median("target calls per step"),
+                         "draft calls per step": median("draft calls per step"),
                          f"same as {reference}": f"{same}/{sum(len(run['outputs']) for run in runs)}"})
     return rows
 
@@ -271,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, args.name, {"machine": info, "settings": settings, "rows": rows})
     reference = args.methods[0]
     columns = ["clients", "method", "tokens/s", "runs tokens/s", f"x {reference}", "all-busy tokens/s",
-               f"all-busy x {reference}", "own tokens/s p50", "ttft p50 s", "tokens per round", f"same as {reference}"]
+               f"all-busy x {reference}", "own tokens/s p50", "ttft p50 s", "tokens per round", "target calls per step",
+               "draft calls per step", f"same as {reference}"]
     table = markdown_table(rows, columns)
     write_markdown(args.out, args.name, "Speculation under load: each method at each number of clients at once",
                    f"{machine_line(info)}\n\nSettings: `{settings}`\n\n{table}\n")

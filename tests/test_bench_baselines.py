@@ -601,7 +601,8 @@ def test_load_curve_compares_each_method_with_the_first_per_level_and_checks_its
 
     def run(tokens_s: float, outputs: list[list[int]]) -> dict[str, Any]:
         return {"seconds": 1.0, "tokens/s": tokens_s, "own tokens/s p50": tokens_s / 2, "ttft p50 s": 0.1,
-                "tokens per round": 2.0, "outputs": outputs, "all-busy tokens/s": tokens_s + 1}
+                "tokens per round": 2.0, "outputs": outputs, "all-busy tokens/s": tokens_s + 1,
+                "target calls per step": 1.5, "draft calls per step": None}
 
     args = argparse.Namespace(concurrency=[1, 4], methods=["none", "auto"])
     rounds = [{(1, "none"): run(10.0, [[1, 2]]), (1, "auto"): run(20.0, [[1, 2]]),
@@ -624,6 +625,14 @@ def test_load_curve_compares_each_method_with_the_first_per_level_and_checks_its
                   [request(10.0, [(0.5, 4), (9.0, 5)])]]
     assert load_curve.all_busy_rate(0.0, per_client) == 9 / 3.0
     assert load_curve.all_busy_rate(0.0, [[], []]) is None
+    assert rows[(4, "auto")]["target calls per step"] == 1.5 and rows[(4, "auto")]["draft calls per step"] is None
+
+    # Calls per step between two scrapes of the workers' batch-size histograms: 6 target calls in 4 steps since
+    # the first scrape; no draft step ran (ngram), so none is said.
+    before = {"tandem_target_batch_size_sum": 10.0, "tandem_target_batch_size_count": 8.0,
+              "tandem_draft_batch_size_sum": 3.0, "tandem_draft_batch_size_count": 3.0}
+    after = {**before, "tandem_target_batch_size_sum": 16.0, "tandem_target_batch_size_count": 12.0}
+    assert load_curve.calls_per_step(before, after) == {"target calls per step": 1.5, "draft calls per step": None}
 
     base = ["--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="--requests-per-client"):
