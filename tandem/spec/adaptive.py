@@ -160,8 +160,8 @@ class LoadAwareCost:
         the device does not verify, and streams out of step draft in batches of their own: each round of the
         ``streams`` streams then takes ``streams / m`` draft batches of ``m`` calls (``m``: the calls its steps
         held, as the draft worker measures them). Measured with the Qwen pair on one 2-core AMX Xeon, two
-        clients: the draft's steps held 1.08 calls, a draft call took 0.30 s against a verification's 0.22 s,
-        and `auto` ran at 0.91x `ngram`, where the full-batch price had the draft model pay."""
+        clients: the draft's steps held 1.08 calls, a draft call took 0.30 s where a target step took 0.22 s, and
+        `auto` ran at 0.84-0.91x `ngram`, where the full-batch price had the draft model pay."""
         if self.draft_base_s <= 0:
             return self.fallback.draft_step_s
         n = max(1, self.streams)

@@ -572,9 +572,9 @@ class SpeculationLoop:
         drafting cost and talk adaptive k out of speculating for good.)
         """
         costs = LoadAwareCost(self.costs, streams=self.verifier.streams)
-        fit = self.verifier.fitted_cost()
-        if fit is not None:
-            costs.target_base_s, costs.target_per_token_s = fit.base_s, fit.per_token_s
+        target_fit = self.verifier.fitted_cost()
+        if target_fit is not None:
+            costs.target_base_s, costs.target_per_token_s = target_fit.base_s, target_fit.per_token_s
         if drafting is None:
             drafting = self._drafter is not None
         if not drafting or self.draft is None:
@@ -583,7 +583,8 @@ class SpeculationLoop:
             # hybrid plans with the draft model's cost: the expensive case
             costs.draft_base_s, costs.draft_per_token_s = draft_fit.base_s, draft_fit.per_token_s
             costs.draft_calls_per_batch = draft_fit.calls_per_batch
-            costs.draft_shares_device = fit is not None and shares_device(fit.device_key, draft_fit.device_key)
+            costs.draft_shares_device = (target_fit is not None
+                                         and shares_device(target_fit.device_key, draft_fit.device_key))
         return costs
 
     def _catch_up_pays(self, k: int, costs: LoadAwareCost) -> bool:
