@@ -82,6 +82,12 @@ def _worker_of(channel: Any) -> Any:
     return getattr(channel, "worker", channel)
 
 
+def _name_of(channel: Any) -> str:
+    """The address of the worker a coordinator's channel calls, for a log line (else the channel's name, or "?")."""
+    worker = _worker_of(channel)
+    return str(getattr(worker, "address", None) or getattr(worker, "name", "?"))
+
+
 class FailoverVerifier:
     """A ``Verifier`` on the request's current target replica, replacing it when it fails the request.
 
@@ -187,11 +193,14 @@ class FailoverVerifier:
                     # it asks elsewhere now: the worker that refused it forgets the place it kept for it
                     # (tandem.rpc.room_waits), rather than hold it against later prompts for seconds
                     _in_background(self.target.release(seq_id), self._releases)
-            except REPLICA_FAULTS:
+            except REPLICA_FAULTS as fault:
                 waiting.start()
                 replacement = await self.replicas.replace_target(faulty=True)
                 if replacement is None:
                     raise
+                # (an operator reading the log of a replica's death sees its requests go on, not only a failed release)
+                log.info("request %s moves to another target replica (%s) after %s; its %d tokens are read again there",
+                         seq_id, _name_of(replacement), fault, len(s.history))
                 release = self.target.release(seq_id)  # frees its KV if it is still there
                 if _worker_of(replacement) is _worker_of(self.target):
                     # The same worker, healthy again (one that was only slow): the release goes first. Sent beside
@@ -324,3 +333,5 @@ class FailoverDraft:
         self.stats.draft_moves += 1
         self.channel = await self.replicas.replace_draft()
         self.gone = self.channel is None
+        log.info("request %s lost its draft replica: it goes on %s", seq_id,
+                 "with n-gram proposals alone" if self.gone else f"with another ({_name_of(self.channel)})")

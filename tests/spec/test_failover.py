@@ -8,6 +8,7 @@ wrappers is tests/spec/test_loop_faults.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -86,7 +87,8 @@ def verifier(first: Replica, spares: Spares, state: RequestState, budgets: list 
 
 
 @pytest.mark.parametrize("error", [WorkerUnavailableError("gone"), InternalError("restarted")])
-def test_a_failed_verify_moves_to_a_spare_rebuilt_from_the_history_then_repeats_there(error):
+def test_a_failed_verify_moves_to_a_spare_rebuilt_from_the_history_then_repeats_there(error, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.spec.failover")
     state, budgets = request(), []
     dying, spare = Replica("dying", [error]), Replica("spare")
     spares = Spares(targets=[spare])
@@ -105,6 +107,9 @@ def test_a_failed_verify_moves_to_a_spare_rebuilt_from_the_history_then_repeats_
     assert dying.released == ["s"] and spare.released == []
     assert wrapped.target is spare and wrapped.fitted_cost() == spare.fitted_cost()
     assert state.stats.target_moves == 1 and state.stats.preemptions == 0
+    # an operator sees the request go on: where to, after what, and what is read again there
+    assert f"request s moves to another target replica (spare) after {error}; its {len(PROMPT) + 2} tokens" \
+        in caplog.text
 
 
 def test_a_failed_prefill_is_repeated_on_the_spare_with_nothing_to_rebuild():
@@ -315,19 +320,22 @@ def propose(draft: FailoverDraft, committed_len: int = 0, k: int = 2) -> Drafted
     return asyncio.run(draft.propose("s", committed_len, [1, 2], k, SamplingParams()))
 
 
-def test_a_failed_draft_gives_up_on_the_call_and_the_next_goes_to_its_replacement():
+def test_a_failed_draft_gives_up_on_the_call_and_the_next_goes_to_its_replacement(caplog):
+    caplog.set_level(logging.INFO, logger="tandem.spec.failover")
     stats = GenerationStats()
     dying, spare = Replica("dying", [WorkerUnavailableError("gone")]), Replica("spare")
     draft = FailoverDraft(dying, Spares(drafts=[spare]), stats)
     assert propose(draft) == Drafted([], lost=True, gone=False)
     assert stats.draft_moves == 1 and dying.released == ["s"]
+    assert "request s lost its draft replica: it goes on with another (spare)" in caplog.text
     assert propose(draft, committed_len=0) == Drafted([7, 7])
     assert spare.calls == [("propose", 0, [1, 2], 2)] and draft.fitted_cost() == spare.fitted_cost()
     asyncio.run(draft.release("s"))
     assert spare.released == ["s"]
 
 
-def test_with_no_draft_left_every_call_says_so_and_nothing_is_asked_again():
+def test_with_no_draft_left_every_call_says_so_and_nothing_is_asked_again(caplog):
+    caplog.set_level(logging.INFO, logger="tandem.spec.failover")
     stats = GenerationStats()
     dying = Replica("dying", [InternalError("restarted")])
     spares = Spares()
@@ -335,6 +343,7 @@ def test_with_no_draft_left_every_call_says_so_and_nothing_is_asked_again():
     assert propose(draft) == Drafted([], lost=True, gone=True)
     assert propose(draft) == Drafted([], lost=True, gone=True)
     assert len(dying.calls) == 1 and spares.asked == [("draft", True)] and stats.draft_moves == 1
+    assert "request s lost its draft replica: it goes on with n-gram proposals alone" in caplog.text
     assert draft.fitted_cost() is None
     asyncio.run(draft.release("s"))
     assert dying.released == ["s"]  # once, when it was left
