@@ -198,11 +198,13 @@ class FailoverVerifier:
                 replacement = await self.replicas.replace_target(faulty=True)
                 if replacement is None:
                     raise
+                same = _worker_of(replacement) is _worker_of(self.target)
                 # (an operator reading the log of a replica's death sees its requests go on, not only a failed release)
-                log.info("request %s moves to another target replica (%s) after %s; its %d tokens are read again there",
-                         seq_id, _name_of(replacement), fault, len(s.history))
+                log.info("request %s moves %s target replica (%s) after %s; its %d tokens are read again there",
+                         seq_id, "back to the same" if same else "to another", _name_of(replacement), fault,
+                         len(s.history))
                 release = self.target.release(seq_id)  # frees its KV if it is still there
-                if _worker_of(replacement) is _worker_of(self.target):
+                if same:
                     # The same worker, healthy again (one that was only slow): the release goes first. Sent beside
                     # the repeated call, it could land after it and free the sequence that call made (measured: a
                     # request queued behind a 71 s prompt moved back to its only target three times, each Verify

@@ -431,12 +431,14 @@ class SlowRelease(Replica):
         return await super().prefill(seq_id, token_ids, sampling, prompt_len, propose)
 
 
-def test_a_request_moved_back_to_the_same_worker_is_released_there_before_the_call_is_repeated():
+def test_a_request_moved_back_to_the_same_worker_is_released_there_before_the_call_is_repeated(caplog):
     # A worker taken for hung (only slow) is healthy again by the time the request moves: the move picks it. Its
     # release must come first, or it could free the sequence the repeated Prefill makes there.
+    caplog.set_level(logging.INFO, logger="tandem.spec.failover")
     state = RequestState(list(PROMPT), SamplingParams(), StopConditions(40))
     slow = SlowRelease("slow", [WorkerUnavailableError("did not answer in time")])
     wrapped = verifier(slow, Spares(targets=[slow]), state)
     assert asyncio.run(wrapped.prefill("s", PROMPT, state.sampling)) == Prefilled(9)
     assert slow.calls[-2:] == [("released before this prefill", ["s"]), ("prefill", PROMPT, 0, 0)]
     assert state.stats.target_moves == 1
+    assert "request s moves back to the same target replica (slow)" in caplog.text
