@@ -14,6 +14,7 @@ overlap: two processes pinned to disjoint cores share nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from pathlib import Path
@@ -37,6 +38,7 @@ def device_key(device: Any) -> str:
     return f"{device.type}:{_machine()}:{device.index if device.index is not None else 0}"
 
 
+@functools.lru_cache(maxsize=256)  # (asked every round of every request, of a few pairs of keys: parsed once a pair)
 def shares_device(a: str, b: str) -> bool:
     """Whether workers with keys ``a`` and ``b`` compute on the same device (False where either key is empty or
     malformed: a worker that does not say is taken to have its own)."""
