@@ -141,9 +141,10 @@ def one_request(client: Any, prompt: str, method: str, max_new_tokens: int) -> d
 
 def all_busy_rate(started: float, per_client: list[list[dict[str, Any]]]) -> float | None:
     """Tokens/s over the time every client still had a request running: from the wave's start until the first client
-    had the answer to its last request. A closed loop's aggregate (tokens over the whole wave) ends with its slowest client
-    alone, so it moves with how a method's fast and slow requests fell between the clients: measured at 2 clients x 4
-    requests, `auto`'s and `ngram`'s request times summed within 3% while their aggregates differed by 10%."""
+    had the answer to its last request. A closed loop's aggregate (tokens over the whole wave) ends with its slowest
+    client alone, so it moves with how a method's fast and slow requests fell between the clients: measured at 2
+    clients x 4 requests, `auto`'s and `ngram`'s request times summed within 3% while their aggregates differed by
+    10%."""
     ends = [results[-1]["ended"] for results in per_client if results]
     if not ends or min(ends) <= started:
         return None
