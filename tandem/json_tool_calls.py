@@ -12,6 +12,8 @@ beside the Hermes parser, the content is scanned for two shapes, and nothing els
 
 A call here is an object with a ``name`` that is one of the request's tools and nothing but
 ``arguments`` (or ``parameters``) beside it, an object: ``{"name": "get_weather", "arguments": {...}}``.
+Wrapped in one more pair of braces, ``{{"name": ..., "arguments": {...}}}``, it is a call too
+(``loads_call_json``): Qwen2.5-Coder's own template shows the format so, and the model copies it.
 A JSON example in prose, another object or a tool the request did not offer stays content, as
 written. Calls found so arrive whole, with no argument deltas before them.
 
@@ -38,6 +40,25 @@ MAX_INFO = 32  # a fence's opening line longer than this is not ```json
 _FENCE_OPEN = re.compile(r"(?<=\n)[ \t]*```")  # a fence at the start of a line
 _FENCE_CLOSE = re.compile(r"\n[ \t]*```[ \t]*(?:\n|\Z)")
 _PARTIAL_FENCE = re.compile(r"\n[ \t]*`{0,2}\Z")  # the end of a piece that may become a fence's opening
+
+
+def loads_call_json(text: str) -> Any:
+    """``text`` decoded as JSON; where that fails and it is one JSON value wrapped in one more pair of braces,
+    that value. Raises ValueError for anything else.
+
+    Why the doubled braces: Qwen2.5-Coder's chat template (as its GGUF ships it) prints the call's format
+    from a Jinja string literal, where ``{{`` is not an expression, so the model is shown
+    ``{{"name": <function-name>, "arguments": <args-json-object>}}`` and sometimes writes exactly that
+    (the 1.5B under pydantic-ai's agent, and for one of 14 ``data/tool_tasks`` requests under a system
+    message). That is the format its template asks for, so it is read as the call it means; what the
+    braces wrap must still be a call for the callers to take it."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        inner = text.strip()
+        if not (inner.startswith("{{") and inner.endswith("}}")):
+            raise
+        return json.loads(inner[1:-1])
 
 
 def call_of(value: Any) -> tuple[str, str] | None:
@@ -137,7 +158,7 @@ class JsonCallFinder:
         end = self._scanned
         if self._scan.done:
             try:
-                found = calls_in(json.loads(self._held[begin:end]), self.names)
+                found = calls_in(loads_call_json(self._held[begin:end]), self.names)
             except ValueError:
                 pass
         if found is None:  # not a call: content, as written, and the answer goes on as text
@@ -189,7 +210,7 @@ class JsonCallFinder:
         else:
             end, body = close.end(), self._held[self._body:close.start()]
         try:
-            found = calls_in(json.loads(body), self.names)
+            found = calls_in(loads_call_json(body), self.names)
         except ValueError:
             found = None
         if found is None:

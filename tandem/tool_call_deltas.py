@@ -23,8 +23,9 @@ import json
 import re
 from dataclasses import dataclass
 
-# A call's body up to its arguments' opening brace: {"name": "<a JSON string>", "arguments": {
-CALL_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*\{')
+# A call's body up to its arguments' opening brace: {"name": "<a JSON string>", "arguments": {  (or {{"name": ...,
+# the doubled braces Qwen2.5-Coder's template shows: tandem.json_tool_calls.loads_call_json)
+CALL_OPENING = re.compile(r'\s*\{\s*(?:\{\s*)?"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*\{')
 
 
 @dataclass(frozen=True, slots=True)

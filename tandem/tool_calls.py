@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import InvalidRequestError
-from tandem.json_tool_calls import JsonCallFinder, call_of
+from tandem.json_tool_calls import JsonCallFinder, call_of, loads_call_json
 from tandem.tool_call_deltas import StreamedArguments, ToolCallDelta
 
 TOOL_CHOICES = ("auto", "none", "required", "function")
@@ -195,9 +195,10 @@ def new_call_id() -> str:
 
 
 def parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of one block's text; None for text that is not a call."""
+    """(name, arguments as JSON text) of one block's text; None for text that is not a call. Its object may be
+    wrapped in one more pair of braces, as Qwen2.5-Coder's template shows the format (``loads_call_json``)."""
     try:
-        return call_of(json.loads(body))
+        return call_of(loads_call_json(body))
     except ValueError:
         return None
 

@@ -25,6 +25,9 @@ CASES = [
     ("```json\n" + CALL + "\n```\n```json\n" + CALL.replace("Paris", "Rome") + "\n```", "", [PARIS, ROME]),
     ('{"name": "get_time", "parameters": "{}"}', "", [("get_time", {})]),  # Hermes' key; arguments as text
     ("```json\n" + CALL, "", [PARIS]),  # cut short after whole JSON (max_tokens)
+    ("{" + CALL + "}", "", [PARIS]),  # braces doubled, as Qwen2.5-Coder's template shows the format
+    ("```json\n{" + CALL + "}\n```", "", [PARIS]),
+    ("{" + CALL + "}\nThat asks for the weather.", "That asks for the weather.", [PARIS]),
     # not calls: content exactly as written
     ("```json\n" + '{"name": "get_weather", "arguments": {"city": "Pa', None, []),  # cut short inside the JSON
     ('```json\n{"name": "send_mail", "arguments": {}}\n```', None, []),  # a tool the request did not offer
@@ -35,6 +38,9 @@ CASES = [
     ("Call it as `" + CALL + "` inline.", None, []),  # neither fenced nor the answer
     ("text ``` inline ``` text", None, []),
     ("{x} is a set", None, []),
+    ('{{"name": "send_mail", "arguments": {}}}', None, []),  # doubled braces around a call to no offered tool
+    ('{{"a": 1}}', None, []),
+    ("{{" + CALL + "}}", None, []),  # braces doubled twice: not the format shown
     ("a\n```\nplain\n```\n", None, []),
     ("```json\n```\n", None, []),
     ("plain text  \n with spaces \n", None, []),

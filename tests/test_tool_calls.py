@@ -24,7 +24,8 @@ TEXTS = (
     "cut short <tool_call>\n{\"name\": \"get_ti",  # unclosed and incomplete: text
     CALL + "\nDone.",
     "<tool_cal",
-)
+    '<tool_call>\n{{"name": "get_weather", "arguments": {"city": "Oslo"}}}\n</tool_call>',  # as Qwen2.5-Coder's
+)                                                                                 # template shows the format
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -106,6 +107,8 @@ def test_what_is_content_and_what_is_a_call():
     assert parse_tool_calls(TEXTS[5]) == (TEXTS[5], [])
     assert parse_tool_calls(TEXTS[6])[0] == "Done."
     assert parse_tool_calls(TEXTS[7]) == ("<tool_cal", [])
+    assert parse_tool_calls(TEXTS[8])[0] == "" and summary(parse_tool_calls(TEXTS[8])[1]) == [
+        ("get_weather", {"city": "Oslo"})]
 
 
 def test_a_block_is_a_call_only_with_a_name_and_object_arguments():
@@ -113,8 +116,9 @@ def test_a_block_is_a_call_only_with_a_name_and_object_arguments():
     assert parse_call('{"name": "f", "parameters": {"a": 1}}') == ("f", '{"a": 1}')  # another Hermes spelling
     assert parse_call('{"name": "f", "arguments": "{\\"a\\": 1}"}') == ("f", '{"a": 1}')  # arguments as text
     assert parse_call('{"name": "f"}') == ("f", "{}")
+    assert parse_call('{{"name": "f", "arguments": {"a": 1}}}') == ("f", '{"a": 1}')  # the template's braces
     for body in ('{"arguments": {}}', '{"name": "", "arguments": {}}', '{"name": "f", "arguments": [1]}',
-                 '{"name": "f", "arguments": "not json"}', "[1]", "{"):
+                 '{"name": "f", "arguments": "not json"}', "[1]", "{", "{{}}", '{{"name": "f"}, {"name": "g"}}'):
         assert parse_call(body) is None, body
 
 
