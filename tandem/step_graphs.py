@@ -70,18 +70,26 @@ class CudaGraphRecorder:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool: tuple[int, int] | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def record(self, step: Callable[[], None]) -> Callable[[], None]:
-        # One eager run on a side stream first, as PyTorch's capture docs ask: lazy initialisation (cuBLAS
-        # workspaces, the caching allocator's first blocks) must not happen inside a capture.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
+        # Everything on the engine's device, made current: torch.cuda.graph's own capture stream is made on
+        # the current device, which for a worker on cuda:1 is still cuda:0. Captured there, the step's kernels
+        # would run eagerly on cuda:1 outside the capture, leaving an empty graph whose every replay does
+        # nothing (torch only warns). A replay runs under its capture stream's device.
+        with torch.cuda.device(self.device):
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            # One eager run on a side stream first, as PyTorch's capture docs ask: lazy initialisation (cuBLAS
+            # workspaces, the caching allocator's first blocks) must not happen inside a capture.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream):
+                step()
         self.pool = graph.pool()
         return graph.replay
 

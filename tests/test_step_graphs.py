@@ -4,13 +4,16 @@ the step again). The capture itself needs a GPU: the gpu-check measures it there
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 import pytest
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
 from tandem.errors import InvalidRequestError
-from tandem.step_graphs import MAX_GRAPH_BATCH, EagerRecorder, GraphShape
+from tandem.step_graphs import MAX_GRAPH_BATCH, CudaGraphRecorder, EagerRecorder, GraphShape
 
 PROMPTS = [[5, 9, 13, 2, 7, 1, 4], [3, 3, 8], [11, 6, 2, 9, 9, 14, 1, 5, 7, 3, 12, 2, 6], [1, 2]]
 
@@ -215,3 +218,58 @@ def test_warm_up_captures_the_common_shapes_first_and_times_replays_not_captures
     assert recorder.recorded == 1 and not cold.cost_fit.ready  # captured: not observed
     cold.forward([ForwardItem("new", [1] * 6, num_logits=6)])
     assert recorder.recorded == 1 and cold.cost_fit.ready  # replayed: observed
+
+
+class FakeCuda:
+    """The parts of ``torch.cuda`` a capture uses, with CUDA's notion of a current device (0 until changed):
+    a stream made without a device is on the current one, as ``torch.cuda.graph``'s own capture stream is."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.captures: list[tuple[int, int]] = []  # (the capture stream's device, the current device at the step)
+
+    def device(self, device):
+        fake = self
+
+        class Current:
+            def __enter__(self):
+                self.before, fake.current = fake.current, torch.device(device).index
+                return self
+
+            def __exit__(self, *exc):
+                fake.current = self.before
+
+        return Current()
+
+    def Stream(self, device=None):  # noqa: N802 - torch's name
+        index = self.current if device is None else torch.device(device).index
+        return types.SimpleNamespace(index=index, wait_stream=lambda other: None)
+
+    def current_stream(self, device=None):
+        return self.Stream(device)
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    def CUDAGraph(self):  # noqa: N802 - torch's name
+        return types.SimpleNamespace(pool=lambda: (0, 1), replay=lambda: None)
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None, stream=None):
+        capture = stream if stream is not None else self.Stream()
+        self.capturing = capture.index
+        yield
+        self.capturing = None
+
+
+def test_a_capture_on_a_second_gpu_records_there(monkeypatch):
+    """torch.cuda.graph's own capture stream is on the current device: capturing for cuda:1 from cuda:0 left an
+    empty graph (the step's kernels ran eagerly on cuda:1) whose every replay did nothing."""
+    fake = FakeCuda()
+    for name in ("device", "Stream", "current_stream", "stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    recorder = CudaGraphRecorder(torch.device("cuda:1"))
+    steps: list[tuple[int, int | None]] = []
+    recorder.record(lambda: steps.append((fake.current, getattr(fake, "capturing", None))))
+    assert steps == [(1, None), (1, 1)]  # the warm-up run, then the capture: on cuda:1, into a cuda:1 stream
+    assert fake.current == 0  # and the process's current device is left as it was
