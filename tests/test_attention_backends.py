@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 
 import pytest
@@ -140,6 +141,20 @@ def test_flash_computes_a_batch_with_a_tree_through_sdpa():
     _, chain_meta, _ = random_batch(context_lens, query_lens, 256)
     run(backend, cache, chain_meta, query)
     assert stand_in.calls == ["varlen"]
+
+
+def test_auto_picks_flash_on_cuda_only_for_what_its_kernels_take(monkeypatch):
+    """flash-attn runs fp16 and bf16 on pages of 256 tokens; fp32 ("FlashAttention only support fp16 and bf16")
+    and smaller pages stay on SDPA."""
+    from tandem.attention import make_backend
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # installed, as on a GPU
+    cuda = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert isinstance(make_backend("auto", dtype, cuda, 256), FlashAttention)
+    assert isinstance(make_backend("auto", torch.float32, cuda, 256), SdpaAttention)
+    assert isinstance(make_backend("auto", torch.bfloat16, cuda, 16), SdpaAttention)
+    assert isinstance(make_backend("auto", torch.bfloat16, torch.device("cpu"), 256), SdpaAttention)
 
 
 def test_flash_refuses_small_pages():

@@ -13,10 +13,11 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "make_backend"]
 
 
 def make_backend(name: str, dtype: torch.dtype, device: torch.device, block_size: int) -> AttentionBackend:
-    """``auto`` picks flash-attn on CUDA when it is installed, SDPA everywhere else."""
+    """``auto`` picks flash-attn on CUDA when it is installed and can serve (fp16 or bf16, blocks of a
+    multiple of 256 tokens), SDPA everywhere else."""
     if name == "auto":
         name = "sdpa"
-        if device.type == "cuda" and block_size % 256 == 0:
+        if device.type == "cuda" and block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16):
             try:
                 import flash_attn  # type: ignore[import-not-found]  # noqa: F401
 
