@@ -58,6 +58,8 @@ PACKED_WEIGHTS_HELP = ("linear weights reordered once for oneDNN (fp32 on a CPU,
 # draft step cost 1.46x a Qwen 1.5B target step (spec_bench, Intel Xeon), a dense one 0.32x.
 # With dtype auto as well, a CPU draft runs bf16 + int8 wherever oneDNN runs bf16 (EngineConfig
 # _resolve_dtype), even when the target runs fp32: a draft's dtype is its own business.
+# On CUDA "auto" is "none": torch's CUDA kernel for int8 weights (_weight_int8pack_mm) runs a thread
+# per output element over uncoalesced weight reads, where bf16 goes to cuBLAS; ask for int8 to have it.
 DEFAULT_DRAFT_QUANTIZATION = "auto"
 DEFAULT_DRAFT_VOCAB_LIMIT = 32768
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # gRPC's message length is a signed 32-bit int
@@ -268,7 +270,8 @@ class EngineConfig:
             raise InvalidRequestError("float16 is for GPUs; use bfloat16 or float32 on a CPU")
         self.resolved_dtype = self._resolve_dtype(device)
         if self.quantization == "auto":  # see DEFAULT_DRAFT_QUANTIZATION
-            self.quantization = "none" if self.resolved_dtype == torch.float32 else "int8"
+            lean = self.resolved_dtype != torch.float32 and device.type == "cpu"
+            self.quantization = "int8" if lean else "none"
         self.pack_weights = self._resolve_packing(device)
         self._check_tensor_parallel(device)
         if self.cuda_graphs and device.type != "cuda":

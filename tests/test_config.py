@@ -57,6 +57,18 @@ def test_a_draft_quantized_auto_is_int8_except_in_float32(tmp_path, dtype, chose
     assert EngineConfig(tmp_path, dtype=dtype).quantization == "none"  # targets are never quantized
 
 
+def test_a_draft_quantized_auto_on_cuda_stays_in_its_dtype(tmp_path, monkeypatch):
+    """torch's CUDA kernel for int8 weights is a thread per output element; bf16 goes to cuBLAS."""
+    import torch
+
+    from tandem import config
+
+    monkeypatch.setattr(config, "available_device", lambda text, flag="device": torch.device(text))
+    draft = EngineConfig(tmp_path, device="cuda", quantization="auto")
+    assert draft.resolved_dtype in (torch.bfloat16, torch.float16) and draft.quantization == "none"
+    assert EngineConfig(tmp_path, device="cuda", quantization="int8").quantization == "int8"  # asked for: kept
+
+
 def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_it_and_a_draft_left_to_choose_runs_lean(tmp_path,
                                                                                                     monkeypatch):
     import torch
