@@ -20,8 +20,8 @@ names. A forward that asks for none keeps and copies nothing extra.
 
 from __future__ import annotations
 
+import functools
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ from tandem.models.quantize import Int8Linear, shrink_for_drafting
 from tandem.models.row_padding import PaddingTuner
 from tandem.models.tensor_parallel import local_kv_heads
 from tandem.models.transformer import HiddenStates
+from tandem.step_clock import StepClock
 from tandem.step_graphs import CudaGraphRecorder, GraphRecorder, StepGraphs
 from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
 
@@ -182,6 +183,7 @@ class ModelEngine:
         # Forward seconds against tokens, fitted as the engine runs: what adaptive k plans with.
         self.cost_fit = ForwardCostFit()
         self.prompt_cost = PromptTokenCost()  # what a prompt chunk's tokens cost (tandem.rpc.prefill_chunks)
+        self.clock = StepClock(self.device)  # each forward's seconds on the device, for the two above
         # Tokens of the forward running now (0 between forwards). A worker's Info reads it from another thread: a
         # coordinator prices the worker's running step by it (a lone prompt chunk is more than its call's cost).
         self.rows_in_forward = 0
@@ -263,8 +265,16 @@ class ModelEngine:
         for keep in (False, True):
             self.forward([ForwardItem(scratch, prompt, prompt=True)])
             self.release(scratch)
+            self.clock.settle()  # (on CUDA the passes' times arrive once they have run)
             if not keep:
                 self.prompt_cost.reset()
+
+    def _observe_cost(self, tokens: int, prompt: int, seconds: float) -> None:
+        """A forward of ``tokens`` rows, ``prompt`` of them a prompt's, took ``seconds``."""
+        if prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
+            self.prompt_cost.observe(prompt, seconds - self.cost_fit.seconds(tokens - prompt))
+        else:
+            self.cost_fit.observe(tokens, seconds)
 
     # ----- sequences ---------------------------------------------------
     def seq_len(self, seq_id: SeqId) -> int:
@@ -342,17 +352,13 @@ class ModelEngine:
         tokens = sum(len(it.token_ids) for it in items)
         self.rows_in_forward = tokens
         captured = self.graphs.captured if self.graphs is not None else 0
-        started = time.perf_counter()
+        mark = self.clock.start()
         try:
             out = self._run(items, context_lens, slots, spec)
-            seconds = time.perf_counter() - started
-            prompt = sum(len(it.token_ids) for it in items if it.prompt)
             if self.graphs is not None and self.graphs.captured != captured:
                 return out  # this pass captured a graph: its time prices the capture, not the step
-            if prompt:  # priced apart: a prompt token's cost is not a decode row's (tandem.cost_fit)
-                self.prompt_cost.observe(prompt, seconds - self.cost_fit.seconds(tokens - prompt))
-            else:
-                self.cost_fit.observe(tokens, seconds)
+            prompt = sum(len(it.token_ids) for it in items if it.prompt)
+            self.clock.stop(mark, functools.partial(self._observe_cost, tokens, prompt))
             return out
         except BaseException:
             for seq_id, length, had in zip(seq_ids, context_lens, existed):
