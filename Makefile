@@ -139,9 +139,10 @@ bench-quick: setup-dev models
 
 # No prerequisite: a GPU machine has no network, so its .venv is made from wheels brought along
 # (benchmarks/README.md, "GPU check"); results go to benchmarks/results/gpu_check.{json,md}.
+# OUT=DIR writes the results there instead; GPU_CHECK_ARGS passes more flags ("--quick", "--skip decode,graphs").
 DEVICE ?= cuda
 gpu-check:  ## one NVIDIA GPU, no network: engine vs transformers, speculation, processes, costs (DEVICE=cpu: tiny)
-	$(PYTHON) benchmarks/gpu_check.py --device $(DEVICE)
+	$(PYTHON) benchmarks/gpu_check.py --device $(DEVICE) $(if $(OUT),--out $(OUT)) $(GPU_CHECK_ARGS)
 
 gpu-wheels: setup  ## what a GPU machine without network lacks for gpu-check, into .whl/ (then: benchmarks/gpu_check_device.sh)
 	$(PYTHON) benchmarks/gpu_wheels.py

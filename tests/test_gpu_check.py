@@ -107,3 +107,19 @@ def test_the_device_script_runs_the_check_with_the_machines_python3(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["complete"] is True and [c["check"] for c in report["checks"]] == ["attention"]
     assert "[PASS] attention" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_where_equality_is_asserted_in_float32_the_serving_dtype_s_agreement_is_measured(tmp_path):
+    """CUDA's plan: greedy equality asserted in float32, bf16's agreement reported (cuBLAS may round a row apart
+    by the batch's row count). Run on the CPU's tiny shapes so that the path cannot rot."""
+    plan = gpu_check.Plan.for_device("cpu")
+    plan.exact_dtype = "float32"
+    target = gpu_check.save_random_model(tmp_path / "target", "tiny", "cpu", seed=0)
+    draft = gpu_check.save_random_model(tmp_path / "draft", "tiny-draft", "cpu", seed=1)
+    report = gpu_check.speculative_greedy(target, draft, plan)
+    assert report["dtype"] == "float32"
+    agreement = report["bfloat16_agreement"]
+    assert set(agreement) == {"draft", "hybrid-tree"}
+    for method in agreement.values():
+        assert method["prompts"] == 2 * plan.greedy_prompts
+        assert method["equal"] + len(method["first_difference_at"]) == method["prompts"]

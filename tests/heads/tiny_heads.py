@@ -41,4 +41,4 @@ def tiny_heads(target: ModelEngine, kind: str, seed: int = 0, **overrides) -> He
             for p in heads.layer.parameters():
                 if p.dim() > 1:
                     p.mul_(0.1)  # small weights: the layer's output stays near its input
-    return heads.to(target.dtype).eval().requires_grad_(False)
+    return heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)  # (gpu_check: on CUDA)
