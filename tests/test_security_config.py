@@ -69,6 +69,11 @@ def test_token_files_and_the_environment(tmp_path):
     assert token_from(str(path), "--token-file") == TOKEN
     assert token_from(None, "--token-file", {"TANDEM_AUTH_TOKEN": TOKEN}) == TOKEN
     assert token_from(None, "--token-file", {}) is None
+    # a Kubernetes Secret made from a file keeps its line break: the token is the line, as in a token file
+    assert BearerAuth.from_sources(None, environ={"TANDEM_AUTH_TOKEN": TOKEN + "\n"}).tokens == (TOKEN,)
+    assert token_from(None, "--token-file", {"TANDEM_AUTH_TOKEN": f" {TOKEN}\r\n"}) == TOKEN
+    with pytest.raises(InvalidRequestError, match="only whitespace"):
+        BearerAuth.from_sources(None, environ={"TANDEM_AUTH_TOKEN": "\n"})
 
 
 @pytest.mark.parametrize("content,message", [

@@ -59,8 +59,19 @@ def token_from(path: str | None, flag: str, environ: Mapping[str, str] | None = 
     """A client's token: the first in ``path``, else ``$TANDEM_AUTH_TOKEN``, else None."""
     if path:
         return read_token_file(path, flag)[0]
-    token = (os.environ if environ is None else environ).get(TOKEN_ENV)
+    token = env_token(environ)
     return _check_token(token, f"${TOKEN_ENV}") if token else None
+
+
+def env_token(environ: Mapping[str, str] | None = None) -> str:
+    """``$TANDEM_AUTH_TOKEN`` without the whitespace around it ("" when unset): a Kubernetes Secret made from a
+    file (``kubectl create secret --from-file``) keeps the file's last line break, as a token file's line would.
+    Set to whitespace alone, it is refused: auth was asked for, and no token given."""
+    raw = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
+    token = raw.strip()
+    if raw and not token:
+        raise InvalidRequestError(f"${TOKEN_ENV} holds only whitespace: no token")
+    return token
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -92,7 +103,7 @@ class BearerAuth:
         """Tokens from ``token_file``, else ``$TANDEM_AUTH_TOKEN``; None (no auth) when neither is set."""
         if token_file:
             return cls(tuple(read_token_file(token_file, flag)))
-        token = (os.environ if environ is None else environ).get(TOKEN_ENV)
+        token = env_token(environ)
         return cls((_check_token(token, f"${TOKEN_ENV}"),)) if token else None
 
     def identify(self, metadata: Mapping[str, str] | None) -> str | None:
