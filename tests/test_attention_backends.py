@@ -157,6 +157,30 @@ def test_auto_picks_flash_on_cuda_only_for_what_its_kernels_take(monkeypatch):
     assert isinstance(make_backend("auto", torch.bfloat16, torch.device("cpu"), 256), SdpaAttention)
 
 
+class _BrokenFlash:
+    """A meta path finder for an installed flash-attn built against another torch: its import fails as such."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "flash_attn":
+            raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
+        return None
+
+
+def test_a_flash_attn_that_cannot_load_is_named_and_sdpa_serves(monkeypatch, caplog):
+    from tandem.attention import make_backend
+
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenFlash(), *sys.meta_path])
+    with caplog.at_level("WARNING", logger="tandem.attention"):
+        backend = make_backend("auto", torch.bfloat16, torch.device("cuda"), 256)
+    assert isinstance(backend, SdpaAttention)
+    assert "flash-attn is installed but cannot load" in caplog.text and "undefined symbol" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])  # not installed at all: SDPA, and nothing to say
+    assert isinstance(make_backend("auto", torch.bfloat16, torch.device("cuda"), 256), SdpaAttention)
+    assert "flash-attn" not in caplog.text
+
+
 def test_flash_refuses_small_pages():
     with pytest.raises(ValueError, match="multiple of 256"):
         FlashAttention(16, flash_module=types.SimpleNamespace())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tandem.attention.base import AttentionBackend, AttentionMetadata
@@ -10,6 +12,8 @@ from tandem.attention.reference import ReferenceAttention
 from tandem.attention.sdpa import SdpaAttention
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "make_backend"]
+
+log = logging.getLogger(__name__)
 
 
 def make_backend(name: str, dtype: torch.dtype, device: torch.device, block_size: int) -> AttentionBackend:
@@ -22,8 +26,11 @@ def make_backend(name: str, dtype: torch.dtype, device: torch.device, block_size
                 import flash_attn  # type: ignore[import-not-found]  # noqa: F401
 
                 name = "flash"
-            except ImportError:
-                pass
+            except ModuleNotFoundError as exc:
+                if exc.name != "flash_attn":  # installed, but something it imports is missing
+                    log.warning("attention: flash-attn is installed but cannot load (%s); using SDPA", exc)
+            except ImportError as exc:  # installed, but built against another torch ("undefined symbol")
+                log.warning("attention: flash-attn is installed but cannot load (%s); using SDPA", exc)
     if name == "flash":
         return FlashAttention(block_size, dtype=dtype)
     if name == "reference":
