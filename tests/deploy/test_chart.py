@@ -114,6 +114,10 @@ def test_native_grpc_probes_with_a_startup_budget_for_model_loading(variant):
         startup = container(objects, fleet)["startupProbe"]
         # Loading a model takes minutes: at least ten before the kubelet gives up.
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, fleet
+    # A coordinator is NOT_SERVING until a target answers: its budget waits out the target's start too.
+    budget = {c: container(objects, c)["startupProbe"] for c in ("coordinator", "target")}
+    seconds = {c: p["periodSeconds"] * p["failureThreshold"] for c, p in budget.items()}
+    assert seconds["coordinator"] > seconds["target"], seconds
 
 
 def test_every_workload_has_exactly_one_autoscaler_by_default_an_hpa():
@@ -393,6 +397,12 @@ def test_hub_download_fills_each_pods_volume_with_a_token_from_a_secret():
     # The coordinator fetches the tokenizer and config only, never the target's weights.
     coordinator_init = one(objects, "Deployment", name("coordinator"))["spec"]["template"]["spec"]["initContainers"][0]
     assert "--include '*.json'" in coordinator_init["args"][0]
+    assert "--include '*.jinja'" in coordinator_init["args"][0]  # a chat template of its own file
+    assert "'*.safetensors'" not in coordinator_init["args"][0]
+    # A worker fetches what it loads: weights as safetensors, config, tokenizer; not the .bin/.pth/GGUF copies.
+    for fleet in FLEETS:
+        (init,) = one(objects, "Deployment", name(fleet))["spec"]["template"]["spec"]["initContainers"]
+        assert "--include '*.safetensors'" in init["args"][0] and "--include '*.jinja'" in init["args"][0]
     assert coordinator_init["image"].startswith("tandem/coordinator:")
 
 
@@ -402,6 +412,7 @@ def test_heads_reach_the_target_workers_only_and_are_downloaded_beside_the_model
     model_init, heads_init = target_pod["initContainers"]
     env = {e["name"]: e.get("value") for e in heads_init["env"]}
     assert heads_init["name"] == "download-heads-model"
+    assert "--include" not in heads_init["args"][0]  # heads come whole: their formats include .pt and .bin
     assert env["MODEL_REPO"] == "example-org/qwen2.5-coder-1.5b-instruct-eagle3"
     assert flag(container(objects, "target")["args"], "--heads") == env["MODEL_DIR"] == \
         "/models/qwen2.5-coder-1.5b-eagle3"
@@ -526,3 +537,10 @@ def test_cuda_graphs_are_each_fleets_choice_and_need_a_cuda_device():
     assert "--cuda-graphs" in container(render(None, "draft.cudaGraphs=true"), "draft")["args"]
     assert "draft.cudaGraphs needs draft.device: cuda" in render_error("draft.cudaGraphs=true", "draft.device=cpu",
                                                                          "draft.gpus=0")
+    # The worker refuses graphs across tensor-parallel ranks: the chart says so at install, not in a crash loop.
+    assert "target.cudaGraphs is for one-rank targets" in render_error("target.cudaGraphs=true",
+                                                                       "target.tensorParallelSize=2")
+
+
+def test_a_draft_asks_for_at_most_the_one_gpu_it_runs_on():
+    assert "/draft/gpus" in render_error("draft.gpus=2")

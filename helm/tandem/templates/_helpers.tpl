@@ -147,6 +147,10 @@ Call with (list $ .Values.models.target "target" $tokenizerOnly .Values.images.w
 The coordinator needs only the target's tokenizer and config, not its weights: it downloads those
 files and adds an empty placeholder weights file, because `--tokenizer` accepts only a complete
 model directory (config.json and *.safetensors) and reads nothing but the tokenizer from it.
+(Chat templates may come as a file of their own, chat_template.jinja: it is a tokenizer file.)
+A worker downloads what it loads, not the rest of the repository: many ship the weights twice
+(PyTorch .bin or .pth files, GGUF files, an original/ folder), which filled the volume's sizeLimit.
+Heads are downloaded whole: their formats include .pt and .bin files (tandem/heads/formats).
 */}}
 {{- define "tandem.downloadInitContainer" -}}
 {{- $root := index . 0 }}
@@ -162,8 +166,11 @@ model directory (config.json and *.safetensors) and reads nothing but the tokeni
     - >-
       hf download "$MODEL_REPO" --revision "$MODEL_REVISION" --local-dir "$MODEL_DIR"
       {{- if $tokenizerOnly }}
-      --include '*.json' --include '*.txt' --include '*.model' --include '*.tiktoken'
+      --include '*.json' --include '*.txt' --include '*.model' --include '*.tiktoken' --include '*.jinja'
       && touch "$MODEL_DIR/tokenizer-only-placeholder.safetensors"
+      {{- else if has (index . 2) (list "target" "draft") }}
+      --include '*.safetensors' --include '*.json' --include '*.txt' --include '*.model' --include '*.tiktoken'
+      --include '*.jinja'
       {{- end }}
   env:
     - {name: MODEL_REPO, value: {{ $model.repo | quote }}}
