@@ -35,8 +35,12 @@ class StartupLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         start = time.monotonic()
         try:
-            # A blocking flock, off the event loop (not on the model thread: it computes nothing).
-            await asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("%s: waiting for the workers beside it to warm up (%s)", self.role, self.path)
+                # A blocking flock, off the event loop (not on the model thread: it computes nothing).
+                await asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, fcntl.LOCK_EX)
         except BaseException:
             os.close(fd)
             raise

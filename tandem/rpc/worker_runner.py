@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,7 +52,22 @@ class WorkerRole:
     gather_fraction: float
 
 
+def exit_on_stop_signals_until_serving(role: str) -> None:
+    """Until the server takes SIGTERM and SIGINT over (``serve_until_signalled``: drain, then stop), either ends
+    the process at once: nothing is in flight yet, and waiting for the startup lock, loading and warming up can
+    take minutes. Left at its default action, a container's PID 1 never sees the signal (the kernel ignores
+    it there): a pod deleted while its worker loaded waited out its whole grace period, then was killed."""
+    def stop(signum: int, frame: object) -> None:
+        log.info("%s: stopped by %s while starting", role, signal.Signals(signum).name)
+        logging.shutdown()  # (flushes: os._exit would not)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
 async def run_worker(role: WorkerRole, cfg: WorkerConfig) -> None:
+    exit_on_stop_signals_until_serving(role.name)
     # The one thread that loads, warms up and runs the model: a second thread computing beside the
     # loader would give the process two OpenMP teams and slow every forward (tandem.compute_thread).
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
