@@ -28,7 +28,7 @@ Observe = Callable[[float], None]  # takes a forward's seconds
 class DeviceEvent(Protocol):
     """What the clock uses of ``torch.cuda.Event`` (timing enabled)."""
 
-    def record(self) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
 
     def query(self) -> bool: ...
 
@@ -44,9 +44,14 @@ class StepClock:
 
     def __init__(self, device: torch.device, new_event: Callable[[], DeviceEvent] | None = None) -> None:
         self.on_device = device.type == "cuda" or new_event is not None
+        # An event records on the stream it is given, else on the current device's: the engine's device may not
+        # be its thread's current one (cuda:1, on a model thread).
+        self._stream: Callable[[], Any] = lambda: None
         if new_event is None and self.on_device:
             def new_event() -> DeviceEvent:
                 return torch.cuda.Event(enable_timing=True)
+
+            self._stream = lambda: torch.cuda.current_stream(device)
         self._new_event = new_event
         self._pending: deque[tuple[DeviceEvent, DeviceEvent, Observe]] = deque()  # oldest first
 
@@ -56,7 +61,7 @@ class StepClock:
         if not self.on_device:
             return time.perf_counter()
         begin = self._new_event()
-        begin.record()
+        begin.record(self._stream())
         return begin
 
     def stop(self, mark: float | DeviceEvent, observe: Observe) -> None:
@@ -64,7 +69,7 @@ class StepClock:
             observe(time.perf_counter() - mark)
             return
         end = self._new_event()
-        end.record()
+        end.record(self._stream())
         self._pending.append((mark, end, observe))
 
     def settle(self) -> None:

@@ -74,9 +74,10 @@ class CudaGraphRecorder:
 
     def record(self, step: Callable[[], None]) -> Callable[[], None]:
         # Everything on the engine's device, made current: torch.cuda.graph's own capture stream is made on
-        # the current device, which for a worker on cuda:1 is still cuda:0. Captured there, the step's kernels
-        # would run eagerly on cuda:1 outside the capture, leaving an empty graph whose every replay does
-        # nothing (torch only warns). A replay runs under its capture stream's device.
+        # the current device, which for a worker on cuda:1 is still cuda:0 (and the current device is a
+        # thread's own: the model thread's is never set). Captured there, the step's kernels would run
+        # eagerly on cuda:1 outside the capture, leaving an empty graph whose every replay does nothing
+        # (torch only warns). A replay launches on the current device's stream: it is made current too.
         with torch.cuda.device(self.device):
             if self._capture_stream is None:
                 self._capture_stream = torch.cuda.Stream(self.device)
@@ -91,7 +92,13 @@ class CudaGraphRecorder:
             with torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream):
                 step()
         self.pool = graph.pool()
-        return graph.replay
+        device = self.device
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return replay
 
 
 class EagerRecorder:

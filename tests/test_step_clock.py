@@ -34,7 +34,7 @@ class FakeEvent:
     def __init__(self, stream: FakeStream) -> None:
         self.stream, self.at_ms = stream, None
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         self.stream.recorded.append(self)
 
     def query(self) -> bool:
@@ -103,3 +103,25 @@ def test_an_engine_prices_decode_rows_and_prompt_tokens_from_its_clock_once_they
     assert prompt == [(5, 0.002), (2, 0.002)] and decode == []  # prompt tokens priced apart from decode rows
     engine.clock.settle()
     assert decode == [(1, 0.001), (1, 0.001)]  # the two one-row decodes (the stand-in runs the rest 1 ms apart)
+
+
+def test_on_a_second_gpu_the_events_record_on_that_gpu_s_stream(monkeypatch):
+    """An event records on the current device's stream unless given one, and a model thread's current device is
+    cuda:0: the clock names the engine's own."""
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {torch.device(device)}")
+    clock = StepClock(torch.device("cuda:1"))
+    clock.stop(clock.start(), lambda seconds: None)
+    assert recorded == ["stream of cuda:1", "stream of cuda:1"]

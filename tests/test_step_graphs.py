@@ -226,7 +226,7 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.current = 0
-        self.captures: list[tuple[int, int]] = []  # (the capture stream's device, the current device at the step)
+        self.replays: list[int] = []  # the current device at each replay (a replay launches on its stream)
 
     def device(self, device):
         fake = self
@@ -252,7 +252,7 @@ class FakeCuda:
         return contextlib.nullcontext()
 
     def CUDAGraph(self):  # noqa: N802 - torch's name
-        return types.SimpleNamespace(pool=lambda: (0, 1), replay=lambda: None)
+        return types.SimpleNamespace(pool=lambda: (0, 1), replay=lambda: self.replays.append(self.current))
 
     @contextlib.contextmanager
     def graph(self, graph, pool=None, stream=None):
@@ -270,6 +270,8 @@ def test_a_capture_on_a_second_gpu_records_there(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     recorder = CudaGraphRecorder(torch.device("cuda:1"))
     steps: list[tuple[int, int | None]] = []
-    recorder.record(lambda: steps.append((fake.current, getattr(fake, "capturing", None))))
+    replay = recorder.record(lambda: steps.append((fake.current, getattr(fake, "capturing", None))))
     assert steps == [(1, None), (1, 1)]  # the warm-up run, then the capture: on cuda:1, into a cuda:1 stream
-    assert fake.current == 0  # and the process's current device is left as it was
+    assert fake.current == 0  # and the thread's current device is left as it was
+    replay()
+    assert fake.replays == [1] and fake.current == 0
