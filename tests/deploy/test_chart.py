@@ -386,6 +386,7 @@ def test_hub_download_fills_each_pods_volume_with_a_token_from_a_secret():
         (init,) = pod["initContainers"]
         env = {e["name"]: e.get("value") for e in init["env"]}
         assert token in init["env"]
+        assert env["HF_XET_CHUNK_CACHE_SIZE_BYTES"] == "0"  # no 10 GB chunk cache beside the model in its volume
         assert init["args"][0].startswith('hf download "$MODEL_REPO" --revision "$MODEL_REVISION"')
         (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
         assert "emptyDir" in volume

@@ -177,6 +177,8 @@ Heads are downloaded whole: their formats include .pt and .bin files (tandem/hea
     - {name: MODEL_REVISION, value: {{ $model.revision | quote }}}
     - {name: MODEL_DIR, value: {{ $dir | quote }}}
     - {name: HF_HOME, value: {{ printf "%s/.hf" $root.Values.models.mountPath | quote }}}
+    # One download per pod: Xet's chunk cache (10 GB by default, under HF_HOME) would only fill the volume.
+    - {name: HF_XET_CHUNK_CACHE_SIZE_BYTES, value: "0"}
     {{- with $root.Values.models.download.tokenSecret.name }}
     - name: HF_TOKEN
       valueFrom:
