@@ -31,6 +31,10 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
   capture is the eager stand-in (``EagerRecorder``): the buffers, padding and scratch block alone.
 
 Measurements (figures, never pass/fail):
+- ``row-invariance``: for the first block's linear layers and the lm_head, in the serving
+  dtype, whether each row of a call of 2, 4, 5, 8, 16, 40, 64 or 128 rows equals the row
+  computed alone, bitwise, and the largest difference; and whether at 64 rows a row depends on
+  its neighbours. What bf16 greedy equality rests on (``Plan.exact_dtype``), read directly;
 - ``forward-cost``: seconds of a forward of 1, 2, 4, ..., 64 new tokens over a cached
   prefix: the curve that decides k and tree sizes on this device;
 - ``decode``: tokens/s of plain greedy decoding, ours against transformers' ``generate``;
@@ -75,6 +79,7 @@ from benchmarks.random_models import save_random_model  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine import ForwardItem, ModelEngine  # noqa: E402
 from tandem.inprocess import GenerationRequest, SpeculativeGenerator  # noqa: E402
+from tandem.models.layers import RowStableLinear  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.spec.options import SpecOptions  # noqa: E402
 from tandem.step_graphs import EagerRecorder  # noqa: E402
@@ -441,6 +446,42 @@ def forward_cost(model_dir: Path, plan: Plan) -> dict[str, float]:
     return costs
 
 
+ROW_COUNTS = (2, 4, 5, 8, 16, 40, 64, 128)  # a decode step's rows, a verify's (k + 1 per stream), batches of them
+
+
+@torch.inference_mode()
+def row_invariance(model_dir: Path, plan: Plan) -> dict[str, Any]:
+    """What greedy equality in the serving dtype rests on (``Plan.exact_dtype``): whether a linear layer's row
+    comes out bitwise the same in a call of any row count. For the first block's layers and the lm_head, per row
+    count: how many give every row exactly as a call of that row alone does, and the largest difference (relative
+    to the row's largest value). Then, at 64 rows, whether a row depends on which other rows share its call
+    (were it not, padding every decode and verify call to one row count would make bf16 rows invariant)."""
+    engine = load(model_dir, plan.device, plan.serving_dtype)
+    layers = {name: m for name, m in engine.model.named_modules()
+              if isinstance(m, RowStableLinear) and (name.startswith("layers.0.") or name == "lm_head")}
+    generator = torch.Generator(device=plan.device).manual_seed(0)
+    counts: dict[str, dict[str, Any]] = {}
+    alike_at_64 = 0
+    for layer in layers.values():
+        x = torch.randn(max(ROW_COUNTS), layer.in_features, generator=generator, device=plan.device,
+                        dtype=engine.dtype)  # [rows, in]
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(max(ROW_COUNTS))])  # [rows, out]
+        for m in ROW_COUNTS:
+            together = layer(x[:m])  # [m, out]
+            entry = counts.setdefault(str(m), {"layers_equal": 0, "layers": 0, "max_relative_difference": 0.0})
+            entry["layers"] += 1
+            entry["layers_equal"] += int(torch.equal(together, alone[:m]))
+            scale = alone[:m].float().abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+            difference = float(((together.float() - alone[:m].float()).abs() / scale).max())
+            entry["max_relative_difference"] = max(entry["max_relative_difference"], difference)
+        others = torch.randn(56, layer.in_features, generator=generator, device=plan.device, dtype=engine.dtype)
+        first = layer(x[:64])[:8]  # [8, out]: rows 0..7 beside rows 8..63 of x
+        second = layer(torch.cat((x[:8], others)))[:8]  # the same rows beside other rows
+        alike_at_64 += int(torch.equal(first, second))
+    return {"dtype": plan.serving_dtype, "by_row_count": counts,
+            "rows_alike_beside_other_rows_at_64": f"{alike_at_64} of {len(layers)} layers"}
+
+
 def decode_speed(model_dir: Path, plan: Plan) -> dict[str, float]:
     n = plan.new_tokens
     engine = load(model_dir, plan.device, plan.serving_dtype)
@@ -580,7 +621,8 @@ def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset(),
         report.check("step-graphs", plan.draft, lambda: step_graphs(model(plan.draft), plan))
     measured = [s for s in plan.models if s.startswith("qwen")] or list(plan.models)
     measures: list[tuple[str, Callable[[Path, Plan], dict[str, Any]]]] = [
-        ("forward-cost", forward_cost), ("decode", decode_speed), ("self-speculation", self_speculation)]
+        ("row-invariance", row_invariance), ("forward-cost", forward_cost), ("decode", decode_speed),
+        ("self-speculation", self_speculation)]
     if torch.device(plan.device).type == "cuda":  # a CPU replays the eager stand-in: nothing to time
         measures.append(("graphs", graph_speed))
     for name, measure in measures:
@@ -607,6 +649,19 @@ def tables(report: Report, device: dict[str, Any]) -> str:
                 for shape, figures in costs.items()]
         parts += ["", "Forward cost over a cached prefix:", "",
                   markdown_table(rows, ["model", *(f"{n} tok (ms)" for n in FORWARD_SIZES)])]
+    invariance = report.measurements.get("row-invariance", {})
+    if invariance:
+        rows = []
+        for shape, figures in invariance.items():
+            for m, e in figures["by_row_count"].items():
+                rows.append({"model": shape, "rows": m, **e,
+                             "max_relative_difference": f"{e['max_relative_difference']:.1e}"})  # (tiny values)
+        alike = ", ".join(f"{shape}: {f['rows_alike_beside_other_rows_at_64']}" for shape, f in invariance.items())
+        dtype = next(iter(invariance.values()))["dtype"]
+        columns = ["model", "rows", "layers_equal", "layers", "max_relative_difference"]
+        parts += ["", f"Linear layers' rows against the same rows computed alone ({dtype}):", "",
+                  markdown_table(rows, columns),
+                  "", f"At 64 rows, rows alike beside other rows: {alike}."]
     for name in ("decode", "self-speculation", "graphs"):
         figures = report.measurements.get(name, {})
         if figures:

@@ -10,7 +10,7 @@ from benchmarks import gpu_check
 
 CHECKS = {"engine-vs-transformers", "speculative-greedy", "heads", "lossless", "processes", "tensor-parallel",
           "attention", "step-graphs"}
-MEASUREMENTS = {"forward-cost", "decode", "self-speculation"}
+MEASUREMENTS = {"row-invariance", "forward-cost", "decode", "self-speculation"}
 
 
 @pytest.mark.slow  # starts a target worker, a draft worker and a coordinator
@@ -123,3 +123,14 @@ def test_where_equality_is_asserted_in_float32_the_serving_dtype_s_agreement_is_
     for method in agreement.values():
         assert method["prompts"] == 2 * plan.greedy_prompts
         assert method["equal"] + len(method["first_difference_at"]) == method["prompts"]
+
+
+def test_row_invariance_reads_each_linear_layer_at_every_row_count(tmp_path):
+    """On a CPU the engine's linear layers are row-invariant (packed oneDNN, or ATen's fixed-order dot products):
+    every row count and every neighbourhood gives each row bitwise. On CUDA the same figures say whether cuBLAS is."""
+    plan = gpu_check.Plan.for_device("cpu")
+    report = gpu_check.row_invariance(gpu_check.save_random_model(tmp_path / "tiny", "tiny", "cpu"), plan)
+    assert set(report["by_row_count"]) == {str(m) for m in gpu_check.ROW_COUNTS}
+    for entry in report["by_row_count"].values():
+        assert entry["layers"] == 5 and entry["layers_equal"] == 5 and entry["max_relative_difference"] == 0.0
+    assert report["rows_alike_beside_other_rows_at_64"] == "5 of 5 layers"
