@@ -227,6 +227,7 @@ class FakeCuda:
     def __init__(self) -> None:
         self.current = 0
         self.replays: list[int] = []  # the current device at each replay (a replay launches on its stream)
+        self.capturing: int | None = None  # the capture stream's device while a capture runs
 
     def device(self, device):
         fake = self
@@ -270,7 +271,7 @@ def test_a_capture_on_a_second_gpu_records_there(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     recorder = CudaGraphRecorder(torch.device("cuda:1"))
     steps: list[tuple[int, int | None]] = []
-    replay = recorder.record(lambda: steps.append((fake.current, getattr(fake, "capturing", None))))
+    replay = recorder.record(lambda: steps.append((fake.current, fake.capturing)))
     assert steps == [(1, None), (1, 1)]  # the warm-up run, then the capture: on cuda:1, into a cuda:1 stream
     assert fake.current == 0  # and the thread's current device is left as it was
     replay()
