@@ -114,6 +114,31 @@ def test_a_call_written_otherwise_arrives_whole_in_the_stream(tokenizer):
     run(go())
 
 
+def test_a_call_in_the_doubled_braces_qwen_coder_s_template_shows_is_a_call_streamed_or_not(tokenizer):
+    """Qwen2.5-Coder's template prints the call format as {{"name": ..., "arguments": ...}} and the model sometimes
+    copies it, bare (pydantic-ai's weather call came back as that text)."""
+    async def go():
+        async with http_coordinator(tokenizer, info=INFO) as running:
+            for stream in (False, True):
+                running.target.script = [*spell(tokenizer, '{{"name":"get_weather","arguments":{"city":"Oslo"}}}'), EOS]
+                reply = await client(running).chat.completions.create(
+                    model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, temperature=0, stream=stream)
+                if stream:
+                    chunks = [chunk async for chunk in reply]
+                    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                    calls = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+                    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                    names, arguments = [p.function.name for p in calls], [p.function.arguments for p in calls]
+                else:
+                    message, finish = reply.choices[0].message, [reply.choices[0].finish_reason]
+                    content = message.content or ""
+                    names = [c.function.name for c in message.tool_calls]
+                    arguments = [c.function.arguments for c in message.tool_calls]
+                assert (content, names, finish) == ("", ["get_weather"], ["tool_calls"]), stream
+                assert [json.loads(a) for a in arguments] == [{"city": "Oslo"}]
+    run(go())
+
+
 def test_text_without_a_call_is_the_content_unchanged(tokenizer):
     async def go():
         async with http_coordinator(tokenizer, info=INFO) as running:
