@@ -27,13 +27,14 @@ def test_a_worker_stopped_while_waiting_to_start_exits_at_once_even_as_pid_1(tmp
     held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(held, fcntl.LOCK_EX)  # a worker beside it is warming up
     log = tmp_path / "worker.log"
+    # SIGTERM ignored by a shell that then execs the worker: as PID 1, whose default action is none. (Not
+    # preexec_fn: it runs Python in the forked child of a process with gRPC's threads, which crashed it once in CI.)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "serve", "target", "--model", str(model), "--port", "0", "--host",
-         "127.0.0.1", "--kv-cache-tokens", "256", "--block-size", "4", "--threads", "1", "--startup-lock", str(lock),
-         "--log-level", "INFO"],
+        ["sh", "-c", "trap '' TERM; exec \"$0\" \"$@\"", sys.executable, "-m", "tandem", "serve", "target",
+         "--model", str(model), "--port", "0", "--host", "127.0.0.1", "--kv-cache-tokens", "256", "--block-size", "4",
+         "--threads", "1", "--startup-lock", str(lock), "--log-level", "INFO"],
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"),
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))  # as PID 1: the default is no action
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:
         deadline = time.monotonic() + 60
         while "waiting for the workers beside it" not in log.read_text():
