@@ -45,7 +45,7 @@ rm -rf "$work/src"  # from here on, only the wheel exists
 wheel=$(ls "$work"/dist/tandem-*.whl)
 
 step "fresh venv, as the coordinator's image: the wheel --no-deps plus its requirements less torch"
-"$python" "$repo/docker/requirements_without_torch.py" "$wheel" >"$work/requirements.txt"
+"$python" "$repo/docker/requirements_without_torch.py" --extra tracing "$wheel" >"$work/requirements.txt"
 sed 's/^/  /' "$work/requirements.txt"
 "$python" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip -q --disable-pip-version-check)
@@ -65,6 +65,9 @@ import coordinator.main, coordinator.service, coordinator.workers  # noqa: E401,
 import tandem.cli
 
 tandem.cli.build_parser()
+from tandem.tracing import Tracing  # the image's tracing extra: spans without torch
+
+Tracing.open("http://127.0.0.1:4317", "tandem-coordinator").shutdown(0.1)
 assert importlib.util.find_spec("torch") is None, "torch is importable"
 loaded = sorted(m for m in ("torch", "transformers.modeling_utils") if m in sys.modules)
 assert not loaded, f"importing the coordinator loaded {loaded}"

@@ -28,8 +28,10 @@ from tandem.spec.room_queue import RoomQueue
 class Placement:
     def __init__(self, targets: WorkerPool, drafts: WorkerPool, uses_draft: bool, deadline: float | None,
                  max_moves: int, move_wait_s: float, on_move=None, key: bytes | None = None,
-                 max_len: int = 0, priority: int = 0, arrival_time: float = 0.0, room: RoomQueue | None = None) -> None:
+                 max_len: int = 0, priority: int = 0, arrival_time: float = 0.0, room: RoomQueue | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.targets, self.drafts = targets, drafts
+        self.metadata = metadata  # the request's trace context, sent with every call on every replica (tandem.tracing)
         self.max_len = max_len  # the most tokens the request's KV may reach, told to each target (0: not said)
         self.priority = priority  # told to each target with every Prefill (GenerateRequest.priority)
         self.arrival_time = arrival_time  # when the request arrived (Unix seconds), told likewise (0: not said)
@@ -47,10 +49,11 @@ class Placement:
 
     # ----- the channels the loop starts with -----------------------------------
     def verifier(self) -> RequestChannel:
-        return self.target.for_request(self.deadline, self.max_len, self.priority, self.arrival_time, self.room)
+        return self.target.for_request(self.deadline, self.max_len, self.priority, self.arrival_time, self.room,
+                                       self.metadata)
 
     def draft_channel(self) -> RequestChannel | None:
-        return self.draft.for_request(self.deadline) if self.draft else None
+        return self.draft.for_request(self.deadline, metadata=self.metadata) if self.draft else None
 
     def enter(self) -> None:
         """The request runs: count it on its replicas (routing and adaptive k read the counts)."""
@@ -96,11 +99,12 @@ class Placement:
         self.draft = replacement
         if self._entered:
             replacement.active += 1
-        return replacement.for_request(self.deadline)
+        return replacement.for_request(self.deadline, metadata=self.metadata)
 
     def _switch_target(self, client: WorkerClient) -> RequestChannel:
         if self._entered and client is not self.target:
             self.target.active -= 1
             client.active += 1
         self.target = client
-        return client.for_request(self.deadline, self.max_len, self.priority, self.arrival_time, self.room)
+        return client.for_request(self.deadline, self.max_len, self.priority, self.arrival_time, self.room,
+                                  self.metadata)

@@ -14,12 +14,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 
+from coordinator import request_spans
 from coordinator.chat import TemplateVariablesError, chat_template_refusals, conversation, tool_use
 from coordinator.in_flight import InFlight
 from coordinator.placement import Placement
@@ -46,6 +47,7 @@ from tandem.text_stream import TextStream
 from tandem.tokenizer import bad_word_ids, encode_messages, encode_prompt, template_kwargs
 from tandem.tool_call_deltas import ToolCallDelta
 from tandem.tool_calls import HermesFormat, ToolCall, ToolCallParser, ToolUse, check_tool_schemas
+from tandem.tracing import RequestTrace, carrier
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class _Request:
     tool_calls: ToolCallParser | None = None  # with tools shown: the text split into content and calls
     prompt_scores_sent: bool = False  # asked (sampling.prompt_logprobs): the first message carried them
     prompt_ids_asked: bool = False  # return_prompt_token_ids: the reply carries the prompt's tokens, scored or not
+    trace: RequestTrace = field(default_factory=RequestTrace)  # its span (tandem.tracing); does nothing untraced
 
 
 class _MetricsObserver:
@@ -151,7 +154,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # ----- RPCs ------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        run = self.start(request, context.time_remaining())
+        run = self.start(request, context.time_remaining(), carrier(context.invocation_metadata()))
         async for _ in self._drive(run):
             pass
         text, calls = run.state.text.text, []
@@ -164,7 +167,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             **_prompt_scores(run.state, run.prompt_ids_asked))
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        async for msg in self.stream(self.start(request, context.time_remaining())):
+        run = self.start(request, context.time_remaining(), carrier(context.invocation_metadata()))
+        async for msg in self.stream(run):
             yield msg
 
     async def Info(self, request: generation_pb2.InfoRequest, context: grpc.aio.ServicerContext):
@@ -184,41 +188,53 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return self.targets.served_model()
 
     # ----- the request path, written once for both APIs (gRPC here, HTTP in coordinator/http) -----------
-    def start(self, request: generation_pb2.GenerateRequest, remaining_s: float | None) -> _Request:
+    def start(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
+              trace_headers: Mapping[str, str] | None = None) -> _Request:
         """The request validated and placed on its replicas, ready to ``stream``; nothing is sent to a worker yet.
         Raises ``InvalidRequestError`` naming a bad field, ``ShuttingDownError`` while draining. ``remaining_s``:
-        the client's deadline, passed on to every worker call (None: none)."""
+        the client's deadline, passed on to every worker call (None: none); ``trace_headers``: the caller's W3C
+        trace context (``tandem.tracing.carrier``), which the request's span joins when tracing is on."""
         self.server.check_accepting()
         state, options, tools = self._validate(request)
         deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
-        placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
-                              self.cfg.move_wait_s, on_move=lambda role: self.metrics.moves.labels(role).inc(),
-                              key=self._routing_key(state.prompt_ids, request.cache_key),
-                              max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS,
-                              priority=request.priority,
-                              # (the wall clock: targets compare it with other coordinators' requests)
-                              arrival_time=time.time() - (time.perf_counter() - state.stats.started_at),
-                              room=self.room_queue)
-        costs = self.costs.get(options.method, placement.draft, placement.target)
         request_id = request.request_id or uuid.uuid4().hex[:16]
-        # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
-        # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
-        seq_id = f"{request_id}-{uuid.uuid4().hex}"
-        # The request's channels survive their replicas (moves, preemption) by the placement's pools.
-        verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
-            options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting,
-            room=self.room_queue, queue_key=(request.priority, state.stats.started_at),
-            room_hold_s=self.cfg.room_hold_s)
-        channel = placement.draft_channel()
-        draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
-        loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
-                               self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts,
-                               release_later=self._release_later)
-        parser = None
-        if tools is not None and tools.shown:  # auto's calls may be plain JSON too; enforced ones are blocks
-            parser = ToolCallParser(frozenset() if tools.enforced else frozenset(t.name for t in tools.callable()))
-        return _Request(request_id, state, options, placement, loop, tool_calls=parser,
-                        prompt_ids_asked=request.return_prompt_token_ids)
+        trace = self.server.tracing.request(trace_headers or {}, state.stats.started_at, request_spans.opening(
+            request_id, self.target_model(), state, options, request.priority))
+        try:  # (a request refused here, say with no healthy replica, still ends its span: as an error)
+            placement = Placement(self.targets, self.drafts, options.uses_draft, deadline, self.cfg.max_moves,
+                                  self.cfg.move_wait_s, on_move=lambda role: self._moved(role, trace),
+                                  key=self._routing_key(state.prompt_ids, request.cache_key),
+                                  max_len=len(state.prompt_ids) + state.stop.max_new_tokens + IN_FLIGHT_TOKENS,
+                                  priority=request.priority,
+                                  # (the wall clock: targets compare it with other coordinators' requests)
+                                  arrival_time=time.time() - (time.perf_counter() - state.stats.started_at),
+                                  room=self.room_queue, metadata=trace.metadata)
+            costs = self.costs.get(options.method, placement.draft, placement.target)
+            # Request ids are the client's and get reused: 122 random bits make the sequence id unique on every
+            # worker (a worker refuses a Prefill of a live id rather than hand one request's state to another).
+            seq_id = f"{request_id}-{uuid.uuid4().hex}"
+            # The request's channels survive their replicas (moves, preemption) by the placement's pools.
+            verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
+                options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting,
+                room=self.room_queue, queue_key=(request.priority, state.stats.started_at),
+                room_hold_s=self.cfg.room_hold_s)
+            channel = placement.draft_channel()
+            draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
+            loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
+                                   self.cache, match_rates=self.match_rates, heads_verdicts=self.heads_verdicts,
+                                   release_later=self._release_later)
+            parser = None
+            if tools is not None and tools.shown:  # auto's calls may be plain JSON too; enforced ones are blocks
+                parser = ToolCallParser(frozenset() if tools.enforced else frozenset(t.name for t in tools.callable()))
+            return _Request(request_id, state, options, placement, loop, tool_calls=parser,
+                            prompt_ids_asked=request.return_prompt_token_ids, trace=trace)
+        except Exception as exc:
+            trace.finish({"tandem.outcome": "refused"}, error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _moved(self, role: str, trace: RequestTrace) -> None:
+        self.metrics.moves.labels(role).inc()
+        trace.event("moved", **{"tandem.role": role})  # (its new replica: the span's tandem.*_worker at the end)
 
     async def stream(self, run: _Request) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """Run a started request: a message per round with what it added; the last has finish_reason and stats.
@@ -257,6 +273,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         metrics.vllm.started()
         run.placement.enter()
         outcome = "error"
+        error: str | None = None
         emitted = 0
         last = state.stats.started_at
         with self.in_flight.running() as tracked:  # (around the except below, which asks whose cancellation it was)
@@ -266,6 +283,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     new = state.num_generated - emitted
                     if new:
                         if emitted == 0:
+                            run.trace.event("first_token")
                             metrics.ttft.observe(now - state.stats.started_at)
                             metrics.vllm.ttft.observe(now - state.stats.started_at)
                         else:
@@ -288,9 +306,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             except GeneratorExit:
                 outcome = "cancelled"
                 raise
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                raise
             finally:
                 if outcome == "error" and tracked.reason:
                     outcome = "drained"  # ended by the coordinator's drain (coordinator.in_flight)
+                    error = error or tracked.reason
+                if run.trace.recording:
+                    run.trace.finish(request_spans.closing(state, outcome, self.public_name(run.placement.target),
+                                                           self.public_name(run.placement.draft)),
+                                     error=error or ("the request failed" if outcome in ("error", "drained") else None))
                 run.placement.leave()
                 metrics.active.dec()
                 metrics.requests.labels(outcome).inc()

@@ -111,11 +111,13 @@ class WorkerClient:
         self._poll_judged = 0  # the number of the newest poll whose answer (or failure) was taken
         self.busy_waits = 0  # times a call here outlasted its hang timeout and waited on, the worker computing
 
-    async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False) -> Any:
+    async def call(self, method: str, request: Any, timeout: float, deadline_expected: bool = False,
+                   metadata: tuple[tuple[str, str], ...] = ()) -> Any:
         """``deadline_expected``: a call that may outlast ``timeout`` without anything being wrong (a release queued
-        behind a long step); its ``WorkerDeadlineError`` is not logged as a worker failure."""
+        behind a long step); its ``WorkerDeadlineError`` is not logged as a worker failure. ``metadata``: the request's
+        trace context (``tandem.tracing``), so that the worker's span of the call joins the request's trace."""
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout)
+            return await getattr(self.stub, method)(request, timeout=timeout, metadata=metadata or None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.healthy = False  # skipped by new requests until its Info answers again
@@ -249,12 +251,13 @@ class WorkerClient:
             self.prompt_blocks.record(prompt_ids, self.info.block_size, self.info.total_blocks)
 
     def for_request(self, deadline: float | None, max_len: int = 0, priority: int = 0,
-                    arrival_time: float = 0.0, room: RoomQueue | None = None) -> RequestChannel:
+                    arrival_time: float = 0.0, room: RoomQueue | None = None,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> RequestChannel:
         """This worker as one request sees it: calls bounded by the request's deadline (loop time); ``max_len``:
         the most tokens the request's KV may reach, ``priority`` the request's and ``arrival_time`` when it
         arrived (Unix seconds), told to a target with each Prefill (0: not said), with the coordinator's requests
-        waiting in ``room`` for this worker."""
-        return RequestChannel(self, deadline, self.owner, max_len, priority, arrival_time, room)
+        waiting in ``room`` for this worker; ``metadata`` goes with every call (the request's trace context)."""
+        return RequestChannel(self, deadline, self.owner, max_len, priority, arrival_time, room, metadata)
 
     @property
     def streams(self) -> int:
@@ -277,8 +280,10 @@ class RequestChannel:
     """One request's handle on one worker: the ``Verifier`` and ``DraftChannel`` over gRPC."""
 
     def __init__(self, client: WorkerClient, deadline: float | None, owner: str = "", max_len: int = 0,
-                 priority: int = 0, arrival_time: float = 0.0, room: RoomQueue | None = None) -> None:
+                 priority: int = 0, arrival_time: float = 0.0, room: RoomQueue | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.client = client
+        self.metadata = metadata  # sent with every call: the request's trace context (tandem.tracing); () if none
         self.max_len = max_len  # PrefillRequest.max_len: the room a target keeps free for the sequence to grow
         self.priority = priority  # PrefillRequest.priority: lower goes first where the target's pool runs short
         self.arrival_time = arrival_time  # PrefillRequest.arrival_time: FCFS across coordinators in a full pool
@@ -320,7 +325,7 @@ class RequestChannel:
         hang = self.hang_timeout(prompt_tokens)
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + (MAX_BUSY_WAITS + 1) * hang
-        call = asyncio.ensure_future(self.client.call(method, request, self._time_left()))
+        call = asyncio.ensure_future(self.client.call(method, request, self._time_left(), metadata=self.metadata))
         try:
             wait = hang
             while True:
@@ -427,7 +432,7 @@ class RequestChannel:
         self._draft_tokens, self._verified = [], 0
         try:
             await self.client.call("Release", common_pb2.ReleaseRequest(seq_id=seq_id), RELEASE_TIMEOUT_S,
-                                   deadline_expected=True)
+                                   deadline_expected=True, metadata=self.metadata)
         except WorkerDeadlineError:  # queued behind a long step (a chunk of a long prompt): it runs when taken
             log.info("release of %s on %s not answered within %.0f s (the worker is in a long step; it frees the "
                      "sequence when it takes the call)", seq_id, self.client.address, RELEASE_TIMEOUT_S)

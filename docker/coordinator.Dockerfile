@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # The coordinator: the public Generation API and the speculation loop. It holds no weights and
 # imports no torch, so its image has neither CUDA nor torch: the wheel is installed with
-# --no-deps plus its requirements less torch (docker/requirements_without_torch.py).
+# --no-deps plus its requirements less torch (docker/requirements_without_torch.py), and OpenTelemetry's
+# (the tracing extra: --otlp-traces-endpoint).
 # Build from the repository root:  docker build -f docker/coordinator.Dockerfile -t tandem/coordinator:0.1.0 .
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
 
@@ -18,7 +19,7 @@ COPY docker/requirements_without_torch.py /tmp/
 # The wheel build runs protoc (grpcio-tools from [build-system]): the stubs ship in the wheel.
 # Installs byte-compile (no --no-compile): the root filesystem is read-only at run time.
 RUN pip wheel --no-deps --wheel-dir /wheels . \
-    && python /tmp/requirements_without_torch.py /wheels/tandem-*.whl > /wheels/requirements.txt \
+    && python /tmp/requirements_without_torch.py --extra tracing /wheels/tandem-*.whl > /wheels/requirements.txt \
     && python -m venv /opt/tandem \
     && /opt/tandem/bin/pip install -r /wheels/requirements.txt \
     && /opt/tandem/bin/pip install --no-deps /wheels/tandem-*.whl \

@@ -7,7 +7,10 @@ step; only the names below are left out. An extra cannot do this (extras only ad
 torch out of the default dependencies would change what ``pip install tandem`` means for
 everyone else.
 
-Usage: python requirements_without_torch.py dist/tandem-*.whl > requirements.txt
+An optional group the coordinator image wants too (``tracing``: OpenTelemetry) is named with
+``--extra``; its requirements are printed without their marker.
+
+Usage: python requirements_without_torch.py [--extra NAME]... dist/tandem-*.whl > requirements.txt
 Standard library only: it runs in the image's build stage before anything is installed.
 """
 
@@ -23,13 +26,15 @@ from email.parser import Parser
 WORKER_ONLY = frozenset({"torch", "accelerate"})
 
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+_EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 
 
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def coordinator_requirements(wheel: str) -> list[str]:
+def coordinator_requirements(wheel: str, extras: frozenset[str] = frozenset()) -> list[str]:
+    """The wheel's runtime requirements less torch's, with those of the optional groups named in ``extras``."""
     with zipfile.ZipFile(wheel) as z:
         metadata = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
         if len(metadata) != 1:
@@ -38,8 +43,11 @@ def coordinator_requirements(wheel: str) -> list[str]:
     kept = []
     for requirement in message.get_all("Requires-Dist") or []:
         spec, _, marker = requirement.partition(";")
-        if "extra" in marker:  # optional groups (dev, bench, gpu) are not runtime requirements
-            continue
+        if "extra" in marker:  # optional groups (dev, bench, gpu) are not runtime requirements, unless asked for
+            group = _EXTRA.search(marker)
+            if group is None or canonical(group.group(1)) not in {canonical(e) for e in extras}:
+                continue
+            requirement = spec
         match = _NAME.match(spec)
         if match is None:
             raise SystemExit(f"{wheel}: cannot read the requirement {requirement!r}")
@@ -49,10 +57,14 @@ def coordinator_requirements(wheel: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or not argv[1].endswith(".whl"):
+    args, extras = argv[1:], set()
+    while len(args) > 2 and args[0] == "--extra":
+        extras.add(args[1])
+        args = args[2:]
+    if len(args) != 1 or not args[0].endswith(".whl"):
         print(__doc__.strip().splitlines()[-2], file=sys.stderr)
         return 2
-    print("\n".join(coordinator_requirements(argv[1])))
+    print("\n".join(coordinator_requirements(args[0], frozenset(extras))))
     return 0
 
 

@@ -70,7 +70,7 @@ COPY --from=build /wheels /wheels
 RUN python3 -m venv /opt/tandem \
     && /opt/tandem/bin/pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple} \
         "torch==${TORCH_VERSION}" \
-    && /opt/tandem/bin/pip install /wheels/flash_attn-*.whl "$(ls /wheels/tandem-*.whl)[gpu]" \
+    && /opt/tandem/bin/pip install /wheels/flash_attn-*.whl "$(ls /wheels/tandem-*.whl)[gpu,tracing]" \
     && rm -rf /wheels \
     && /opt/tandem/bin/python -c "import flash_attn, flash_attn_2_cuda" \
     && /opt/tandem/bin/tandem serve target --help >/dev/null

@@ -12,6 +12,7 @@ imports torch, when it resolves its device and dtype.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.errors import InvalidRequestError, UnsupportedArchitectureError
 from tandem.rpc.leases import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_S, MAX_IDLE_TTL_S, MAX_LEASE_S, MIN_LEASE_S
 from tandem.rpc.room_waits import HOLD_S, ROOM_HOLD_S
+from tandem.tracing import INSTALL_HINT, check_endpoint
 
 if TYPE_CHECKING:
     import torch
@@ -349,6 +351,23 @@ class EngineConfig:
 DEFAULT_DRAIN_GRACE_S = 10.0
 
 
+def check_tracing(endpoint: str | None) -> None:
+    """``--otlp-traces-endpoint``: a collector's URL, with OpenTelemetry installed; checked before any model loads."""
+    if endpoint is None:
+        return
+    check_endpoint(endpoint)
+    missing = [name for name in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc") if _missing(name)]
+    if missing:
+        raise InvalidRequestError(f"--otlp-traces-endpoint needs {', '.join(missing)}, not installed: {INSTALL_HINT}")
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # (a parent package is missing)
+        return True
+
+
 def check_drain_grace_flag(seconds: float) -> None:
     """``--drain-grace``: a number of seconds >= 0 (a server's, and what ``tandem up`` gives its coordinator)."""
     if not seconds >= 0:  # (NaN too)
@@ -366,6 +385,9 @@ class ServerOptions:
     # calls in flight finishing on it: behind a Kubernetes Service, which balances connections and not calls, a
     # client's next connection may reach another replica. None: never (tandem.rpc.connection_age).
     max_connection_age_s: float | None = None
+    # An OTLP/gRPC collector for this server's spans (tandem.tracing): a request's on a coordinator, its calls' on a
+    # worker. None: no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -376,6 +398,7 @@ class ServerOptions:
         if self.max_connection_age_s is not None and not self.max_connection_age_s > 0:
             raise InvalidRequestError(f"--max-connection-age must be a positive number of seconds (0 or unset: "
                                       f"never), got {self.max_connection_age_s}")
+        check_tracing(self.otlp_traces_endpoint)
 
 
 @dataclass(slots=True)

@@ -52,6 +52,7 @@ from tandem.config import CoordinatorConfig
 from tandem.errors import ListenError
 from tandem.rpc.connection_age import ConnectionAge
 from tandem.rpc.tls import ServerTLS
+from tandem.tracing import carrier
 from tandem.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class HttpApi:
         with self.access.hold(client):
             parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
             try:
-                run = self.service.start(parsed.for_choice(0), parsed.timeout_s)
+                run = self.service.start(parsed.for_choice(0), parsed.timeout_s, carrier(request.headers))
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, parsed.params) from None
             texts = TokenTexts(self.tokenizer) if parsed.logprobs is not None else None
@@ -249,7 +250,8 @@ class HttpApi:
         with self.access.hold(client, parsed.choices):
             parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
             try:  # every choice validated and placed before anything runs or is sent
-                runs = [self.service.start(parsed.for_choice(i), parsed.timeout_s) for i in range(parsed.choices)]
+                runs = [self.service.start(parsed.for_choice(i), parsed.timeout_s, carrier(request.headers))
+                        for i in range(parsed.choices)]
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
                 raise from_domain(exc, parsed.params) from None
             shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs,

@@ -48,6 +48,11 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="serve Prometheus /metrics on this port (0: a free one; default: off)")
     p.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S,
                    help="seconds in-flight calls get to finish after SIGTERM (default: %(default)s)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry spans over OTLP/gRPC to this collector, e.g. http://otel-collector:4317 "
+                        "(https:// for TLS): a coordinator's span per request, under the caller's traceparent, and "
+                        "a worker's span per call of a traced request. Needs pip install 'tandem[tracing]'; "
+                        "$OTEL_SERVICE_NAME and $OTEL_RESOURCE_ATTRIBUTES name the process (default: off)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     p.add_argument("--cache-dir", default=None, help="model cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
@@ -246,7 +251,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _server_options(args: argparse.Namespace) -> ServerOptions:
     age = getattr(args, "max_connection_age", 0.0)  # (the coordinator's flag: workers are dialed per replica)
     return ServerOptions(args.host, args.port, args.metrics_port, args.drain_grace, tls=server_tls(args),
-                         max_connection_age_s=age or None)
+                         max_connection_age_s=age or None, otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def run_worker(args: argparse.Namespace) -> int:

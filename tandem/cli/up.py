@@ -58,6 +58,7 @@ from tandem.config import (
     check_device_name,
     check_drain_grace_flag,
     check_room_hold_flag,
+    check_tracing,
     read_chat_template,
 )
 from tandem.errors import InvalidRequestError
@@ -144,6 +145,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--room-hold", type=float, default=ROOM_HOLD_S, metavar="SECONDS",
                    help="how long a request refused for room asks the target to hold it until room frees (0: "
                         "refused at once, asked again; see `tandem serve coordinator --help`) (default: %(default)s)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="every process sends OpenTelemetry spans over OTLP/gRPC to this collector, e.g. "
+                        "http://127.0.0.1:4317: the coordinator a span per request, under the caller's traceparent, "
+                        "the workers one per call of it (see `tandem serve coordinator --help`) (default: off)")
     add_draft_flags(p)
     p.add_argument("--admin-port", type=int, default=0,
                    help="port of the local control endpoint `tandem scale` calls, on 127.0.0.1 only "
@@ -194,6 +199,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         raise InvalidRequestError(f"--rank-timeout must be a positive number of seconds, got {args.rank_timeout}")
     check_room_hold_flag(args.room_hold)
     check_drain_grace_flag(args.drain_grace)
+    check_tracing(args.otlp_traces_endpoint)
+    tracing_args = ("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ()
     target_args = ("--heads", str(args.heads)) if args.heads else ()
     if args.rank_timeout is not None:
         target_args += ("--rank-timeout", repr(args.rank_timeout))
@@ -202,7 +209,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if (http := http_port(args)) is not None:
         coordinator_args += ["--http-port", str(http)]
     coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy,
-                         "--room-hold", repr(args.room_hold), "--drain-grace", repr(args.drain_grace)]
+                         "--room-hold", repr(args.room_hold), "--drain-grace", repr(args.drain_grace),
+                         *tracing_args]
     if args.chat_template:
         read_chat_template(args.chat_template)  # refused here, named, before any process starts
         coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]
@@ -224,7 +232,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                      *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                      *(("--no-cache-generated",) if args.no_cache_generated else ()),
                      *(() if args.prefill_chunk_tokens is None else
-                       ("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)))),
+                       ("--prefill-chunk-tokens", str(args.prefill_chunk_tokens))), *tracing_args),
         log_dir=args.log_dir, cache_dir=args.cache_dir,
         coordinator_args=tuple(coordinator_args), discovery="file", server_tls=tls, client_tls=worker_tls,
         coordinator_token=token_from(args.auth_token_file, "--auth-token-file"),

@@ -49,6 +49,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from tandem.rpc.call_timing import CURRENT_CALL, CallTiming
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -69,6 +71,7 @@ class _Pending(Generic[Item]):
     held_since: float = 0.0  # when it was first refused for room and held (perf_counter): the held calls' order
     held_until: float | None = None  # refused for room and held (perf_counter deadline); None: not held
     refusal: BaseException | None = None  # a held call's last refusal: its answer once its time is up
+    timing: CallTiming | None = None  # a traced call's record of its steps (tandem.rpc.call_timing); None: untraced
 
 
 class Batcher(Generic[Item, Result]):
@@ -155,7 +158,7 @@ class Batcher(Generic[Item, Result]):
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, item: Item) -> Result:
-        pending = _Pending(item, self.cost(item))
+        pending = _Pending(item, self.cost(item), timing=CURRENT_CALL.get())
         self._queue.append(pending)
         self._wakeup.set()
         return await pending.future
@@ -215,6 +218,8 @@ class Batcher(Generic[Item, Result]):
             return False
         pending.refusal = refusal
         pending.cost = self.cost(pending.item)
+        if pending.timing is not None:
+            pending.timing.held += 1
         bisect.insort(self._held, pending, key=lambda p: p.held_since)  # oldest first, whatever batch it came from
         return True
 
@@ -270,8 +275,12 @@ class Batcher(Generic[Item, Result]):
                 # where each refusal's Release happened to forget them.
                 self._recent.append({self.key(p.item) for p, r in zip(batch, results)
                                      if not isinstance(r, BaseException)})
+            seconds = time.perf_counter() - started
             if self.on_batch:
-                self.on_batch(len(batch), self._step_tokens, time.perf_counter() - started)
+                self.on_batch(len(batch), self._step_tokens, seconds)
+            for pending in batch:
+                if pending.timing is not None:
+                    pending.timing.step(started, seconds, len(batch), self._step_tokens)
             unfinished = []
             for pending, result in zip(batch, results):
                 if pending.future.done():

@@ -33,6 +33,8 @@ from tandem.errors import ListenError, ShuttingDownError
 from tandem.rpc import connection_age
 from tandem.rpc.refusal import refusing
 from tandem.rpc.status import ErrorMappingInterceptor
+from tandem.rpc.traced_calls import TracedCalls
+from tandem.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,18 @@ class ManagedServer:
 
     def __init__(self, role: str, options: ServerOptions, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES, traced_calls: bool = False,
+                 tracing: Tracing | None = None) -> None:
+        """``traced_calls``: a worker's, whose calls that carry a request's ``traceparent`` get spans of their own
+        (``tandem.rpc.traced_calls``); a coordinator opens its requests' spans itself. ``tracing``: where spans go
+        (default: as ``options.otlp_traces_endpoint`` says)."""
         self.role = role
         self.options = options
         self.registry = CollectorRegistry()  # one per server: no process-global metrics
+        # This process's spans (off without --otlp-traces-endpoint); flushed as the server stops.
+        self.tracing = tracing or Tracing.open(options.otlp_traces_endpoint, f"tandem-{role}")
+        if traced_calls and self.tracing.enabled:
+            interceptors = [*interceptors, TracedCalls(self.tracing, role)]
         # gRPC itself refuses a larger message with RESOURCE_EXHAUSTED before any handler runs.
         grpc_options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_receive_message_length", max_receive_bytes),
@@ -63,8 +73,8 @@ class ManagedServer:
                         ("grpc.so_reuseport", 0),
                         *connection_age.grpc_options(options.max_connection_age_s)]
         # The start-up gate innermost: a caller without a valid token hears that first.
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors, _StartingGate(self)],
-                                      options=grpc_options)
+        self.interceptors = [ErrorMappingInterceptor(), *interceptors, _StartingGate(self)]
+        self.server = grpc.aio.server(interceptors=self.interceptors, options=grpc_options)
         self.health = health.aio.HealthServicer()
         self.service_names: list[str] = []
         self.serving = False  # warmed up: set_serving has run
@@ -134,6 +144,7 @@ class ManagedServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(FAILED_STOP_GRACE_S)
+        self.tracing.shutdown()
 
     async def drain_and_stop(self) -> None:
         if self.draining:
@@ -149,6 +160,7 @@ class ManagedServer:
             await self.drain_work(grace)
             grace = max(0.0, grace - (time.monotonic() - started))
         await self.server.stop(grace)
+        self.tracing.shutdown()  # (the last calls' spans, sent before the process exits)
 
 
 class _StartingGate(grpc.aio.ServerInterceptor):

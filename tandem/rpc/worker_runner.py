@@ -92,7 +92,7 @@ async def _run_worker(role: WorkerRole, cfg: WorkerConfig, model_thread: ThreadP
     tokenizer = load_tokenizer(cfg.engine.model_dir)
     role_engine = await asyncio.get_running_loop().run_in_executor(  # heads are packed and timed: model thread
         model_thread, role.make_engine, engine, Leases(cfg.lease_s, cfg.idle_ttl_s), cfg)
-    server = ManagedServer(role.name, cfg.server)
+    server = ManagedServer(role.name, cfg.server, traced_calls=True)
     metrics = WorkerMetrics(server.registry, role.name)
     metrics.kv_blocks_total.set(engine.kv_cache.num_blocks)
     server.registry.register(PrefixCacheCollector(role.name, engine.kv_cache.prefix_stats))

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from coordinator.access import AccessControl
 from coordinator.service import GenerationService
 from coordinator.workers import WorkerPool
@@ -56,6 +58,8 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
         self.free_blocks = 90
         self.total_blocks = 100  # its KV pool: 100 blocks of 16 tokens
         self.release_gate: asyncio.Event | None = None  # a test's: each Release waits for it (a worker mid-step)
+        self.metadata: dict[str, dict[str, str]] = {}  # each method's last call's metadata (trace context...)
+        self.refuse_verify = ""  # a test's: Verify answers FAILED_PRECONDITION saying this ("": it answers)
 
     async def Info(self, request, context):
         self.calls["Info"] += 1
@@ -63,18 +67,24 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
                                      total_blocks=self.total_blocks, free_blocks=self.free_blocks, block_size=16,
                                      tokenizer_fingerprint=self.fingerprint, stop_token_ids=[1])
 
+    def _heard(self, method: str, context) -> None:
+        self.calls[method] += 1
+        self.metadata[method] = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
     async def Prefill(self, request, context):
-        self.calls["Prefill"] += 1
+        self._heard("Prefill", context)
         return target_pb2.PrefillResponse(next_token=TOKEN)
 
     async def Verify(self, request, context):
-        self.calls["Verify"] += 1
+        self._heard("Verify", context)
+        if self.refuse_verify:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refuse_verify)
         return target_pb2.VerifyResponse(num_accepted=0, next_token=TOKEN)
 
     async def Release(self, request, context):
         if self.release_gate is not None:
             await self.release_gate.wait()
-        self.calls["Release"] += 1
+        self._heard("Release", context)
         return common_pb2.ReleaseResponse(released=True)
 
 

@@ -14,7 +14,7 @@ class FakeClient:
     name: str
     active: int = 0
 
-    def for_request(self, deadline, max_len=0, priority=0, arrival_time=0.0, room=None):
+    def for_request(self, deadline, max_len=0, priority=0, arrival_time=0.0, room=None, metadata=()):
         return ("channel", self.name, max_len, priority, arrival_time)
 
 

@@ -51,7 +51,7 @@ class DraftStub:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), details="down")
         return self.info
 
-    async def Propose(self, request, timeout):  # noqa: N802
+    async def Propose(self, request, timeout, metadata=None):  # noqa: N802
         return draft_pb2.ProposeResponse(tokens=[1] * request.k)
 
 

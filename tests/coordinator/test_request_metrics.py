@@ -12,6 +12,7 @@ from coordinator.service import GenerationService
 from tandem.rpc.metrics import CoordinatorMetrics
 from tandem.sampling_params import SamplingParams
 from tandem.spec.request import RequestState, StopConditions
+from tandem.tracing import RequestTrace
 
 
 class Placement:
@@ -39,7 +40,7 @@ def test_a_requests_waiting_rounds_and_tokens_are_counted_when_it_ends():
     state = RequestState([1, 2, 3], SamplingParams(), StopConditions(3))
 
     async def drive():
-        run = SimpleNamespace(state=state, placement=Placement(), loop=Loop(state))
+        run = SimpleNamespace(state=state, placement=Placement(), loop=Loop(state), trace=RequestTrace())
         async for _ in GenerationService._drive(service, run):
             pass
 

@@ -88,7 +88,7 @@ class RecordingClient(WorkerClient):  # (hang_timeout from WorkerClient)
     def __init__(self) -> None:
         self.timeouts: list[float] = []
 
-    async def call(self, method, request, timeout, deadline_expected=False):
+    async def call(self, method, request, timeout, deadline_expected=False, metadata=()):
         self.timeouts.append(timeout)
         return target_pb2.PrefillResponse(next_token=7) if method == "Prefill" else common_pb2.ReleaseResponse()
 
@@ -153,7 +153,7 @@ class TimedClient(WorkerClient):
         self.hangs_at: float | None = None  # its model thread stops in a batch this long after its first call
         self.started = 0.0
 
-    async def call(self, method, request, timeout, deadline_expected=False):
+    async def call(self, method, request, timeout, deadline_expected=False, metadata=()):
         self.timeouts[method] = timeout
         self.started = self.started or asyncio.get_running_loop().time()
         seconds = self.seconds[method]

@@ -25,6 +25,7 @@ Requires-Dist: grpcio>=1.85.1
 Requires-Dist: kubernetes>=29.0
 Requires-Dist: pytest>=8; extra == "dev"
 Requires-Dist: flash-attn>=2.6; extra == "gpu"
+Requires-Dist: opentelemetry-sdk>=1.30; extra == 'tracing'
 Provides-Extra: dev
 
 A description that mentions Requires-Dist: torch in passing.
@@ -37,6 +38,9 @@ def test_keeps_runtime_requirements_and_drops_torch_and_what_requires_it_and_ext
         z.writestr("tandem-0.1.0.dist-info/METADATA", METADATA)
     assert requirements_without_torch.coordinator_requirements(str(wheel)) == [
         "transformers>=4.50", "grpcio>=1.85.1", "kubernetes>=29.0"]
+    # an extra the image asks for (--extra tracing) is printed without its marker; the others stay out
+    assert requirements_without_torch.coordinator_requirements(str(wheel), frozenset({"tracing"})) == [
+        "transformers>=4.50", "grpcio>=1.85.1", "kubernetes>=29.0", "opentelemetry-sdk>=1.30"]
 
 
 def test_the_projects_own_requirements_keep_what_the_coordinator_imports():

@@ -186,8 +186,8 @@ def record_starts(running: Running, read: Any) -> list[Any]:
     seen: list[Any] = []
     start = running.service.start
 
-    def spy(request, remaining):
-        run = start(request, remaining)
+    def spy(request, remaining, *trace):
+        run = start(request, remaining, *trace)
         seen.append(read(run))
         return run
     running.service.start = spy

@@ -1101,9 +1101,9 @@ def test_seeded_choices_get_seeds_of_their_own(tokenizer):
             captured = []
             start = running.service.start
 
-            def spy(request, remaining):
+            def spy(request, remaining, *trace):
                 captured.append((request.sampling.seed, request.sampling.temperature))
-                return start(request, remaining)
+                return start(request, remaining, *trace)
             running.service.start = spy
             code, _ = await post(running.url + "/completions", {"prompt": "hi", "max_tokens": 2, "n": 3, "seed": 5})
             assert code == 200 and [s for s, _ in captured] == [5, 6, 7]

@@ -92,10 +92,10 @@ def test_a_list_of_prompts_runs_n_choices_of_each_in_order(tokenizer):
             captured = []
             start = running.service.start
 
-            def spy(request, remaining):
+            def spy(request, remaining, *trace):
                 captured.append((request.WhichOneof("input"), request.text or list(request.token_ids.ids),
                                  request.sampling.seed))
-                return start(request, remaining)
+                return start(request, remaining, *trace)
             running.service.start = spy
             prompts = ["a", "bb", [5, 6]]
             code, body = await post(running.url + "/completions", {"prompt": prompts, "max_tokens": 2, "n": 2,

@@ -5,7 +5,8 @@ up), so the suite starts one system per run (per pytest worker: `make test` runs
 when the first test it runs needs it), and the tests that only send requests use it: two target
 replicas and two draft replicas of SmolLM2 in ``SHARED_DTYPE`` (the draft at full precision and full
 vocabulary, so it is the target's own model and every draft token is accepted, which tests assert),
-pipelined drafting on, one coordinator, metrics on, everything bound to 127.0.0.1. A test that
+pipelined drafting on, one coordinator, metrics on, everything bound to 127.0.0.1, the workers' spans
+of traced calls sent to a real OTLP receiver in the test process (``otlp_collector``). A test that
 needs other coordinator settings adds a coordinator of its own over the same workers
 (``extra_coordinator``); only a test that kills, hangs or reconfigures workers starts a cluster
 of its own (on the tiny model where the property is not about real text).
@@ -24,6 +25,7 @@ import pytest
 from tandem.client import TandemClient
 from tandem.cluster import ClusterSpec, LocalCluster, Service
 from tandem.config import native_cpu_bf16
+from tests.otlp_collector import OtlpCollector
 from tests.references import target_only
 
 # The dtype a user gets by default here (``--dtype auto``): bf16 where the CPU multiplies it natively, else
@@ -44,11 +46,19 @@ MAX_NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="session")
-def shared_cluster(smollm2_dir, tmp_path_factory) -> Iterator[LocalCluster]:
+def otlp_collector() -> Iterator[OtlpCollector]:
+    """A real OTLP/gRPC receiver the shared cluster's workers send their call spans to (only calls of a traced
+    request make spans: those of a coordinator started with --otlp-traces-endpoint)."""
+    with OtlpCollector() as collector:
+        yield collector
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(smollm2_dir, tmp_path_factory, otlp_collector) -> Iterator[LocalCluster]:
     spec = ClusterSpec(target=str(smollm2_dir), draft=str(smollm2_dir), dtype=SHARED_DTYPE, kv_cache_tokens=8192,
                        target_replicas=2, draft_replicas=2, worker_threads=1,
                        log_dir=tmp_path_factory.mktemp("shared-cluster-logs"), pipelining=True,
-                       worker_args=("--host", "127.0.0.1"),
+                       worker_args=("--host", "127.0.0.1", "--otlp-traces-endpoint", otlp_collector.endpoint),
                        # The OpenAI-compatible HTTP API too, so that its tests share this cluster.
                        coordinator_args=("--host", "127.0.0.1", "--http-port", "0"),
                        # A full-precision draft equal to the target: every draft is accepted, which tests assert.

@@ -188,7 +188,7 @@ class Recorder:
                "Release": common_pb2.ReleaseResponse()}
 
     def __getattr__(self, method):
-        async def call(request, timeout):
+        async def call(request, timeout, metadata=None):
             self.requests.append((method, request))
             return self.REPLIES[method]
         return call

@@ -141,6 +141,29 @@ affinity:
   value: {{ printf "%s/.tandem" .Values.models.mountPath | quote }}
 {{- end }}
 
+{{/* --otlp-traces-endpoint for every Tandem server, when tracing.otlpEndpoint is set. */}}
+{{- define "tandem.tracingArgs" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- --otlp-traces-endpoint
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+With tracing on: resource attributes that say which pod a span came from. Tandem names the service
+itself (tandem-coordinator, tandem-target, tandem-draft); the SDK reads OTEL_RESOURCE_ATTRIBUTES and
+Kubernetes expands $(TANDEM_POD_NAME) from the variable defined before it.
+*/}}
+{{- define "tandem.tracingEnv" -}}
+{{- if .Values.tracing.otlpEndpoint }}
+- name: TANDEM_POD_NAME
+  valueFrom:
+    fieldRef: {fieldPath: metadata.name}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(TANDEM_POD_NAME),service.namespace=%s" .Release.Namespace (include "tandem.fullname" .) | quote }}
+{{- end }}
+{{- end }}
+
 {{/*
 The hub download init container (models.source: download), in the pod's own image (both have `hf`).
 Call with (list $ .Values.models.target "target" $tokenizerOnly .Values.images.worker).
