@@ -45,6 +45,8 @@ TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 INSTALL_HINT = "pip install 'tandem[tracing]' (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc)"
 SHUTDOWN_TIMEOUT_S = 5.0  # at exit: the spans still queued get this long to reach the collector
 REQUEST_SPAN = "llm_request"  # vLLM's name for the same span, so that a dashboard built for it finds ours
+EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.grpc.exporter"  # where the OTLP exporter logs its failures
+EXPORT_ERRORS_EVERY_S = 60.0  # with the collector down: its first failure logged, then one a minute
 
 
 def check_endpoint(endpoint: str | None) -> None:
@@ -76,6 +78,30 @@ def carrier(pairs: Iterable[tuple[str, Any]] | Mapping[str, Any] | None) -> dict
         if name in TRACE_HEADERS and isinstance(value, str):
             found[name] = value
     return found
+
+
+class ExportErrorsPerInterval(logging.Filter):
+    """The OTLP exporter logs two lines for every batch it cannot send (a retry warning, then the failure): with
+    the collector down, a pair every few seconds for as long as it is down. This lets the first of each level
+    through, then one per level per ``every_s``, saying how many of that level it held back in between."""
+
+    def __init__(self, every_s: float = EXPORT_ERRORS_EVERY_S, clock=time.monotonic) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self._clock = clock
+        self._next_at: dict[int, float] = {}  # per level: when its next message may pass
+        self._held: dict[int, int] = {}  # per level: messages held back since the last one passed
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now, level = self._clock(), record.levelno
+        if now < self._next_at.get(level, now):
+            self._held[level] = self._held.get(level, 0) + 1
+            return False
+        held = self._held.pop(level, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it held back in the last {self.every_s:g} s)"
+        self._next_at[level] = now + self.every_s
+        return True
 
 
 class RequestTrace:
@@ -113,9 +139,11 @@ class RequestTrace:
 class Tracing:
     """A process's spans, exported over OTLP/gRPC (``Tracing.open``), or none (``Tracing()``)."""
 
-    def __init__(self, provider: Any = None, tracer: Any = None) -> None:
+    def __init__(self, provider: Any = None, tracer: Any = None,
+                 export_errors: ExportErrorsPerInterval | None = None) -> None:
         self._provider = provider
         self._tracer = tracer
+        self._export_errors = export_errors  # on the exporter's logger while this process traces; removed at shutdown
         self._propagator: Any = None
         self._trace_api: Any = None
         if tracer is not None:
@@ -151,8 +179,10 @@ class Tracing:
             exporter = OTLPSpanExporter(endpoint=endpoint, insecure=parts.scheme == "http")
         provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # (our own shutdown bounds the wait)
         provider.add_span_processor(BatchSpanProcessor(exporter))
+        export_errors = ExportErrorsPerInterval()
+        logging.getLogger(EXPORTER_LOGGER).addFilter(export_errors)
         log.info("tracing: spans of %s go to %s over OTLP/gRPC", resource.attributes.get(SERVICE_NAME), endpoint)
-        return cls(provider, provider.get_tracer("tandem", _version()))
+        return cls(provider, provider.get_tracer("tandem", _version()), export_errors)
 
     @classmethod
     def with_provider(cls, provider: Any) -> Tracing:
@@ -204,8 +234,12 @@ class Tracing:
         stopping = threading.Thread(target=flush_and_stop, name="tracing-shutdown", daemon=True)
         stopping.start()
         stopping.join(timeout_s)
+        if self._export_errors is not None:
+            logging.getLogger(EXPORTER_LOGGER).removeFilter(self._export_errors)
+            self._export_errors = None
         if stopping.is_alive():
             log.warning("tracing: the collector took more than %g s; spans not yet sent are dropped", timeout_s)
+
 
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """OpenTelemetry takes str, bool, int, float and lists of one of them; None and empty strings are left out."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import threading
 
 import grpc
@@ -19,7 +20,7 @@ from tandem.errors import InvalidRequestError, UnknownSequenceError
 from tandem.rpc.batcher import Batcher
 from tandem.rpc.call_timing import CURRENT_CALL, CallTiming
 from tandem.rpc.server import ManagedServer
-from tandem.tracing import REQUEST_SPAN, TRACEPARENT, Tracing, carrier
+from tandem.tracing import EXPORTER_LOGGER, REQUEST_SPAN, TRACEPARENT, ExportErrorsPerInterval, Tracing, carrier
 from tandem.v1 import target_pb2, target_pb2_grpc
 
 # A caller's trace context, as W3C Trace Context writes it: version, trace id, parent span id, flags (sampled).
@@ -259,3 +260,35 @@ def test_stopping_never_waits_on_a_collector_that_does_not_answer(caplog):
         tracing.shutdown(0.2)  # (a second stop is nothing)
     finally:
         release.set()
+
+
+def test_a_down_collector_is_reported_once_then_once_per_interval_with_a_count():
+    now = [100.0]
+    errors = ExportErrorsPerInterval(every_s=60.0, clock=lambda: now[0])
+    logger = logging.getLogger("tests.tracing.exporter")
+    logger.propagate = False
+    passed: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            passed.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    logger.addFilter(errors)
+    for second in range(0, 125, 5):  # a batch fails every 5 s: a retry warning, then the failure
+        now[0] = 100.0 + second
+        logger.warning("Transient error %s, retrying", "UNAVAILABLE")
+        logger.error("Failed to export traces")
+    held = " (11 more like it held back in the last 60 s)"
+    assert passed == ["Transient error UNAVAILABLE, retrying", "Failed to export traces"] + [
+        "Transient error UNAVAILABLE, retrying" + held, "Failed to export traces" + held] * 2
+
+
+def test_the_exporters_log_filter_lives_as_long_as_the_tracing_that_set_it():
+    def ours():
+        return [f for f in logging.getLogger(EXPORTER_LOGGER).filters if isinstance(f, ExportErrorsPerInterval)]
+
+    tracing = Tracing.open("http://127.0.0.1:9", "tandem-test")  # (nothing is sent: no span is made)
+    assert len(ours()) == 1
+    tracing.shutdown(1.0)
+    assert ours() == []
