@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import grpc
@@ -217,7 +218,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             verifier = FailoverVerifier(placement.verifier(), placement, state, lambda target: heads_budget(
                 options, state, self.max_context, target.fitted_cost(), first=True), waiting=self.metrics.vllm.waiting,
                 room=self.room_queue, queue_key=(request.priority, state.stats.started_at),
-                room_hold_s=self.cfg.room_hold_s)
+                room_hold_s=self.cfg.room_hold_s, on_refused=partial(self._refused_for_room, trace))
             channel = placement.draft_channel()
             draft = FailoverDraft(channel, placement, state.stats) if channel is not None else None
             loop = SpeculationLoop(state, seq_id, options, verifier, draft, costs, self.max_context, self.observer,
@@ -231,6 +232,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:
             trace.finish({"tandem.outcome": "refused"}, error=f"{type(exc).__name__}: {exc}")
             raise
+
+    @staticmethod
+    def _refused_for_room(trace: RequestTrace, preempted: bool, held_s: float) -> None:
+        # (the wait that follows shows as the gap before its next call's span; all of them: time_in_queue)
+        trace.event("preempted" if preempted else "refused_for_room", **{"tandem.refused_after_s": round(held_s, 6)})
 
     def _moved(self, role: str, trace: RequestTrace) -> None:
         self.metrics.moves.labels(role).inc()

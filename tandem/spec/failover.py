@@ -98,12 +98,15 @@ class FailoverVerifier:
     coordinator's queue of requests waiting for room (``tandem.spec.room_queue``), where this one waits its turn at
     ``queue_key`` (its priority and start); None: it backs off alone. ``room_hold_s``: how long each Prefill after a
     refusal for room asks its worker to hold it until room frees (0: refused at once, asked again after a pause).
+    ``on_refused(preempted, held_s)``: told of each refusal for room (``preempted``: the target held the sequence's
+    KV, now released; ``held_s``: how long the refused call took), for the request's trace.
     """
 
     def __init__(self, target: Verifier, replicas: ReplicaSource, state: RequestState,
                  rebuild_propose: Callable[[Verifier], int], waiting: Tally | None = None,
                  room: RoomQueue | None = None, queue_key: QueueKey = (0, 0.0),
-                 room_hold_s: float = ROOM_HOLD_S) -> None:
+                 room_hold_s: float = ROOM_HOLD_S,
+                 on_refused: Callable[[bool, float], None] | None = None) -> None:
         self.target = target
         self.replicas = replicas
         self.state = state  # the committed history a rebuild feeds, and the stats moves count in
@@ -112,6 +115,7 @@ class FailoverVerifier:
         self.room = room
         self.queue_key = queue_key
         self.room_hold_s = room_hold_s
+        self.on_refused = on_refused
         self._releases: set[asyncio.Task] = set()
 
     @property
@@ -180,6 +184,8 @@ class FailoverVerifier:
                     waiting.room_freed()
                 else:
                     s.stats.room_waits += 1
+                if self.on_refused is not None:
+                    self.on_refused(holds, refused_after)
                 # (a refused Prefill holds nothing: the worker admits a call whole or not at all, and drops the
                 # chunks it computed of a prompt it then refuses; under a burst, a release per refusal queued
                 # hundreds of needless calls on the busy worker)

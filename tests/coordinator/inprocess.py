@@ -51,6 +51,9 @@ def tiny_tokenizer(out_dir: Path) -> Any:
     return load_tokenizer(out_dir)
 
 
+KV_FULL = "KV cache exhausted: the batch needs 1 more blocks of 16 tokens, 0 are free"  # as a full pool refuses
+
+
 class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
@@ -60,6 +63,8 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
         self.release_gate: asyncio.Event | None = None  # a test's: each Release waits for it (a worker mid-step)
         self.metadata: dict[str, dict[str, str]] = {}  # each method's last call's metadata (trace context...)
         self.refuse_verify = ""  # a test's: Verify answers FAILED_PRECONDITION saying this ("": it answers)
+        self.full_verifies = 0  # a test's: that many Verify calls are refused as a full KV pool would refuse them
+        self.full_prefills = 0  # the same for Prefill calls
 
     async def Info(self, request, context):
         self.calls["Info"] += 1
@@ -73,12 +78,18 @@ class FakeTarget(target_pb2_grpc.TargetWorkerServicer):
 
     async def Prefill(self, request, context):
         self._heard("Prefill", context)
+        if self.full_prefills:
+            self.full_prefills -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, KV_FULL)
         return target_pb2.PrefillResponse(next_token=TOKEN)
 
     async def Verify(self, request, context):
         self._heard("Verify", context)
         if self.refuse_verify:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refuse_verify)
+        if self.full_verifies:
+            self.full_verifies -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, KV_FULL)
         return target_pb2.VerifyResponse(num_accepted=0, next_token=TOKEN)
 
     async def Release(self, request, context):

@@ -100,3 +100,19 @@ def test_a_request_refused_before_it_runs_still_ends_its_span_as_an_error(tmp_pa
     assert code == grpc.StatusCode.UNAVAILABLE and f"{span.context.trace_id:032x}" == CALLER_TRACE
     assert span.attributes["tandem.outcome"] == "refused" and span.status.status_code == StatusCode.ERROR
     assert "no target workers available" in span.status.description
+
+
+def test_refusals_for_room_are_events_of_the_span_and_the_request_still_ends_well(tmp_path):
+    async def scenario(coordinator, worker, stub):
+        worker.full_prefills = 1  # the target's pool is full when the request arrives: it waits for room
+        worker.full_verifies = 1  # and again at its first Verify: it gives its KV back (preempted)
+        return await stub.Generate(REQUEST, metadata=CALLER, timeout=20)
+
+    reply, worker, spans = run(tmp_path, scenario)
+    (span,) = spans
+    assert list(reply.token_ids) == [TOKEN] * 3 and span.attributes["tandem.outcome"] == "ok"
+    refusals = [e for e in span.events if e.name in ("refused_for_room", "preempted")]
+    assert [e.name for e in refusals] == ["refused_for_room", "preempted"]
+    assert all(e.attributes["tandem.refused_after_s"] >= 0 for e in refusals)
+    assert span.attributes["tandem.room_waits"] == 1 and span.attributes["tandem.preemptions"] == 1
+    assert worker.calls["Prefill"] == 3  # refused, admitted, and the rebuild after the preemption
