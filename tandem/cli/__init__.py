@@ -13,7 +13,7 @@ from tandem.errors import TandemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import bench, demo, generate, heads, models, scale, serve, up
+    from tandem.cli import bench, demo, generate, heads, models, run_batch, scale, serve, up
 
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.register(sub)
     heads.register(sub)
     generate.register(sub)
+    run_batch.register(sub)
     serve.register(sub)
     up.register(sub)
     scale.register(sub)

@@ -55,7 +55,6 @@ class ScriptedTarget(FakeTarget):
         self.room_holds: list[float] = []  # each Prefill's wait_for_room_s, in order (refused ones included)
         self.queued: list[tuple[str, list[str]]] = []  # each Prefill's seq_id and the seq_ids it said queue behind
         self.info_sent_at: list[float] = []  # each Info poll's sent_at (the coordinator's clock)
-        self.full_prefills = 0  # Prefills to refuse first as a full pool refuses them (RESOURCE_EXHAUSTED)
         self.script: list[int] = []  # emitted first, before TOKENS in turn (a text the test spells)
         self.info: dict[str, Any] = {}  # Info fields other than the fake's (vocab_size, max_context)
 
