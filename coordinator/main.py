@@ -67,7 +67,8 @@ async def serve(cfg: CoordinatorConfig) -> None:
                                  replica_counts=lambda: {"target": targets.counts(), "draft": drafts.counts()},
                                  match_rates=match_rates.snapshot,
                                  busy_waits=lambda: {"target": targets.busy_waits(), "draft": drafts.busy_waits()},
-                                 served_model=targets.served_model, kv_usage=targets.kv_usage)
+                                 # (the service's name for the model, --served-model-name or the workers': made next)
+                                 served_model=lambda: service.target_model(), kv_usage=targets.kv_usage)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics, cache, match_rates)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     server.drain_work = service.drain  # on SIGTERM: both APIs' requests finish, or end saying why, within the grace

@@ -185,8 +185,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             target_workers=status(self.targets), draft_workers=status(self.drafts))
 
     def target_model(self) -> str:
-        """The served model, as its target workers name it (empty before one has answered)."""
-        return self.targets.served_model()
+        """The served model's name in replies: the first ``--served-model-name``, else its target workers' name
+        (empty before one has answered)."""
+        return self.cfg.served_model_names[0] if self.cfg.served_model_names else self.targets.served_model()
+
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may call the served model by (``--served-model-name``, else the workers' one)."""
+        return self.cfg.served_model_names or (self.targets.served_model(),)
 
     # ----- the request path, written once for both APIs (gRPC here, HTTP in coordinator/http) -----------
     def start(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,

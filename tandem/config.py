@@ -35,6 +35,8 @@ SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+MAX_MODEL_NAME_CHARS = 256  # a served model name (OpenAI's model ids are short; a label value stays sane)
+
 DTYPES = ("bfloat16", "float32", "float16")
 DISCOVERY_MODES = ("static", "file", "dns", "kubernetes")  # names of torch dtypes
 # How the coordinator picks a new request's replicas (coordinator/prefix_routing.py): prefix (the replica likely to
@@ -454,6 +456,21 @@ class WorkerConfig:
                                       f"..{MAX_IDLE_TTL_S:g} seconds, got {self.idle_ttl_s:g}")
 
 
+def check_served_model_names(names: tuple[str, ...]) -> None:
+    """``--served-model-name``: names a client may call the model by, each non-empty, without surrounding space,
+    given once (a request names one; replies and metrics use the first)."""
+    for name in names:
+        if not name or name != name.strip():
+            raise InvalidRequestError(f"--served-model-name must be non-empty names without spaces around them, "
+                                      f"got {name!r}")
+        if len(name) > MAX_MODEL_NAME_CHARS:
+            raise InvalidRequestError(f"--served-model-name {name[:40]!r}... is longer than "
+                                      f"{MAX_MODEL_NAME_CHARS} characters")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise InvalidRequestError(f"--served-model-name gives {repeated[0]!r} more than once")
+
+
 def read_chat_template(path: Path) -> str:
     """A ``--chat-template`` file's text, or an error naming the file and why."""
     try:
@@ -522,9 +539,13 @@ class CoordinatorConfig:
     expose_worker_addresses: bool = False  # False: replies name replicas target-0, draft-1...
     http_port: int | None = None  # the OpenAI-compatible HTTP API (coordinator/http); None: off, 0: any free port
     chat_template: Path | None = None  # a Jinja chat template file used instead of the tokenizer's own
+    # The model's names in both APIs (--served-model-name), the first in every reply; (): its target workers' name.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
+        self.served_model_names = tuple(self.served_model_names)
+        check_served_model_names(self.served_model_names)
         if self.chat_template is not None:
             self.chat_template = Path(self.chat_template)
             self.chat_template_text()  # read now: a bad file is refused at start-up, named

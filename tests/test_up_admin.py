@@ -235,6 +235,18 @@ def test_tandem_up_passes_the_room_hold_to_its_coordinator_and_refuses_a_bad_one
         up_spec("--room-hold", "9")
 
 
+def test_tandem_up_passes_the_served_model_names_to_its_coordinator_and_refuses_bad_ones_before_starting():
+    from tandem.cli import build_parser
+
+    args = list(up_spec("--served-model-name", "qwen-coder", "gpt-4o-mini", "--room-hold", "0").coordinator_args)
+    served = build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t", *args])
+    assert served.served_model_name == ["qwen-coder", "gpt-4o-mini"] and served.room_hold == 0.0
+    assert "--served-model-name" not in up_spec().coordinator_args
+    assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t"]).served_model_name == ()
+    with pytest.raises(InvalidRequestError, match="--served-model-name gives 'a' more than once"):
+        up_spec("--served-model-name", "a", "a")
+
+
 def test_a_second_ctrl_c_while_tandem_up_stops_stops_everything_at_once():
     """The first Ctrl-C gives the coordinator's requests its drain grace; a second one, meanwhile, stops every
     process at once (SIGTERM, then SIGKILL) rather than leave the user waiting or processes behind."""

@@ -175,13 +175,14 @@ class HttpApi:
     async def models(self, request: web.Request) -> web.Response:
         self._check_serving()
         with self.access.hold(self._client(request)):  # counted as gRPC's Info is: no call goes unbounded
-            return web.json_response({"object": "list", "data": [self._model_card()]})
+            return web.json_response({"object": "list", "data": self._model_cards()})
 
     async def model(self, request: web.Request) -> web.Response:
         self._check_serving()
         with self.access.hold(self._client(request)):
-            self._served(request.match_info["model"])
-            return web.json_response(self._model_card())
+            asked = request.match_info["model"]
+            self._served(asked)
+            return web.json_response(next(card for card in self._model_cards() if card["id"] == asked))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda body: tokenize.tokenize(
@@ -353,17 +354,18 @@ class HttpApi:
                                 "bytes, --max-request-bytes)", code="request_too_large") from None
 
     def _served(self, model: str | None) -> str:
-        """The served model's id; a request naming another is 404."""
-        served = self.service.target_model()
-        if model is not None and model != served:
-            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {served!r}",
-                           param="model", code="model_not_found")
-        return served
+        """The served model's id in replies; a request naming none of its names is 404."""
+        names = self.service.model_names()
+        if model is not None and model not in names:
+            raise ApiError(404, f"the model {model!r} does not exist here: this server serves "
+                                f"{' or '.join(repr(n) for n in names)}", param="model", code="model_not_found")
+        return self.service.target_model()
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """A card per name the model answers to (``--served-model-name``), as vLLM lists its served names."""
         context = self.service.served_context()
-        return {"id": self.service.target_model(), "object": "model", "created": self.started, "owned_by": "tandem",
-                "max_model_len": context, "context_length": context}
+        return [{"id": name, "object": "model", "created": self.started, "owned_by": "tandem",
+                 "max_model_len": context, "context_length": context} for name in self.service.model_names()]
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]

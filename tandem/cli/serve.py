@@ -184,6 +184,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     coord.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to use instead of the tokenizer's (as transformers renders it): "
                             "e.g. one that shows the model its tools, for a model whose own template does not")
+    coord.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                       help="the names clients call the model by, in both APIs (the `model` field, /v1/models, "
+                            "metrics' model_name); replies name the first. Default: the target workers' --model")
     coord.add_argument("--max-new-tokens", type=int, default=256,
                        help="default when a gRPC or legacy completions request leaves it unset; chat completions "
                             "and responses that leave it unset get what the context leaves, as OpenAI's "
@@ -311,7 +314,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, continuation_cache=not args.no_continuation_cache,
         max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement,
         scheduling_policy=args.scheduling_policy, room_hold_s=args.room_hold, http_port=args.http_port,
-        chat_template=args.chat_template, **coordinator_options(args),
+        chat_template=args.chat_template, served_model_names=tuple(args.served_model_name),
+        **coordinator_options(args),
     )
     from coordinator.main import serve
 

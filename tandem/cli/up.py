@@ -58,6 +58,7 @@ from tandem.config import (
     check_device_name,
     check_drain_grace_flag,
     check_room_hold_flag,
+    check_served_model_names,
     check_tracing,
     read_chat_template,
 )
@@ -95,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the coordinator's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT}; any free port "
                         "when --port is 0); --no-http turns it off")
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="the names clients call the model by (`tandem serve coordinator --served-model-name`); "
+                        "default: the target's --target")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the coordinator's chat template instead of the tokenizer's (`tandem serve coordinator "
                         "--chat-template`): e.g. one that shows the model its tools")
@@ -211,6 +215,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy,
                          "--room-hold", repr(args.room_hold), "--drain-grace", repr(args.drain_grace),
                          *tracing_args]
+    if args.served_model_name:
+        check_served_model_names(tuple(args.served_model_name))  # (refused before any process starts)
+        coordinator_args += ["--served-model-name", *args.served_model_name]
     if args.chat_template:
         read_chat_template(args.chat_template)  # refused here, named, before any process starts
         coordinator_args += ["--chat-template", str(Path(args.chat_template).resolve())]

@@ -55,3 +55,14 @@ def test_the_http_probe_is_refused_under_mutual_tls():
     error = render_error("coordinator.http.readinessProbe=true", "tls.enabled=true", "tls.secretName=t",
                          "tls.mutual=true")
     assert "tls.mutual" in error and "client certificate" in error
+
+
+def test_the_served_model_names_reach_the_coordinator_as_it_parses_them():
+    from tandem.cli import build_parser
+
+    args = container(render(None, "coordinator.servedModelNames={qwen-coder,gpt-4o-mini}"), "coordinator")["args"]
+    parsed = build_parser().parse_args(["serve", "coordinator", *args])
+    assert parsed.served_model_name == ["qwen-coder", "gpt-4o-mini"]
+    assert "--served-model-name" not in container(render(), "coordinator")["args"]  # the workers' name by default
+    assert "/coordinator/servedModelNames" in render_error("coordinator.servedModelNames={qwen,qwen}")
+    assert "/coordinator/servedModelNames" in render_error("coordinator.servedModelNames={ qwen}")

@@ -151,7 +151,8 @@ async def http_coordinator(tokenizer: Any, *, tokens: tuple[str, ...] = (), serv
     targets, drafts = WorkerPool("target", [], fingerprint), WorkerPool("draft", [], fingerprint)
     access = AccessControl(auth, cfg.max_concurrent_per_client)
     server = managed_server(tls, role="coordinator", interceptors=[access], max_receive_bytes=cfg.max_request_bytes)
-    metrics = CoordinatorMetrics(server.registry, served_model=targets.served_model, kv_usage=targets.kv_usage)
+    metrics = CoordinatorMetrics(server.registry, served_model=lambda: service.target_model(),
+                                 kv_usage=targets.kv_usage)
     service = GenerationService(cfg, tokenizer, targets, drafts, server, metrics)
     server.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, service, "tandem.v1.Generation")
     http = HttpApi(service, access, cfg, tokenizer, server.registry)
