@@ -111,6 +111,7 @@ bench: setup-dev models  ## every benchmark (slow: about an hour on 2 cores)
 	$(PYTHON) benchmarks/prompt_scoring.py
 	$(PYTHON) benchmarks/shared_prompt_wait.py
 	$(PYTHON) benchmarks/lone_prompt.py
+	$(PYTHON) benchmarks/tracing_overhead.py
 	$(PYTHON) benchmarks/prompt_burst.py
 	$(PYTHON) benchmarks/priority_bench.py --rounds 2
 	$(PYTHON) benchmarks/attention_ab.py
