@@ -9,6 +9,7 @@ from coordinator.access import AccessControl
 from coordinator.discovery import follow, make_source
 from coordinator.http import HttpApi
 from coordinator.service import GenerationService
+from coordinator.stats_log import StatsLog
 from coordinator.workers import RELEASE_TIMEOUT_S, WorkerPool, new_owner_id
 from tandem.config import CoordinatorConfig
 from tandem.errors import WorkerUnavailableError
@@ -96,6 +97,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
         service.model_stop_ids = frozenset(info.stop_token_ids)
         log.info("coordinator: serving with targets %s and drafts %s (discovery: %s)",
                  targets.counts(), drafts.counts(), cfg.discovery)
+        if cfg.log_stats_interval_s:
+            stats = StatsLog(metrics, targets.kv_usage, cfg.log_stats_interval_s)
+            background.append(asyncio.create_task(stats.run()))
 
     try:
         await serve_until_signalled(server, warmup)

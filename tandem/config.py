@@ -541,11 +541,15 @@ class CoordinatorConfig:
     chat_template: Path | None = None  # a Jinja chat template file used instead of the tokenizer's own
     # The model's names in both APIs (--served-model-name), the first in every reply; (): its target workers' name.
     served_model_names: tuple[str, ...] = ()
+    log_stats_interval_s: float = 10.0  # seconds between the stats lines of the log (coordinator/stats_log); 0: none
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)
         self.served_model_names = tuple(self.served_model_names)
         check_served_model_names(self.served_model_names)
+        if not (self.log_stats_interval_s == 0 or 1 <= self.log_stats_interval_s <= 3600):
+            raise InvalidRequestError(f"--log-stats-interval must be 0 (no stats lines) or 1..3600 seconds, "
+                                      f"got {self.log_stats_interval_s}")
         if self.chat_template is not None:
             self.chat_template = Path(self.chat_template)
             self.chat_template_text()  # read now: a bad file is refused at start-up, named

@@ -1,12 +1,13 @@
 """`tandem run-batch` as a user runs it: its own process, a JSONL file of requests, the shared SmolLM2 cluster's
 coordinator over HTTP. Each answer is the one the same body gets sent on its own through the official client
-(greedy: the same text), in the input's order."""
+(greedy: the same text), in the input's order. And what the coordinator's log says of such work: its stats lines."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -36,3 +37,18 @@ def test_a_batch_file_through_the_command_answers_each_line_as_the_api_answers_i
     assert [r["custom_id"] for r in written] == ["q0", "q1", "q2"]
     assert [r["response"]["body"]["choices"][0]["message"]["content"] for r in written] == alone
     assert all(r["response"]["body"]["usage"]["completion_tokens"] > 0 for r in written)
+
+
+def test_the_coordinator_logs_a_stats_line_while_it_works(shared_cluster, shared_client):
+    """Its --log-stats-interval (10 s by default): a line saying what the interval ran, in the process's own log."""
+    from tandem.client import build_request
+
+    log_path = shared_cluster.coordinator.log_path
+    before = log_path.read_text(errors="replace").count("requests finished (")
+    shared_client.generate(build_request(PROMPTS[0], max_new_tokens=8))
+    deadline = time.monotonic() + 30
+    while log_path.read_text(errors="replace").count("requests finished (") == before:
+        assert time.monotonic() < deadline, "no stats line within 30 s of a request"
+        time.sleep(0.5)
+    line = [text for text in log_path.read_text(errors="replace").splitlines() if "requests finished (" in text][-1]
+    assert "coordinator.stats_log" in line and "tokens/s generated" in line and "target KV" in line
