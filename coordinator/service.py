@@ -27,6 +27,7 @@ from coordinator.in_flight import InFlight
 from coordinator.placement import Placement
 from coordinator.prefix_routing import client_key, routing_key
 from coordinator.replica_state import PairCosts, ReplicaNames
+from coordinator.request_log import request_line
 from coordinator.workers import WorkerPool
 from tandem.config import CoordinatorConfig
 from tandem.errors import ContextLengthError, InvalidRequestError, PromptTooLongError, check_token_ids, token_count_text
@@ -328,6 +329,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     run.trace.finish(request_spans.closing(state, outcome, self.public_name(run.placement.target),
                                                            self.public_name(run.placement.draft)),
                                      error=error or ("the request failed" if outcome in ("error", "drained") else None))
+                if self.cfg.log_requests:
+                    draft = run.placement.draft  # (addresses, as the rest of the operator's log names workers)
+                    log.info("%s", request_line(run.request_id, run.options.method, state, outcome,
+                                                run.placement.target.address, draft.address if draft else "", error))
                 run.placement.leave()
                 metrics.active.dec()
                 metrics.requests.labels(outcome).inc()

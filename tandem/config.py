@@ -542,6 +542,7 @@ class CoordinatorConfig:
     # The model's names in both APIs (--served-model-name), the first in every reply; (): its target workers' name.
     served_model_names: tuple[str, ...] = ()
     log_stats_interval_s: float = 10.0  # seconds between the stats lines of the log (coordinator/stats_log); 0: none
+    log_requests: bool = False  # a log line per request as it ends (coordinator/request_log)
 
     def __post_init__(self) -> None:
         self.tokenizer_dir = Path(self.tokenizer_dir)

@@ -235,12 +235,15 @@ def test_tandem_up_passes_the_room_hold_to_its_coordinator_and_refuses_a_bad_one
         up_spec("--room-hold", "9")
 
 
-def test_tandem_up_passes_the_served_model_names_to_its_coordinator_and_refuses_bad_ones_before_starting():
+def test_tandem_up_passes_the_served_model_names_and_request_logging_to_its_coordinator():
     from tandem.cli import build_parser
 
     args = list(up_spec("--served-model-name", "qwen-coder", "gpt-4o-mini", "--room-hold", "0").coordinator_args)
     served = build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t", *args])
     assert served.served_model_name == ["qwen-coder", "gpt-4o-mini"] and served.room_hold == 0.0
+    logging = list(up_spec("--log-requests").coordinator_args)
+    assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t", *logging]).log_requests
+    assert "--log-requests" not in up_spec().coordinator_args
     assert "--served-model-name" not in up_spec().coordinator_args
     assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t"]).served_model_name == ()
     with pytest.raises(InvalidRequestError, match="--served-model-name gives 'a' more than once"):

@@ -188,6 +188,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="seconds between the log's stats lines while requests run: running and waiting requests, "
                             "tokens/s, finished requests, target KV use, speculation's acceptance (default: "
                             "%(default)s; 0: none)")
+    coord.add_argument("--log-requests", action="store_true",
+                       help="log a line per request as it ends: its id, outcome, tokens, speed, speculation and "
+                            "replicas (never its text)")
     coord.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
                        help="the names clients call the model by, in both APIs (the `model` field, /v1/models, "
                             "metrics' model_name); replies name the first. Default: the target workers' --model")
@@ -319,7 +322,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_moves=args.max_moves, move_wait_s=args.move_wait, placement=args.placement,
         scheduling_policy=args.scheduling_policy, room_hold_s=args.room_hold, http_port=args.http_port,
         chat_template=args.chat_template, served_model_names=tuple(args.served_model_name),
-        log_stats_interval_s=args.log_stats_interval,
+        log_stats_interval_s=args.log_stats_interval, log_requests=args.log_requests,
         **coordinator_options(args),
     )
     from coordinator.main import serve

@@ -96,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the coordinator's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT}; any free port "
                         "when --port is 0); --no-http turns it off")
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument("--log-requests", action="store_true",
+                   help="the coordinator logs a line per request as it ends (`tandem serve coordinator "
+                        "--log-requests`), in the log directory's coordinator.log")
     p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
                    help="the names clients call the model by (`tandem serve coordinator --served-model-name`); "
                         "default: the target's --target")
@@ -215,6 +218,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     coordinator_args += ["--placement", args.placement, "--scheduling-policy", args.scheduling_policy,
                          "--room-hold", repr(args.room_hold), "--drain-grace", repr(args.drain_grace),
                          *tracing_args]
+    if args.log_requests:
+        coordinator_args.append("--log-requests")
     if args.served_model_name:
         check_served_model_names(tuple(args.served_model_name))  # (refused before any process starts)
         coordinator_args += ["--served-model-name", *args.served_model_name]
