@@ -36,7 +36,8 @@ class Loop:
 
 def test_a_requests_waiting_rounds_and_tokens_are_counted_when_it_ends():
     registry = CollectorRegistry()
-    service = SimpleNamespace(metrics=CoordinatorMetrics(registry), in_flight=InFlight())
+    service = SimpleNamespace(metrics=CoordinatorMetrics(registry), in_flight=InFlight(),
+                              cfg=SimpleNamespace(log_requests=False))
     state = RequestState([1, 2, 3], SamplingParams(), StopConditions(3))
 
     async def drive():
