@@ -66,3 +66,15 @@ def test_the_served_model_names_reach_the_coordinator_as_it_parses_them():
     assert "--served-model-name" not in container(render(), "coordinator")["args"]  # the workers' name by default
     assert "/coordinator/servedModelNames" in render_error("coordinator.servedModelNames={qwen,qwen}")
     assert "/coordinator/servedModelNames" in render_error("coordinator.servedModelNames={ qwen}")
+
+
+def test_the_coordinators_log_settings_reach_it_only_when_they_differ_from_its_own_defaults():
+    from tandem.cli import build_parser
+
+    args = container(render(None, "coordinator.logStatsIntervalSeconds=0", "coordinator.logRequests=true"),
+                     "coordinator")["args"]
+    parsed = build_parser().parse_args(["serve", "coordinator", *args])
+    assert parsed.log_stats_interval == 0 and parsed.log_requests
+    default = container(render(), "coordinator")["args"]
+    assert "--log-stats-interval" not in default and "--log-requests" not in default
+    assert "/coordinator/logStatsIntervalSeconds" in render_error("coordinator.logStatsIntervalSeconds=-1")
