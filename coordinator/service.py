@@ -240,6 +240,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise
 
     @staticmethod
+    def abandon(run: _Request, reason: str) -> None:
+        """A started request that will not run (another choice of its HTTP request was refused): nothing was sent
+        to a worker, so only its span is left to end, as refused."""
+        run.trace.finish({"tandem.outcome": "refused"}, error=reason)
+
+    @staticmethod
     def _refused_for_room(trace: RequestTrace, preempted: bool, held_s: float) -> None:
         # (the wait that follows shows as the gap before its next call's span; all of them: time_in_queue)
         trace.event("preempted" if preempted else "refused_for_room", **{"tandem.refused_after_s": round(held_s, 6)})

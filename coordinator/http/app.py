@@ -250,10 +250,13 @@ class HttpApi:
                             f"{budget} per client (--max-concurrent-per-client): send fewer per request")
         with self.access.hold(client, parsed.choices):
             parsed.request.request_id = parsed.request.request_id or uuid.uuid4().hex[:16]
+            runs = []
             try:  # every choice validated and placed before anything runs or is sent
-                runs = [self.service.start(parsed.for_choice(i), parsed.timeout_s, carrier(request.headers))
-                        for i in range(parsed.choices)]
+                for i in range(parsed.choices):
+                    runs.append(self.service.start(parsed.for_choice(i), parsed.timeout_s, carrier(request.headers)))
             except Exception as exc:  # noqa: BLE001 - the service's refusals, named as this request's fields
+                for run in runs:  # placed, never to run: refused with the request
+                    self.service.abandon(run, f"another choice of its request was refused: {exc}")
                 raise from_domain(exc, parsed.params) from None
             shapes = Shapes(parsed.chat, parsed.request.request_id, model, self.tokenizer, parsed.logprobs,
                             echo=parsed.prompts if parsed.echo else None, prompt_logprobs=parsed.prompt_logprobs,
