@@ -80,7 +80,8 @@ class StatsLog:
         if delta.finished:
             found = (f", {100 * delta.prefix_hits / delta.prefix_queries:.1f}% found in the prefix cache"
                      if delta.prefix_queries else "")
-            parts.append(f"{delta.finished:.0f} requests finished ({delta.prompt_tokens:.0f} prompt tokens{found})")
+            requests = "request" if delta.finished == 1 else "requests"
+            parts.append(f"{delta.finished:.0f} {requests} finished ({delta.prompt_tokens:.0f} prompt tokens{found})")
         parts.append(f"target KV {100 * self.kv_usage():.1f}% used")
         if delta.rounds:
             parts.append(f"speculation {1 + delta.accepted / delta.rounds:.2f} tokens a round, "

@@ -456,6 +456,12 @@ class WorkerConfig:
                                       f"..{MAX_IDLE_TTL_S:g} seconds, got {self.idle_ttl_s:g}")
 
 
+def check_log_stats_interval(seconds: float) -> None:
+    """``--log-stats-interval``: 0 (no stats lines) or 1..3600 seconds."""
+    if not (seconds == 0 or 1 <= seconds <= 3600):  # (NaN fails too)
+        raise InvalidRequestError(f"--log-stats-interval must be 0 (no stats lines) or 1..3600 seconds, got {seconds}")
+
+
 def check_served_model_names(names: tuple[str, ...]) -> None:
     """``--served-model-name``: names a client may call the model by, each non-empty, without surrounding space,
     given once (a request names one; replies and metrics use the first)."""
@@ -548,9 +554,7 @@ class CoordinatorConfig:
         self.tokenizer_dir = Path(self.tokenizer_dir)
         self.served_model_names = tuple(self.served_model_names)
         check_served_model_names(self.served_model_names)
-        if not (self.log_stats_interval_s == 0 or 1 <= self.log_stats_interval_s <= 3600):
-            raise InvalidRequestError(f"--log-stats-interval must be 0 (no stats lines) or 1..3600 seconds, "
-                                      f"got {self.log_stats_interval_s}")
+        check_log_stats_interval(self.log_stats_interval_s)
         if self.chat_template is not None:
             self.chat_template = Path(self.chat_template)
             self.chat_template_text()  # read now: a bad file is refused at start-up, named

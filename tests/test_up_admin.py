@@ -244,6 +244,11 @@ def test_tandem_up_passes_the_served_model_names_and_request_logging_to_its_coor
     logging = list(up_spec("--log-requests").coordinator_args)
     assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t", *logging]).log_requests
     assert "--log-requests" not in up_spec().coordinator_args
+    stats = list(up_spec("--log-stats-interval", "2").coordinator_args)
+    assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t", *stats]).log_stats_interval == 2
+    assert "--log-stats-interval" not in up_spec().coordinator_args  # the coordinator's own default
+    with pytest.raises(InvalidRequestError, match="--log-stats-interval must be 0"):
+        up_spec("--log-stats-interval", "0.5")
     assert "--served-model-name" not in up_spec().coordinator_args
     assert build_parser().parse_args(["serve", "coordinator", "--tokenizer", "t"]).served_model_name == ()
     with pytest.raises(InvalidRequestError, match="--served-model-name gives 'a' more than once"):

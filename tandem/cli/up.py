@@ -57,12 +57,14 @@ from tandem.config import (
     available_device,
     check_device_name,
     check_drain_grace_flag,
+    check_log_stats_interval,
     check_room_hold_flag,
     check_served_model_names,
     check_tracing,
     read_chat_template,
 )
 from tandem.errors import InvalidRequestError
+from tandem.log_follow import LogFollower, coordinator_summary
 from tandem.rpc.auth import token_from
 from tandem.rpc.room_waits import ROOM_HOLD_S
 from tandem.supervisor import RestartPolicy, Supervisor
@@ -98,7 +100,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
     p.add_argument("--log-requests", action="store_true",
                    help="the coordinator logs a line per request as it ends (`tandem serve coordinator "
-                        "--log-requests`), in the log directory's coordinator.log")
+                        "--log-requests`), shown here too")
+    p.add_argument("--log-stats-interval", type=float, default=None, metavar="S",
+                   help="seconds between the coordinator's stats lines while requests run, shown here too "
+                        "(default: the coordinator's, 10; 0: none)")
     p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
                    help="the names clients call the model by (`tandem serve coordinator --served-model-name`); "
                         "default: the target's --target")
@@ -220,6 +225,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                          *tracing_args]
     if args.log_requests:
         coordinator_args.append("--log-requests")
+    if args.log_stats_interval is not None:
+        check_log_stats_interval(args.log_stats_interval)  # (refused before any process starts)
+        coordinator_args += ["--log-stats-interval", repr(args.log_stats_interval)]
     if args.served_model_name:
         check_served_model_names(tuple(args.served_model_name))  # (refused before any process starts)
         coordinator_args += ["--served-model-name", *args.served_model_name]
@@ -289,9 +297,13 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     supervisor.start()
+    # The coordinator's stats lines (and request lines, with --log-requests) on this terminal, as they are logged.
+    coordinator_lines = LogFollower(lambda: cluster.coordinator.log_path, coordinator_summary)
+    coordinator_lines.poll()
     try:
         while not stop.wait(1.0):
-            pass
+            for line in coordinator_lines.poll():
+                print(line, flush=True)
     finally:
         supervisor.stop()
         admin.stop()

@@ -42,7 +42,7 @@ def test_a_busy_interval_says_what_ran_and_an_idle_one_is_said_once_then_nothing
     metrics.vllm.round(drafted=4, accepted=1)
     finished_request(metrics, prompt_tokens=200, generated=20, reused=50)
     clock.now += 10
-    assert stats.line() == ("stats: 0 running, 1 waiting; 5.0 tokens/s generated; 1 requests finished (200 prompt "
+    assert stats.line() == ("stats: 0 running, 1 waiting; 5.0 tokens/s generated; 1 request finished (200 prompt "
                             "tokens, 25.0% found in the prefix cache); target KV 25.0% used; speculation 3.00 tokens "
                             "a round, 50.0% of 8 drafted tokens accepted")
     metrics.vllm.waiting.dec()  # admitted: running now
@@ -51,7 +51,7 @@ def test_a_busy_interval_says_what_ran_and_an_idle_one_is_said_once_then_nothing
     finished_request(metrics, prompt_tokens=10, generated=3, reused=0)
     metrics.generated_tokens.inc(3)
     clock.now += 10
-    assert stats.line() == ("stats: 0 running, 0 waiting; 0.3 tokens/s generated; 1 requests finished (10 prompt "
+    assert stats.line() == ("stats: 0 running, 0 waiting; 0.3 tokens/s generated; 1 request finished (10 prompt "
                             "tokens, 0.0% found in the prefix cache); target KV 25.0% used")
     clock.now += 10
     assert stats.line() == "stats: 0 running, 0 waiting; 0.0 tokens/s generated; target KV 25.0% used"  # idle now

@@ -76,7 +76,7 @@ def tandem_up(model_dir, tmp_path, *flags: str) -> tuple[subprocess.Popen, Outpu
 
 def test_killing_the_serving_target_of_two_mid_stream_keeps_tandem_up_serving(model_dir, reference, tmp_path):
     cache = tmp_path / "cache"
-    up, output = tandem_up(model_dir, tmp_path, "--target-replicas", "2")
+    up, output = tandem_up(model_dir, tmp_path, "--target-replicas", "2", "--log-stats-interval", "1")
     try:
         address = _wait_ready(up, output, timeout_s=300)
         pids = {m.group(1): int(m.group(2)) for line in output.lines if (m := WORKER.match(line))}
@@ -108,6 +108,9 @@ def test_killing_the_serving_target_of_two_mid_stream_keeps_tandem_up_serving(mo
             assert re.search(r"target-\d \(\S+, pid \d+\) exited \(code -9\); restarting it", "".join(output.lines))
             again = client.generate(build_request(PROMPT, max_new_tokens=8, ignore_eos=True, method="none"))
             assert list(again.token_ids) == tokens[:8]  # the fleet serves as before
+            # the coordinator's stats lines, shown on tandem up's own output as it logs them
+            assert until(lambda: any(" stats: " in line and " finished (" in line for line in output.lines),
+                         timeout_s=30), output.tail()
         assert "stopping" not in "".join(output.lines), output.tail()  # nothing stopped until asked to
     finally:
         up.send_signal(signal.SIGINT)
