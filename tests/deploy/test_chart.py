@@ -506,6 +506,12 @@ def test_notes_tell_how_to_call_the_service():
     assert 'tandem generate "def quicksort(xs):" --addr localhost:50051' in notes
     assert "grpcurl -plaintext" in notes and "tandem.v1.Generation/Generate" in notes
     assert f"port-forward svc/{name('coordinator')} 50051:50051" in notes
+    assert "a stats line every 10 s" in notes and "app.kubernetes.io/component=coordinator" in notes
+    assert "Traces" not in notes
+    quiet = helm("install", "tandem", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                 "--set", "coordinator.logStatsIntervalSeconds=0", "--set", "tracing.otlpEndpoint=http://otel:4317")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "stats line" not in quiet.stdout and "Traces of every request go to http://otel:4317" in quiet.stdout
 
 
 def _documented_paths(values, schema, path=()):
