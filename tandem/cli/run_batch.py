@@ -8,8 +8,10 @@ and `vllm run-batch` read):
 
 url is /v1/chat/completions, /v1/completions or /v1/responses; body is what that
 route takes (not streamed). The requests go to the coordinator's HTTP API at
---url, up to --concurrency at a time, and --output gets one record per line, in
-the input's order, written as they complete:
+--url (a running `tandem up`, or a cluster's), or to a system this command starts
+on this machine for the batch and stops after (--target, --draft), up to
+--concurrency at a time, and --output gets one record per line, in the input's
+order, written as they complete:
 
   {"id": "batch_req_...", "custom_id": "q-1", "error": null,
    "response": {"status_code": 200, "request_id": "...", "body": {...}}}
@@ -30,10 +32,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -45,6 +48,7 @@ from tandem.rpc.auth import TOKEN_ENV, token_from
 RETRIED_STATUSES = frozenset({429, 503})  # refusals that ask to come back: over a limit, draining, pool full
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
+DEFAULT_URL = "http://127.0.0.1:8000"  # `tandem up`'s HTTP API
 REACH_TIMEOUT_S = 30.0  # the first call, which says whether --url is a coordinator at all
 
 
@@ -55,8 +59,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the requests, a JSON object a line (- : stdin)")
     p.add_argument("-o", "--output", required=True, metavar="PATH",
                    help="where the records go, a line per request in the input's order (- : stdout)")
-    p.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="the coordinator's HTTP API, with or without /v1 (default: %(default)s, `tandem up`'s)")
+    p.add_argument("--url", default=None,
+                   help="the coordinator's HTTP API, with or without /v1 (default: http://127.0.0.1:8000, "
+                        "`tandem up`'s)")
+    p.add_argument("--target", default=None, metavar="MODEL",
+                   help="instead of --url: start a system of its own on this machine for the batch (a target "
+                        "worker, --draft and a coordinator, as `tandem up` starts them), and stop it after")
+    p.add_argument("--draft", default="none", metavar="MODEL",
+                   help="with --target: the draft model (default: none, n-gram lookups only)")
+    p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="with --target: the names the lines' bodies may give as model (e.g. the one they were "
+                        "written for); default: --target as given")
+    p.add_argument("--cache-dir", default=None,
+                   help="with --target: the models' cache root (default: $TANDEM_HOME or ~/.cache/tandem)")
     p.add_argument("--concurrency", type=int, default=16, metavar="N",
                    help="requests in flight at once (default: %(default)s); more than the coordinator's "
                         "--max-concurrent-per-client gets 429s, which are tried again")
@@ -229,6 +244,10 @@ def _json_or_text(text: str) -> Any:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.target is not None and args.url is not None:
+        raise InvalidRequestError("--url and --target: give one (a running coordinator, or a system to start)")
+    if args.target is None and (args.served_model_name or args.draft != "none"):
+        raise InvalidRequestError("--draft and --served-model-name go with --target (the system it starts)")
     if args.concurrency < 1:
         raise InvalidRequestError(f"--concurrency must be at least 1, got {args.concurrency}")
     if args.timeout <= 0:
@@ -243,15 +262,39 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    base = api_base(args.url)
     token = token_from(args.token_file, "--token-file")
     total = None
     if args.input != "-":
         with open(args.input, encoding="utf-8") as counted:
             total = sum(1 for line in counted if line.strip())
-    summary = asyncio.run(_run_file(args, base, token, total))
+    with contextlib.ExitStack() as running:
+        base = api_base(args.url or DEFAULT_URL) if args.target is None else running.enter_context(_own_system(args))
+        summary = asyncio.run(_run_file(args, base, token, total))
     print(summary.line() + ("" if args.output == "-" else f"; records in {args.output}"), file=sys.stderr)
     return 0 if summary.ok == summary.total else 1
+
+
+@contextlib.contextmanager
+def _own_system(args: argparse.Namespace) -> Iterator[str]:
+    """``--target``: a system of real processes on this machine, as `tandem up` starts them; its HTTP API's root."""
+    from tandem import model_store
+    from tandem.cli.generate import resolve_or_prepare
+    from tandem.cluster import ClusterSpec, LocalCluster
+    from tandem.config import check_served_model_names
+
+    draft = None if args.draft == "none" else args.draft
+    names = tuple(args.served_model_name)
+    check_served_model_names(names)
+    root = model_store.cache_root_from(args.cache_dir, os.environ)
+    for model in filter(None, (args.target, draft)):
+        resolve_or_prepare(model, root)  # (prepared here, with progress bars, not in the workers)
+    coordinator_args = ("--host", "127.0.0.1", "--http-port", "0")
+    coordinator_args += ("--served-model-name", *names) if names else ()
+    spec = ClusterSpec(target=args.target, draft=draft, cache_dir=args.cache_dir, coordinator_args=coordinator_args)
+    print(f"run-batch: starting {args.target}" + (f" and {draft}" if draft else "") + " on this machine...",
+          file=sys.stderr, flush=True)
+    with LocalCluster(spec) as cluster:
+        yield api_base(cluster.coordinator.http_url)
 
 
 async def _run_file(args: argparse.Namespace, base: str, token: str | None, total: int | None) -> Summary:

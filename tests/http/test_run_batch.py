@@ -134,6 +134,9 @@ def test_the_command_writes_the_records_file_and_says_how_many_of_each(tokenizer
     (["--concurrency", "0"], "--concurrency must be at least 1"),
     (["--url", "127.0.0.1:8000"], "--url must be the coordinator's http:// or https:// address"),
     (["-o", "SAME"], "--output is --input"),
+    (["--target", "smollm2", "--url", "http://127.0.0.1:8000"], "--url and --target: give one"),
+    (["--draft", "smollm2"], "--draft and --served-model-name go with --target"),
+    (["--target", "smollm2", "--served-model-name", "a", "a"], "--served-model-name gives 'a' more than once"),
 ])
 def test_bad_flags_are_refused_naming_them_and_nothing_is_written(tmp_path, capsys, flags, says):
     requests = tmp_path / "requests.jsonl"

@@ -5,9 +5,12 @@ coordinator over HTTP. Each answer is the one the same body gets sent on its own
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -57,3 +60,34 @@ def test_the_coordinator_logs_a_stats_line_while_it_works(shared_cluster, shared
         time.sleep(0.5)
     line = stats_lines()[-1]
     assert "tokens/s generated" in line and "target KV" in line
+
+
+def test_with_target_the_command_starts_a_system_of_its_own_and_stops_it(tiny_served_dir, tmp_path):
+    """--target: real workers and a coordinator started for the batch (the tiny served model: what is tested is the
+    plumbing), answering under the name the lines were written for, and gone when the command returns."""
+    model = shutil.copytree(tiny_served_dir, tmp_path / "model")  # (its path names this test's processes alone)
+    requests, records = tmp_path / "requests.jsonl", tmp_path / "records.jsonl"
+    body = {"model": "gpt-4o-mini", "max_tokens": 4, "temperature": 0}
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**body, "messages": [{"role": "user", "content": "hi"}]}},
+             {"custom_id": "completion", "method": "POST", "url": "/v1/completions", "body": {**body, "prompt": "hi"}}]
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run([sys.executable, "-m", "tandem", "run-batch", "-i", str(requests), "-o", str(records),
+                           "--target", str(model), "--served-model-name", "gpt-4o-mini",
+                           "--cache-dir", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "2 requests: 2 answered 200" in done.stderr
+    written = [json.loads(text) for text in records.read_text().splitlines()]
+    assert [(r["custom_id"], r["response"]["body"]["model"]) for r in written] == [
+        ("chat", "gpt-4o-mini"), ("completion", "gpt-4o-mini")]
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 4 for r in written)
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(model) in _cmdline(pid)], \
+        "processes of the system it started are still running"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
