@@ -22,8 +22,10 @@ reached for, has response null and error {code, message}. A refusal that asks
 to come back later (429 over the client's concurrency limit, 503 while the
 coordinator drains or its pool is full) and a lost connection are tried again,
 up to --retries times, waiting longer each time. One bad line costs only its
-own record. The exit code is 0 when every request was answered 200, 1 otherwise
-(the summary on stderr says how many of each), 2 when nothing could start.
+own record. A run that was stopped goes on with --resume: records are written
+in the input's order, so the output is always the records of its first lines.
+The exit code is 0 when every request was answered 200, 1 otherwise (the
+summary on stderr says how many of each), 2 when nothing could start.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds one request may take before it is recorded as timed out (default: %(default)s)")
     p.add_argument("--retries", type=int, default=3, metavar="N",
                    help="times a 429, a 503 or a lost connection is tried again (default: %(default)s)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from where an earlier run with this --input and --output stopped (killed, "
+                        "interrupted): the lines --output holds records for are not sent again; its records "
+                        "must be this input's, in order")
     p.add_argument("--token-file", metavar="PATH", default=None,
                    help=f"send the bearer token in this file (its first token). Default: ${TOKEN_ENV}")
     p.set_defaults(func=run)
@@ -115,10 +121,10 @@ class OrderedWriter:
     """Records written in the input's order as they complete: one that finishes early waits in memory only until
     those before it are written (at most about --concurrency of them)."""
 
-    def __init__(self, out: IO[str], summary: Summary) -> None:
+    def __init__(self, out: IO[str], summary: Summary, first: int = 0) -> None:
         self.out = out
         self.summary = summary
-        self._next = 0
+        self._next = first  # the index of the next record to write
         self._waiting: dict[int, dict[str, Any]] = {}
 
     def put(self, index: int, record: dict[str, Any]) -> None:
@@ -138,6 +144,32 @@ def api_base(url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
+def resume_point(records_path: Path, requests_path: Path) -> int:
+    """``--resume``: how many records ``records_path`` holds for the first lines of ``requests_path`` (records are
+    written in the input's order, so they are a prefix of it). A last line cut off mid-write (the run was killed)
+    is removed from the file. Raises ``InvalidRequestError`` when a record is not for the line in its place."""
+    if not records_path.exists():
+        return 0
+    data = records_path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]  # (b"" when no line was finished)
+    records = [json.loads(line) for line in whole.decode("utf-8").splitlines() if line.strip()]
+    with requests_path.open(encoding="utf-8") as lines:
+        items = list(read_lines(lines))
+    if len(records) > len(items):
+        raise InvalidRequestError(f"--resume: {records_path} holds {len(records)} records, more than the "
+                                  f"{len(items)} requests of {requests_path}: they are not this input's")
+    for record, item in zip(records, items):
+        if record.get("custom_id") != item.custom_id:
+            raise InvalidRequestError(
+                f"--resume: record {item.index + 1} of {records_path} is for custom_id {record.get('custom_id')!r}, "
+                f"but line {item.line_no} of {requests_path} is {item.custom_id!r}: those records are not this "
+                f"input's")
+    if len(whole) < len(data):  # (checked first: a refused resume leaves the file as it was)
+        with records_path.open("r+b") as f:
+            f.truncate(len(whole))
+    return len(records)
+
+
 def session(token: str | None, timeout_s: float) -> Any:
     """The HTTP client every request of a batch goes through: the bearer token on each, ``timeout_s`` for each."""
     import aiohttp
@@ -147,10 +179,11 @@ def session(token: str | None, timeout_s: float) -> Any:
 
 
 async def send_all(client: Any, lines: Iterable[str], out: IO[str], base: str, concurrency: int, retries: int,
-                   progress: Any = None) -> Summary:
-    """Send every request of ``lines`` through ``client`` (``session``) and write its record to ``out``."""
+                   progress: Any = None, skip: int = 0) -> Summary:
+    """Send every request of ``lines`` through ``client`` (``session``) and write its record to ``out``; the first
+    ``skip`` (recorded by an earlier run: ``resume_point``) are passed over."""
     summary = Summary()
-    writer = OrderedWriter(out, summary)
+    writer = OrderedWriter(out, summary, first=skip)
     slots = asyncio.Semaphore(concurrency)
 
     def done(index: int, record: dict[str, Any]) -> None:
@@ -170,6 +203,8 @@ async def send_all(client: Any, lines: Iterable[str], out: IO[str], base: str, c
 
     tasks: set[asyncio.Task] = set()
     for item in read_lines(lines):
+        if item.index < skip:
+            continue
         if isinstance(item, BadLine):
             done(item.index, unanswered(item.custom_id, "invalid_request", item.message))
             continue
@@ -244,6 +279,8 @@ def _json_or_text(text: str) -> Any:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.resume and "-" in (args.input, args.output):
+        raise InvalidRequestError("--resume needs --input and --output to be files (it reads both again)")
     if args.target is not None and args.url is not None:
         raise InvalidRequestError("--url and --target: give one (a running coordinator, or a system to start)")
     if args.target is None and (args.served_model_name or args.draft != "none"):
@@ -267,9 +304,13 @@ def run(args: argparse.Namespace) -> int:
     if args.input != "-":
         with open(args.input, encoding="utf-8") as counted:
             total = sum(1 for line in counted if line.strip())
+    skip = resume_point(Path(args.output), Path(args.input)) if args.resume else 0
+    if skip:
+        print(f"run-batch: {args.output} holds the records of the first {skip} lines; going on from there",
+              file=sys.stderr)
     with contextlib.ExitStack() as running:
         base = api_base(args.url or DEFAULT_URL) if args.target is None else running.enter_context(_own_system(args))
-        summary = asyncio.run(_run_file(args, base, token, total))
+        summary = asyncio.run(_run_file(args, base, token, total, skip))
     print(summary.line() + ("" if args.output == "-" else f"; records in {args.output}"), file=sys.stderr)
     return 0 if summary.ok == summary.total else 1
 
@@ -297,14 +338,16 @@ def _own_system(args: argparse.Namespace) -> Iterator[str]:
         yield api_base(cluster.coordinator.http_url)
 
 
-async def _run_file(args: argparse.Namespace, base: str, token: str | None, total: int | None) -> Summary:
+async def _run_file(args: argparse.Namespace, base: str, token: str | None, total: int | None,
+                    skip: int) -> Summary:
     async with session(token, args.timeout) as client:
         await check_reachable(client, base)  # (before --output is opened: a failed start truncates nothing)
         with contextlib.ExitStack() as files:
             source = sys.stdin if args.input == "-" else files.enter_context(open(args.input, encoding="utf-8"))
-            out = sys.stdout if args.output == "-" else files.enter_context(open(args.output, "w", encoding="utf-8"))
-            progress = files.enter_context(_progress(total))
-            return await send_all(client, source, out, base, args.concurrency, args.retries, progress)
+            mode = "a" if args.resume else "w"
+            out = sys.stdout if args.output == "-" else files.enter_context(open(args.output, mode, encoding="utf-8"))
+            progress = files.enter_context(_progress(None if total is None else total - skip))
+            return await send_all(client, source, out, base, args.concurrency, args.retries, progress, skip)
 
 
 def _progress(total: int | None) -> Any:

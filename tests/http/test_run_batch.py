@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -137,6 +138,7 @@ def test_the_command_writes_the_records_file_and_says_how_many_of_each(tokenizer
     (["--target", "smollm2", "--url", "http://127.0.0.1:8000"], "--url and --target: give one"),
     (["--draft", "smollm2"], "--draft and --served-model-name go with --target"),
     (["--target", "smollm2", "--served-model-name", "a", "a"], "--served-model-name gives 'a' more than once"),
+    (["--resume", "-o", "-"], "--resume needs --input and --output to be files"),
 ])
 def test_bad_flags_are_refused_naming_them_and_nothing_is_written(tmp_path, capsys, flags, says):
     requests = tmp_path / "requests.jsonl"
@@ -155,3 +157,36 @@ def test_a_coordinator_that_is_not_there_leaves_an_existing_output_as_it_was(tmp
     assert main(["run-batch", "-i", str(requests), "-o", str(out), "--url", "http://127.0.0.1:1"]) == 2
     assert "cannot reach the coordinator's HTTP API at http://127.0.0.1:1" in capsys.readouterr().err
     assert out.read_text() == "earlier records\n"
+
+
+def test_resume_goes_on_after_the_records_an_earlier_run_wrote_and_drops_a_line_cut_off(tokenizer, tmp_path, capsys):
+    requests, records = tmp_path / "requests.jsonl", tmp_path / "records.jsonl"
+    requests.write_text("".join(line(custom_id) + "\n" for custom_id in ("a", "b", "c")))
+    earlier = json.dumps({"id": "batch_req_earlier", "custom_id": "a", "response": {"status_code": 200},
+                          "error": None})
+    records.write_text(earlier + "\n" + '{"id": "batch_req_cut", "custom_id": "b", "resp')  # killed mid-write
+
+    async def go():
+        async with http_coordinator(tokenizer) as running:
+            return await asyncio.to_thread(main, ["run-batch", "-i", str(requests), "-o", str(records),
+                                                  "--url", running.url, "--resume"])
+
+    assert asyncio.run(go()) == 0
+    written = [json.loads(text) for text in records.read_text().splitlines()]
+    assert [r["custom_id"] for r in written] == ["a", "b", "c"] and written[0]["id"] == "batch_req_earlier"
+    assert all(r["response"]["status_code"] == 200 for r in written)
+    err = capsys.readouterr().err
+    assert "holds the records of the first 1 lines" in err and "2 requests: 2 answered 200" in err
+
+
+@pytest.mark.parametrize(("held", "says"), [
+    ([{"custom_id": "other"}], "record 1 of .* is for custom_id 'other', but line 1 of .* is 'a'"),
+    ([{"custom_id": "a"}, {"custom_id": "b"}], "holds 2 records, more than the 1 requests"),
+])
+def test_resume_refuses_records_that_are_not_this_inputs_and_changes_nothing(tmp_path, capsys, held, says):
+    requests, records = tmp_path / "requests.jsonl", tmp_path / "records.jsonl"
+    requests.write_text(line("a") + "\n")
+    text = "".join(json.dumps(r) + "\n" for r in held) + '{"cut'
+    records.write_text(text)
+    assert main(["run-batch", "-i", str(requests), "-o", str(records), "--resume", "--url", "http://127.0.0.1:1"]) == 2
+    assert re.search(says, capsys.readouterr().err) and records.read_text() == text
