@@ -34,6 +34,7 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/tracing_overhead.py` f
 
 from benchmarks.common import (  # noqa: E402
     DEFAULT_RESULTS_DIR,
+    DEFAULT_SPEC_BENCH,
     SPEC_BENCH_CATEGORIES,
     load_prompts,
     machine_info,
@@ -81,7 +82,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
     from tests.otlp_collector import OtlpCollector
 
     prompts = load_prompts(SPEC_BENCH_CATEGORIES, args.per_category, seed=None,
-                           spec_bench_path=_REPO_ROOT / "benchmarks" / "data" / "spec_bench" / "question.jsonl")
+                           spec_bench_path=DEFAULT_SPEC_BENCH)
     rows: list[dict[str, Any]] = []
     with OtlpCollector() as collector:
         tracing = ("--otlp-traces-endpoint", collector.endpoint)

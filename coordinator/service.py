@@ -236,14 +236,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return _Request(request_id, state, options, placement, loop, tool_calls=parser,
                             prompt_ids_asked=request.return_prompt_token_ids, trace=trace)
         except Exception as exc:
-            trace.finish({"tandem.outcome": "refused"}, error=f"{type(exc).__name__}: {exc}")
+            _end_refused(trace, f"{type(exc).__name__}: {exc}")
             raise
 
     @staticmethod
     def abandon(run: _Request, reason: str) -> None:
         """A started request that will not run (another choice of its HTTP request was refused): nothing was sent
         to a worker, so only its span is left to end, as refused."""
-        run.trace.finish({"tandem.outcome": "refused"}, error=reason)
+        _end_refused(run.trace, reason)
 
     @staticmethod
     def _refused_for_room(trace: RequestTrace, preempted: bool, held_s: float) -> None:
@@ -618,3 +618,8 @@ def _prompt_scores(state: RequestState, ids_asked: bool = False) -> dict[str, An
     if state.prompt_logprobs is None:
         return {"prompt_token_ids": state.prompt_ids} if ids_asked else {}
     return {"prompt_logprobs": logprobs_to_proto(state.prompt_logprobs), "prompt_token_ids": state.prompt_ids}
+
+
+def _end_refused(trace: RequestTrace, reason: str) -> None:
+    """A request's span that ends before the request ran (refused, or a choice of one refused): said so, and why."""
+    trace.finish({"tandem.outcome": "refused"}, error=reason)

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from tandem.rpc.metrics import CoordinatorMetrics
@@ -70,7 +70,7 @@ class StatsLog:
         seconds = max(now - self._last_at, 1e-9)
         waiting = self.metrics.vllm.waiting.value
         running = max(0, self.metrics.vllm.in_flight - waiting)
-        delta = Totals(*(new - old for new, old in zip(_fields(totals), _fields(self._last))))
+        delta = Totals(*(new - old for new, old in zip(astuple(totals), astuple(self._last))))
         self._last, self._last_at = totals, now
         idle = running == 0 and waiting == 0 and delta == Totals()
         if idle and self._quiet:
@@ -101,6 +101,3 @@ def _total(counter: Any) -> float:
     return sum(sample.value for family in counter.collect() for sample in family.samples
                if sample.name.endswith("_total"))
 
-
-def _fields(totals: Totals) -> tuple[float, ...]:
-    return tuple(getattr(totals, name) for name in Totals.__slots__)
