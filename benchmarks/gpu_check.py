@@ -18,7 +18,7 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
   output equal to target-only (``Plan.exact_dtype``), each prompt twice, so that the second pass starts on the
   prefix cache (an EAGLE prompt on its head's cached rows too) and must reuse some of it.
 - ``lossless``: the chi-square test of speculative sampling (chains, then trees)
-  through the worker engines on the device, as tests/spec/test_rejection.py runs it on CPU.
+  through the worker engines on the device, on the suite's six-token pair (tests/spec/losslessness.py).
 - ``processes``: a target worker, a draft worker and a coordinator as real
   processes on the device (``tandem.cluster.LocalCluster``), one request streamed over gRPC.
 - ``tensor-parallel``: ``TensorParallelEngine`` with one rank (NCCL on CUDA, gloo on CPU)
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import platform
 import statistics
@@ -67,7 +68,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ from tandem.inprocess import GenerationRequest, SpeculativeGenerator  # noqa: E4
 from tandem.models.layers import RowStableLinear  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.spec.options import SpecOptions  # noqa: E402
-from tandem.step_graphs import EagerRecorder  # noqa: E402
+from tandem.step_graphs import CudaGraphRecorder, EagerRecorder  # noqa: E402
 from target_worker.engine import PrefillCall, TargetEngine  # noqa: E402
 
 # |ours - transformers| <= tolerance * max |transformers' logit|: float32 differs by the order of
@@ -178,6 +178,22 @@ def hf_model(model_dir: Path, device: str, dtype: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
 
 
+def hf_greedy(hf: Any, prompt: list[int], n: int, device: str) -> list[int]:
+    """transformers' model's own argmax, ``n`` tokens after ``prompt``, its KV cache carried: no generation config.
+
+    Not ``generate``: with ``min_new_tokens`` it masks the end-of-sequence id until n tokens are out, while ours
+    (``GenerationRequest`` asks for exactly n) keeps it as any other token. On CUDA the tiny model's greedy text
+    met that id, and the two parted there (the first GPU run, 2026-12-04) without any fault in the engine."""
+    # transformers 5.25 names the cache ``cache``; the GPU image's 5.17 ``past_key_values``.
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    out = hf(torch.tensor([prompt], device=device), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < n:
+        out = hf(torch.tensor([[tokens[-1]]], device=device), use_cache=True, **{name: getattr(out, name)})
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(count)]
@@ -209,8 +225,7 @@ def engine_vs_transformers(model_dir: Path, plan: Plan) -> dict[str, Any]:
     hf = hf_model(model_dir, plan.device, "float32")  # one load; cast for the other dtypes
     worst: dict[str, float] = {}
     with torch.inference_mode():
-        theirs = [hf.generate(torch.tensor([p], device=plan.device), do_sample=False, max_new_tokens=plan.new_tokens,
-                              min_new_tokens=plan.new_tokens, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        theirs = [hf_greedy(hf, p, plan.new_tokens, plan.device) for p in prompts]
         for dtype in plan.dtypes:
             ref = hf.to(getattr(torch, dtype))(torch.tensor([ids], device=plan.device)).logits[0].float()
             worst[dtype] = float((ours[dtype] - ref).abs().max() / ref.abs().max())
@@ -306,42 +321,36 @@ def heads_greedy(target_dir: Path, plan: Plan) -> dict[str, Any]:
 
 
 def lossless(plan: Plan, work: Path) -> dict[str, Any]:
-    from scipy.stats import chisquare
+    """The suite's six-token pair (tests/spec/losslessness.py), made on the CPU so that its law is the same on every
+    device, sampled on this one. Models drawn on the device were no test: the first GPU run's target put 0.99997 on
+    one first token and its draft never had a token kept, so the rule was never exercised (2026-12-04)."""
+    from tests.spec.losslessness import (
+        PAIR_PROMPT,
+        PAIR_TEMPERATURE,
+        chi_square_pvalue,
+        exact_two_token_distribution,
+        save_six_token_pair,
+    )
 
-    vocab, temperature = 6, 1.0
-    kw = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1)
-    target_dir = save_random_model(work / "lossless-target", "tiny", plan.device, seed=3, **kw)
-    draft_dir = save_random_model(work / "lossless-draft", "tiny", plan.device, seed=4, **kw)
+    target_dir, draft_dir = save_six_token_pair(work / "lossless")
     target, draft = load(target_dir, plan.device, "float32"), load(draft_dir, plan.device, "float32")
-    prompt = [0, 3, 2, 5]
-
-    def dist(tokens: list[int]) -> np.ndarray:
-        logits = target.forward([ForwardItem("x", tokens)])[0][0]
-        target.release("x")
-        return torch.softmax(logits / temperature, -1).double().cpu().numpy()
-
-    exact = np.zeros((vocab, vocab))  # P(t2, t3), marginalised over t1 (from the prefill)
-    p1 = dist(prompt)
-    for t1 in range(vocab):
-        p2 = dist([*prompt, t1])
-        for t2 in range(vocab):
-            exact[t2] += p1[t1] * p2[t2] * dist([*prompt, t1, t2])
-    exact = exact.reshape(-1)
-    pvalues = {}
+    vocab = target.config.vocab_size
+    exact = exact_two_token_distribution(target, PAIR_PROMPT, PAIR_TEMPERATURE)
+    pvalues, kept = {}, {}
     for tree in ("off", "on"):
-        requests = [GenerationRequest(prompt, 4, SamplingParams(temperature, seed=LOSSLESS_SEED_BASE + s,
-                                                                rejection_rule=True))
+        requests = [GenerationRequest(PAIR_PROMPT, 4, SamplingParams(PAIR_TEMPERATURE, seed=LOSSLESS_SEED_BASE + s,
+                                                                     rejection_rule=True))
                     for s in range(plan.lossless_samples)]
         options = SpecOptions("draft", 2, adaptive_k=False, tree=tree, tree_width=2)
         results = SpeculativeGenerator(target, draft, options).generate(requests)
-        counts = np.bincount([r.token_ids[1] * vocab + r.token_ids[2] for r in results], minlength=vocab * vocab)
-        expected = exact / exact.sum() * len(results)
-        keep = expected >= 5  # rare outcomes merged into one bin, so the chi-square approximation holds
-        observed = np.append(counts[keep], counts[~keep].sum())
-        expect = np.append(expected[keep], expected[~keep].sum())
-        pvalues[tree] = float(chisquare(observed, expect).pvalue)
+        pvalues[tree] = chi_square_pvalue([r.token_ids[1] * vocab + r.token_ids[2] for r in results], exact)
+        accepted, drafted = sum(r.stats.accepted for r in results), sum(r.stats.drafted for r in results)
+        # Both branches of the rule ran: some draft tokens kept, some rejected (and a token drawn from the residual).
+        assert 0 < accepted < drafted, f"tree {tree}: {accepted} of {drafted} draft tokens kept: the rule is untested"
+        kept[tree] = f"{accepted} of {drafted}"
     assert all(p > SIGNIFICANCE for p in pvalues.values()), f"chi-square p-values {pvalues} (below {SIGNIFICANCE})"
-    return {"samples": plan.lossless_samples, "pvalue_chain": pvalues["off"], "pvalue_tree": pvalues["on"]}
+    return {"samples": plan.lossless_samples, "pvalue_chain": pvalues["off"], "pvalue_tree": pvalues["on"],
+            "draft_tokens_kept": kept}
 
 
 def processes(target_dir: Path, draft_dir: Path, plan: Plan, work: Path) -> dict[str, Any]:
@@ -402,6 +411,13 @@ def self_drafted(target: ModelEngine, k: int = 4) -> SpeculativeGenerator:
     """Speculation with the target as its own draft (the same weights, a KV pool of its own), fixed k."""
     own_draft = ModelEngine.with_new_cache(target.model, target.kv_cache.num_blocks, target.kv_cache.block_size,
                                            target.backend.name)
+    if target.graphs is not None:
+        # As a draft worker started with --cuda-graphs: its decode steps graphed too, by a recorder of its own. The
+        # H200 run of 2026-12-04 drafted eagerly here, and self-speculation with graphs "on" ran at 47 tokens/s
+        # against plain graphed decoding's 184 (0.5B shapes): four eager draft steps per round.
+        recorder = target.graphs.recorder
+        own_draft.use_step_graphs(CudaGraphRecorder(recorder.device) if isinstance(recorder, CudaGraphRecorder)
+                                  else EagerRecorder())
     return SpeculativeGenerator(target, own_draft, SpecOptions("draft", k, adaptive_k=False))
 
 
@@ -409,21 +425,32 @@ def step_graphs(model_dir: Path, plan: Plan) -> dict[str, Any]:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(max(3, plan.greedy_prompts), 20, vocab, seed=8)
     requests = [GenerationRequest(p, plan.new_tokens, k_max=0) for p in prompts]
-    outputs, replays = {}, 0
+    # Its own k (k_max None): until 2026-12-04 this request asked k_max=0 and so drafted nothing, and no verify
+    # step of 5 tokens ever ran here.
+    speculated = [GenerationRequest(prompts[0], plan.new_tokens)]
+    outputs, replays, drafted_tokens = {}, 0, {}
     for label in ("eager", "graphs"):
         engine = graphed(model_dir, plan, "float32") if label == "graphs" else load(model_dir, plan.device, "float32")
         plain = [r.token_ids for r in SpeculativeGenerator(engine).generate(requests)]  # batched decode steps
-        drafted = [r.token_ids for r in self_drafted(engine).generate(requests[:1])]  # verify steps of 5 tokens
-        outputs[label] = (plain, drafted)
+        generator = self_drafted(engine)
+        results = generator.generate(speculated)  # verify steps of 5 tokens, and the draft's decode steps
+        outputs[label] = (plain, [r.token_ids for r in results])
+        drafted_tokens[label] = sum(r.stats.drafted for r in results)
         if engine.graphs is not None:
             replays, captured, disabled = engine.graphs.replays, engine.graphs.captured, engine.graphs.disabled
-        del engine
+            draft_graphs = generator.draft.engine.graphs
+            draft_replays, draft_disabled = draft_graphs.replays, draft_graphs.disabled
+        del engine, generator
         free_memory(plan.device)
     assert outputs["graphs"][0] == outputs["eager"][0], "greedy decoding through graphs differs from eager"
     assert outputs["graphs"][1] == outputs["eager"][1], "self-speculation through graphs differs from eager"
-    assert disabled is None, f"a capture failed, and graphs turned off: {disabled}"
+    assert disabled is None and draft_disabled is None, (
+        f"a capture failed, and graphs turned off: {disabled or draft_disabled}")
     assert replays >= plan.new_tokens, f"only {replays} steps ran as graphs"
-    return {"graph_replays": replays, "graphs_captured": captured, "tokens": len(prompts) * plan.new_tokens}
+    assert drafted_tokens["graphs"] > 0, "self-speculation drafted nothing: no verify step was tested"
+    assert draft_replays > 0, "the draft's decode steps never ran as graphs"
+    return {"graph_replays": replays, "graphs_captured": captured, "draft_graph_replays": draft_replays,
+            "drafted_tokens": drafted_tokens["graphs"], "tokens": len(prompts) * plan.new_tokens}
 
 
 # ----- measurements ----------------------------------------------------------------------------

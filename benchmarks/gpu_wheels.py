@@ -29,10 +29,19 @@ if str(_REPO_ROOT) not in sys.path:  # `python benchmarks/gpu_wheels.py` from an
 
 # Imported on the check's path (its worker and coordinator processes too) and absent from, or older on,
 # the GPU machines' image: gRPC and the protobuf runtime the stubs were generated for, gRPC's health and
-# reflection services (every Tandem server registers them), and redis (the coordinator imports its client).
-PACKAGES = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "redis")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+# reflection services (every Tandem server registers them), redis (the coordinator imports its client), and
+# llguidance (a target worker's warm-up prepares structured output with it: without it the first GPU run's target
+# worker exited while starting, 2026-12-04).
+PACKAGES = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "redis", "llguidance")
+# Tandem's other dependencies (pyproject.toml) that the lent machines' image holds (its package list, 2026-11-17).
+ON_THE_IMAGE = ("torch", "transformers", "safetensors", "accelerate", "tokenizers", "prometheus-client", "aiohttp",
+                "tqdm")
+# Dependencies the check never imports, so none travels: Kubernetes discovery and GGUF checkpoints load them lazily
+# (the H200 run of 2026-12-04 passed every check without either).
+NOT_ON_THE_CHECKS_PATH = ("kubernetes", "gguf")
+# pip matches a platform tag exactly: llguidance's wheel is manylinux_2_31 (the image's glibc is newer: Ubuntu 24.04).
+PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 
 
 def pins(packages: tuple[str, ...] = PACKAGES) -> list[str]:

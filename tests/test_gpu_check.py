@@ -27,6 +27,9 @@ def test_the_gpu_check_passes_on_cpu_with_tiny_shapes(tmp_path):
     assert tp["backend"] == "gloo"
     graphs = next(c for c in report["checks"] if c["check"] == "step-graphs")
     assert graphs["graph_replays"] >= 12 and graphs["graphs_captured"] >= 2  # decode steps and 5-token verifies
+    assert graphs["drafted_tokens"] > 0 and graphs["draft_graph_replays"] > 0  # the own draft's steps graphed too
+    lossless = next(c for c in report["checks"] if c["check"] == "lossless")
+    assert set(lossless["draft_tokens_kept"]) == {"off", "on"}  # both shapes ran the rule, keeping and rejecting
     assert "| engine-vs-transformers | tiny | True |" in (tmp_path / "gpu_check.md").read_text()
 
 
@@ -134,3 +137,38 @@ def test_row_invariance_reads_each_linear_layer_at_every_row_count(tmp_path):
     for entry in report["by_row_count"].values():
         assert entry["layers"] == 5 and entry["layers_equal"] == 5 and entry["max_relative_difference"] == 0.0
     assert report["rows_alike_beside_other_rows_at_64"] == "5 of 5 layers"
+
+
+def test_every_dependency_either_travels_as_a_wheel_or_is_on_the_gpu_image_or_is_never_imported_by_the_check():
+    """A dependency added to pyproject.toml must be placed: the first H200 run's target worker exited while starting,
+    since llguidance (structured output, prepared at warm-up) was neither on the image nor among the wheels."""
+    import re
+
+    import tomllib
+
+    from benchmarks import gpu_wheels
+
+    project = tomllib.loads((gpu_wheels._REPO_ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]}
+    placed = {*gpu_wheels.PACKAGES, *gpu_wheels.ON_THE_IMAGE, *gpu_wheels.NOT_ON_THE_CHECKS_PATH}
+    assert names - placed == set()
+    assert "llguidance" in gpu_wheels.PACKAGES
+
+
+def test_transformers_reference_is_its_models_argmax_even_where_greedy_text_meets_the_end_of_sequence_id(tmp_path):
+    """``generate(min_new_tokens=n)`` masks the end-of-sequence id, which our n tokens keep as any other: on CUDA
+    the tiny model's greedy text met it, and the check failed with no fault in the engine. Here the id is set to a
+    token the tiny model's greedy text holds, so a reference that masked it would part from ours."""
+    from benchmarks.random_models import save_random_model
+    from tandem.inprocess import GenerationRequest, SpeculativeGenerator
+
+    plan = gpu_check.Plan.for_device("cpu")
+    plan.dtypes = ("float32",)
+    probe = gpu_check.load(save_random_model(tmp_path / "probe", "tiny", "cpu", seed=0), "cpu", "float32")
+    vocab = probe.config.vocab_size
+    prompts = gpu_check.random_prompts(plan.greedy_prompts, 12, vocab, seed=2)  # engine_vs_transformers' prompts
+    text = SpeculativeGenerator(probe).generate([GenerationRequest(prompts[0], plan.new_tokens, k_max=0)])[0].token_ids
+    eos = text[len(text) // 2]
+    model_dir = save_random_model(tmp_path / "eos", "tiny", "cpu", seed=0, eos_token_id=eos)
+    result = gpu_check.engine_vs_transformers(model_dir, plan)
+    assert result["greedy_tokens"] == plan.greedy_prompts * plan.new_tokens

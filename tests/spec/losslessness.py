@@ -35,12 +35,30 @@ def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
     if counts[probs == 0].any():  # an outcome the law forbids (a filtered token) was drawn: not this law
         return 0.0
     expected = probs / probs.sum() * len(samples)
-    keep = expected >= 5  # merge rare outcomes into one bin so the chi-square approximation holds
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expect = np.append(expected[keep], expected[~keep].sum())
-    if expect[-1] == 0:
-        observed, expect = observed[:-1], expect[:-1]
+    observed, expect = pooled(counts, expected)
     return float(chisquare(observed, expect).pvalue)
+
+
+def pooled(counts: np.ndarray, expected: np.ndarray, least: float = 5.0) -> tuple[np.ndarray, np.ndarray]:
+    """Counts and expectations with the rare outcomes merged into one bin that itself expects ``least`` or more
+    (the chi-square approximation's condition), taking in the next rarest outcomes while it expects fewer.
+
+    A pooled bin left below ``least`` breaks the approximation: 2 draws where 0.2 were expected read as
+    p = 8e-5, while the exact chance of 2 or more is 1.8 %. A near-deterministic law on a GPU failed so (2026-12-04).
+    """
+    order = np.argsort(expected, kind="stable")  # rarest first
+    sorted_expected = expected[order]
+    rare = int(np.searchsorted(sorted_expected, least))  # outcomes expecting fewer than ``least``
+    if rare == 0:
+        return counts[order], sorted_expected
+    while rare < len(order) and sorted_expected[:rare].sum() < least:
+        rare += 1
+    if rare >= len(order):  # every outcome in the pool: one bin, no test to make
+        raise ValueError(f"too few samples for a chi-square test: {expected.sum():.0f} over {len(order)} outcomes")
+    pool = sorted_expected[:rare].sum()
+    observed = np.append(counts[order][rare:], counts[order][:rare].sum())
+    expect = np.append(sorted_expected[rare:], pool)
+    return (observed, expect) if pool > 0 else (observed[:-1], expect[:-1])
 
 
 def save_six_token_pair(root: Path, seeds: tuple[int, int] = PAIR_SEEDS) -> tuple[Path, Path]:
@@ -72,7 +90,7 @@ def exact_two_token_distribution(engine, prompt: list[int], temperature: float,
         engine.release("exact")
         if adjust is not None:
             logits = adjust(logits, tokens[len(prompt):])
-        probs = torch.softmax(logits.double() / temperature, -1).numpy()
+        probs = torch.softmax(logits.double() / temperature, -1).cpu().numpy()
         probs[probs < min_p * probs.max()] = 0.0
         return probs / probs.sum()
 
