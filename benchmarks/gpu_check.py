@@ -20,7 +20,8 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
 - ``lossless``: the chi-square test of speculative sampling (chains, then trees)
   through the worker engines on the device, on the suite's six-token pair (tests/spec/losslessness.py).
 - ``processes``: a target worker, a draft worker and a coordinator as real
-  processes on the device (``tandem.cluster.LocalCluster``), one request streamed over gRPC.
+  processes on the device (``tandem.cluster.LocalCluster``), one request streamed over gRPC; the workers
+  as started by default (on CUDA: with CUDA graphs).
 - ``tensor-parallel``: ``TensorParallelEngine`` with one rank (NCCL on CUDA, gloo on CPU)
   starts, and its logits equal the one-process engine's.
 - ``attention``: the backend ``auto`` picks (flash-attn when installed, SDPA otherwise)
@@ -169,6 +170,8 @@ def free_memory(device: str) -> None:
 
 
 def load(model_dir: Path, device: str, dtype: str, **kw: Any) -> ModelEngine:
+    """An engine of eager steps unless ``cuda_graphs=True`` is passed (a CUDA engine's default is graphs on)."""
+    kw.setdefault("cuda_graphs", False)
     return ModelEngine.load(EngineConfig(model_dir, dtype=dtype, device=device, kv_cache_tokens=8192, **kw))
 
 

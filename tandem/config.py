@@ -244,9 +244,12 @@ class EngineConfig:
     # Keep the KV of committed full blocks after their sequence ends and reuse it for prompts that
     # start the same way (tandem/block_pool.py); off: every prompt is computed from its first token.
     prefix_caching: bool = True
-    # Decode and verify steps of small batches replayed as captured CUDA graphs (tandem/step_graphs.py): CUDA only.
-    cuda_graphs: bool = False
+    # Decode and verify steps of small batches replayed as captured CUDA graphs (tandem/step_graphs.py). None (auto):
+    # on for a one-rank engine on CUDA, where eager steps are bound by kernel launches (an H200 gave 4.3-5.5x the
+    # tokens/s with them; benchmarks/README.md, GPU check); True: asked for, refused where they cannot run.
+    cuda_graphs: bool | None = None
     resolved_dtype: torch.dtype = field(init=False)
+    use_cuda_graphs: bool = field(init=False)  # cuda_graphs resolved for this device and rank count
     pack_weights: bool = field(init=False)  # packed_weights resolved for this dtype and device
 
     def __post_init__(self) -> None:
@@ -284,6 +287,8 @@ class EngineConfig:
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise InvalidRequestError("cuda graphs are not captured across tensor-parallel ranks yet: "
                                       "use --cuda-graphs with --tensor-parallel-size 1")
+        one_rank_on_cuda = device.type == "cuda" and self.tensor_parallel_size == 1
+        self.use_cuda_graphs = one_rank_on_cuda if self.cuda_graphs is None else self.cuda_graphs
 
     @property
     def cache_salt(self) -> bytes:

@@ -202,7 +202,7 @@ class ModelEngine:
             pack_linear_weights(model, PaddingTuner())  # small calls: the row count measured cheapest
         engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend,
                                     prefix_caching=cfg.prefix_caching, salt=cfg.cache_salt)
-        if cfg.cuda_graphs:
+        if cfg.use_cuda_graphs:
             engine.use_step_graphs(CudaGraphRecorder(device))
         return engine
 

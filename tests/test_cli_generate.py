@@ -179,6 +179,8 @@ def test_the_client_sends_a_conversation_as_chat_messages():
     (["--addr", "127.0.0.1:1", "--target", "x", "--dtype", "float32", "--ngram-max", "6"],
      "--target, --ngram-max, --dtype: in process only"),
     (["--addr", "127.0.0.1:1", "--method", "early-exit"], "--method early-exit: in process only"),
+    (["--addr", "127.0.0.1:1", "--no-cuda-graphs"], "--no-cuda-graphs: in process only"),
+    (["--cuda-graphs"], "--cuda-graphs needs --device cuda, and the models would run on cpu"),
     (["--prediction", "/nonexistent/old.py"], "--prediction /nonexistent/old.py: cannot read it"),
     (["--addr", "127.0.0.1:1", "--prediction", "/nonexistent/old.py"], "--prediction /nonexistent/old.py: cannot read"),
     (["--suffix", "x", "--chat"], "--suffix: not with --chat"),

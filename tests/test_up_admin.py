@@ -384,8 +384,9 @@ def test_tandem_up_runs_its_workers_on_the_device_asked_for(monkeypatch):
     args = list(up_spec("--device", "cuda", "--cuda-graphs").worker_args)
     assert checked == [("cuda", "--device")]
     assert args[args.index("--device") + 1] == "cuda" and "--cuda-graphs" in args
-    args = list(up_spec().worker_args)
-    assert args[args.index("--device") + 1] == "cpu" and "--cuda-graphs" not in args
+    assert "--no-cuda-graphs" in up_spec("--device", "cuda", "--no-cuda-graphs").worker_args
+    args = list(up_spec().worker_args)  # unset: each worker decides by its device
+    assert args[args.index("--device") + 1] == "cpu" and not {"--cuda-graphs", "--no-cuda-graphs"} & set(args)
     with pytest.raises(InvalidRequestError, match="--cuda-graphs needs --device cuda"):
         up_spec("--cuda-graphs")
 

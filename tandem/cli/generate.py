@@ -87,6 +87,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "multiplies it natively, else float16 on a GPU, float32 with packed weights on a CPU)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="attention backend")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode and verify steps as captured CUDA graphs (default: on with --device cuda; "
+                        "see `tandem serve target --help`)")
     p.add_argument("--packed-weights", default="auto", choices=PACKED_WEIGHTS,
                    help=PACKED_WEIGHTS_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
@@ -225,12 +228,13 @@ def configs_from_args(
 
         torch.set_num_threads(args.threads)
     target = EngineConfig(resolve_or_prepare(args.target, root), args.dtype, args.device,
-                          attention_backend=args.attention, packed_weights=args.packed_weights)
+                          attention_backend=args.attention, packed_weights=args.packed_weights,
+                          cuda_graphs=args.cuda_graphs)
     draft = None
     if method in ("draft", "hybrid") or options.draft_between_heads:
         draft = EngineConfig(resolve_or_prepare(args.draft, root), device=args.device,
                              attention_backend=args.attention, packed_weights=args.packed_weights,
-                             **draft_engine_options(args))
+                             cuda_graphs=args.cuda_graphs, **draft_engine_options(args))
     return sampling, options, target, draft
 
 
@@ -261,6 +265,8 @@ def check_request_flags(args: argparse.Namespace) -> None:
         raise InvalidRequestError("the prompt is empty: give the text to continue")
     if args.max_new_tokens <= 0:  # (on the wire 0 means "unset": the server would give the default)
         raise InvalidRequestError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        raise InvalidRequestError(f"--cuda-graphs needs --device cuda, and the models would run on {args.device}")
     if args.addr:
         if args.timeout is not None and not args.timeout > 0:  # NaN too
             raise InvalidRequestError(f"--timeout must be a positive number of seconds, got {args.timeout}")
@@ -288,8 +294,16 @@ def in_process_flags_given(args: argparse.Namespace) -> list[str]:
     """The in-process model flags set to something other than their default: with --addr they would be ignored."""
     probe = argparse.ArgumentParser(add_help=False)
     add_model_flags(probe)
-    return [action.option_strings[-1] for action in probe._actions
-            if action.dest not in REQUEST_MODEL_FLAGS and getattr(args, action.dest, action.default) != action.default]
+    given = [(action, getattr(args, action.dest, action.default)) for action in probe._actions
+             if action.dest not in REQUEST_MODEL_FLAGS]
+    return [_flag_as_given(action, value) for action, value in given if value != action.default]
+
+
+def _flag_as_given(action: argparse.Action, value: object) -> str:
+    """The flag that set ``value``: ``--no-X`` for an ``X/--no-X`` pair set false, else its long form."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return action.option_strings[0 if value else 1]
+    return action.option_strings[-1]
 
 
 def read_prediction(path: str | None) -> str:

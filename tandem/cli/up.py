@@ -117,9 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu",
                    help="torch device of every worker, e.g. cuda (default: %(default)s; with "
                         "--tensor-parallel-size N on CUDA, rank r uses cuda:r)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="with --device cuda: workers replay decode and verify steps as CUDA graphs (see `tandem "
-                        "serve target --help`)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="workers replay decode and verify steps as CUDA graphs (default: on with --device cuda and "
+                        "one rank, off elsewhere; see `tandem serve target --help`)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -248,7 +248,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         pipelining=args.pipelining, draft_args=tuple(draft_worker_args(args)),
         target_args=target_args,
         # Workers are reached at 127.0.0.1 only, and have no tokens: nothing else needs to reach them.
-        worker_args=("--host", "127.0.0.1", "--device", args.device, *(("--cuda-graphs",) if args.cuda_graphs else ()),
+        worker_args=("--host", "127.0.0.1", "--device", args.device, *_graphs_flag(args.cuda_graphs),
                      *(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                      *(("--no-cache-generated",) if args.no_cache_generated else ()),
                      *(() if args.prefill_chunk_tokens is None else
@@ -310,6 +310,11 @@ def run(args: argparse.Namespace) -> int:
         stop_cluster(cluster, args.drain_grace, lambda message: print(message, file=sys.stderr, flush=True))
         supervisor.join(timeout_s=30)
     return 1 if supervisor.gave_up else 0
+
+
+def _graphs_flag(cuda_graphs: bool | None) -> tuple[str, ...]:
+    """The workers' flag for ``--cuda-graphs`` as given (None: none, and each worker decides by its device)."""
+    return () if cuda_graphs is None else ("--cuda-graphs",) if cuda_graphs else ("--no-cuda-graphs",)
 
 
 def stop_cluster(cluster: LocalCluster, drain_grace_s: float, say: Callable[[str], None]) -> None:

@@ -537,7 +537,13 @@ def test_every_value_is_in_the_schema_and_the_readme_table():
 
 
 def test_cuda_graphs_are_each_fleets_choice_and_need_a_cuda_device():
-    assert all("--cuda-graphs" not in container(render(), f)["args"] for f in FLEETS)  # off by default
+    # Unset by default: each worker decides (on for one rank on CUDA), so the chart passes no flag.
+    assert all(not {"--cuda-graphs", "--no-cuda-graphs"} & set(container(render(), f)["args"]) for f in FLEETS)
+    assert "--no-cuda-graphs" in container(render(None, "target.cudaGraphs=false"), "target")["args"]
+    assert "--no-cuda-graphs" in container(render(None, "draft.cudaGraphs=false", "draft.device=cpu",
+                                                  "draft.gpus=0"), "draft")["args"]
+    # A tensor-parallel target left to its default is no error: its worker runs eagerly.
+    assert "--cuda-graphs" not in container(render(None, "target.tensorParallelSize=2"), "target")["args"]
     objects = render(None, "target.cudaGraphs=true")
     assert "--cuda-graphs" in container(objects, "target")["args"]
     assert "--cuda-graphs" not in container(objects, "draft")["args"]
