@@ -41,6 +41,9 @@ Measurements (figures, never pass/fail):
 - ``decode``: tokens/s of plain greedy decoding, ours against transformers' ``generate``;
 - ``self-speculation``: the speedup of speculation with the target as its own draft
   (acceptance near 1 whatever the random weights), fixed k.
+- ``step-time``: where a graphed decode step's time goes, per token: wall, the forward's span on the
+  device, and the step's graph replayed alone back to back (the device's own time); the gaps are the
+  host's (sampling and bookkeeping; preparing the step's inputs).
 - ``graphs``: on CUDA, tokens/s of greedy decoding (1 and 8 requests) and of self-speculation
   with CUDA graphs off and on, side by side.
 
@@ -64,7 +67,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +87,7 @@ from tandem.inprocess import GenerationRequest, SpeculativeGenerator  # noqa: E4
 from tandem.models.layers import RowStableLinear  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.spec.options import SpecOptions  # noqa: E402
-from tandem.step_graphs import CudaGraphRecorder, EagerRecorder  # noqa: E402
+from tandem.step_graphs import CudaGraphRecorder, EagerRecorder, GraphShape  # noqa: E402
 from target_worker.engine import PrefillCall, TargetEngine  # noqa: E402
 
 # |ours - transformers| <= tolerance * max |transformers' logit|: float32 differs by the order of
@@ -588,6 +592,50 @@ def graph_speed(model_dir: Path, plan: Plan) -> dict[str, float]:
     return figures
 
 
+@contextmanager
+def forward_spans(engine: ModelEngine) -> Iterator[list[float]]:
+    """The seconds each forward of ``engine`` spans on its device while inside, as its step clock observes them
+    (on CUDA: from the event before the step's first launch to the one after its last kernel; on a CPU, the call)."""
+    spans: list[float] = []
+    stop = engine.clock.stop
+
+    def counted(mark: Any, observe: Callable[[float], None]) -> None:
+        stop(mark, lambda seconds: (spans.append(seconds), observe(seconds)))
+
+    engine.clock.stop = counted  # instance attribute: the benchmark's instrument, gone on exit
+    try:
+        yield spans
+    finally:
+        engine.clock.settle()  # (on CUDA the last spans arrive once their kernels have run)
+        del engine.clock.stop
+
+
+def step_time(model_dir: Path, plan: Plan) -> dict[str, float]:
+    """Where a decode step's time goes, per token of greedy decoding of one request, graphs on (on a CPU, the eager
+    stand-in): the wall time; the forward's span (``forward_spans``); and the decode step's graph replayed alone,
+    back to back (the device's own time when nothing waits on the host). wall - forward: the verdict's sampling
+    and the loop's bookkeeping; forward - replay: the host preparing the step's inputs inside the forward."""
+    engine = graphed(model_dir, plan, plan.serving_dtype)
+    engine.warmup()
+    prompt = random_prompts(1, 16, engine.config.vocab_size, seed=10)[0]
+    generator, n = SpeculativeGenerator(engine), plan.new_tokens * 2
+    request = GenerationRequest(prompt, n, k_max=0)
+    generator.generate([request])  # warm
+    with forward_spans(engine) as spans:
+        synchronize(plan.device)
+        started = time.perf_counter()
+        (result,) = generator.generate([request])
+        synchronize(plan.device)
+        wall = time.perf_counter() - started
+    tokens = len(result.token_ids)
+    replay = engine.graphs.replay_seconds(GraphShape(1, 1, engine.graphs.min_window_blocks), repeats=50)
+    del generator, engine
+    free_memory(plan.device)
+    return {"wall_ms_per_token": round(wall / tokens * 1000, 3),
+            "forward_ms_per_token": round(sum(spans) / tokens * 1000, 3),
+            "decode_graph_replay_ms": round(replay * 1000, 3), "forwards": len(spans), "tokens": tokens}
+
+
 # ----- the run ---------------------------------------------------------------------------------
 
 def describe_device(device: str) -> dict[str, Any]:
@@ -652,7 +700,7 @@ def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset(),
     measured = [s for s in plan.models if s.startswith("qwen")] or list(plan.models)
     measures: list[tuple[str, Callable[[Path, Plan], dict[str, Any]]]] = [
         ("row-invariance", row_invariance), ("forward-cost", forward_cost), ("decode", decode_speed),
-        ("self-speculation", self_speculation)]
+        ("self-speculation", self_speculation), ("step-time", step_time)]
     if torch.device(plan.device).type == "cuda":  # a CPU replays the eager stand-in: nothing to time
         measures.append(("graphs", graph_speed))
     for name, measure in measures:
@@ -692,7 +740,7 @@ def tables(report: Report, device: dict[str, Any]) -> str:
         parts += ["", f"Linear layers' rows against the same rows computed alone ({dtype}):", "",
                   markdown_table(rows, columns),
                   "", f"At 64 rows, rows alike beside other rows: {alike}."]
-    for name in ("decode", "self-speculation", "graphs"):
+    for name in ("decode", "self-speculation", "step-time", "graphs"):
         figures = report.measurements.get(name, {})
         if figures:
             rows = [{"model": shape, **f} for shape, f in figures.items()]

@@ -26,6 +26,7 @@ step again, over the same buffers) lets a CPU test everything but the capture it
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -210,6 +211,40 @@ class StepGraphs:
         graph.replay()
         self.replays += 1
         return graph.out[: len(batch.input_ids)]
+
+    @torch.inference_mode()  # as the engine's forward: its buffers are inference tensors
+    def replay_seconds(self, shape: GraphShape, repeats: int) -> float:
+        """Seconds one replay of ``shape``'s graph (captured now if new) takes back to back: the device's time for
+        the step when no launch waits on the host (the gpu-check's measure). Every row is a padding row, so the
+        replays write the scratch block alone; padded attention reads the whole window whatever the lengths, so the
+        time is a real step's (flash-attn's kernel reads lengths: there it is a short context's)."""
+        graph = self._graphs.get(shape) or self._try_capture(shape)
+        if graph is None:
+            raise RuntimeError(f"no graph of {shape}: {self.disabled}")
+        device = self.engine.device
+        graph.inputs.copy_(self._scratch_inputs(shape))  # every row on the scratch block: nothing real overwritten
+        graph.replay()  # warm
+        if device.type != "cuda":
+            started = time.perf_counter()
+            for _ in range(repeats):
+                graph.replay()
+            return (time.perf_counter() - started) / repeats
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(device):
+            begin.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1000 / repeats
+
+    def _scratch_inputs(self, shape: GraphShape) -> torch.Tensor:  # -> [inputs] int64 on the host
+        """Inputs of ``shape`` whose every row is a padding row: KV written to the scratch block alone."""
+        b, q, m = shape.batch, shape.query_len, shape.window_blocks
+        slots = (self.scratch_block * self.block_size + torch.arange(q, dtype=torch.int64) % self.block_size).repeat(b)
+        return torch.cat((torch.zeros(b * q, dtype=torch.int64), torch.zeros(b * q, dtype=torch.int64), slots,
+                          torch.full((b,), q, dtype=torch.int64),
+                          torch.full((b * m,), self.scratch_block, dtype=torch.int64)))
 
     def _host_inputs(self, batch: ForwardBatch, shape: GraphShape) -> torch.Tensor:  # -> [inputs] int64 on the host
         """A step's inputs laid out as its graph's buffer: the batch's rows, then the padding rows'."""

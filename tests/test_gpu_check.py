@@ -10,7 +10,7 @@ from benchmarks import gpu_check
 
 CHECKS = {"engine-vs-transformers", "speculative-greedy", "heads", "lossless", "processes", "tensor-parallel",
           "attention", "step-graphs"}
-MEASUREMENTS = {"row-invariance", "forward-cost", "decode", "self-speculation"}
+MEASUREMENTS = {"row-invariance", "forward-cost", "decode", "self-speculation", "step-time"}
 
 
 @pytest.mark.slow  # starts a target worker, a draft worker and a coordinator
@@ -28,6 +28,9 @@ def test_the_gpu_check_passes_on_cpu_with_tiny_shapes(tmp_path):
     graphs = next(c for c in report["checks"] if c["check"] == "step-graphs")
     assert graphs["graph_replays"] >= 12 and graphs["graphs_captured"] >= 2  # decode steps and 5-token verifies
     assert graphs["drafted_tokens"] > 0 and graphs["draft_graph_replays"] > 0  # the own draft's steps graphed too
+    step = report["measurements"]["step-time"]["tiny"]
+    assert step["forwards"] == step["tokens"] > 0  # one forward per decoded token, each span observed
+    assert 0 < step["forward_ms_per_token"] <= step["wall_ms_per_token"] and step["decode_graph_replay_ms"] > 0
     lossless = next(c for c in report["checks"] if c["check"] == "lossless")
     assert set(lossless["draft_tokens_kept"]) == {"off", "on"}  # both shapes ran the rule, keeping and rejecting
     assert "| engine-vs-transformers | tiny | True |" in (tmp_path / "gpu_check.md").read_text()

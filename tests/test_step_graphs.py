@@ -292,3 +292,22 @@ def test_a_capture_on_a_second_gpu_records_there(monkeypatch):
     assert fake.current == 0  # and the thread's current device is left as it was
     replay()
     assert fake.replays == [1] and fake.current == 0
+
+
+def test_timing_a_graphs_replays_writes_the_scratch_block_alone(tiny_qwen2_dir):
+    """The gpu-check times a decode step's graph replayed back to back (``replay_seconds``): its rows are padding rows,
+    so no sequence's KV moves, and the next real step still matches the eager engine's."""
+    eager, graphed, _ = engines(tiny_qwen2_dir)
+    for engine in (eager, graphed):
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.forward([ForwardItem(i, prompt, prompt=True)])
+        engine.forward([ForwardItem(i, [4 + i]) for i in range(2)])  # a graphed decode step on ``graphed``
+    held = [kv_of(graphed, i) for i in range(2)]
+    seconds = graphed.graphs.replay_seconds(GraphShape(2, 1, graphed.graphs.min_window_blocks), repeats=3)
+    assert seconds > 0
+    for i, (key, value) in enumerate(held):
+        after = kv_of(graphed, i)
+        assert torch.equal(after[0], key) and torch.equal(after[1], value)
+    items = [ForwardItem(i, [9]) for i in range(2)]
+    for want, got in zip(eager.forward(items), graphed.forward(items)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
