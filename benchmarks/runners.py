@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import interleaved_medians, timed
+from benchmarks.common import hf_cache_keyword, interleaved_medians, timed
 from tandem import model_store
 from tandem.config import EngineConfig
 from tandem.engine import ForwardItem, ModelEngine
@@ -189,12 +189,13 @@ def hf_probe(model: Any, prefix_len: int, num_new: int) -> ForwardProbe:
     tokens = torch.tensor([probe_tokens(prefix_len + num_new)], dtype=torch.int64)  # [1, prefix + new]
     new = tokens[:, prefix_len:]  # [1, num_new]
     cache = DynamicCache(config=model.config)
+    held = {hf_cache_keyword(model): cache}
     with torch.inference_mode():
-        model(input_ids=tokens[:, :prefix_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=tokens[:, :prefix_len], use_cache=True, logits_to_keep=1, **held)
 
     def step() -> Any:
         with torch.inference_mode():
-            return model(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=num_new)
+            return model(input_ids=new, use_cache=True, logits_to_keep=num_new, **held)
 
     # transformers 5 rejects crop(n > 0) (keep n); crop(-n) removes the n new tokens.
     return ForwardProbe(step, lambda: cache.crop(-num_new), lambda: None)
