@@ -26,6 +26,9 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
   starts, and its logits equal the one-process engine's.
 - ``attention``: the backend ``auto`` picks (flash-attn when installed, SDPA otherwise)
   against SDPA.
+- ``kv-sizing`` (CUDA only): ``--gpu-memory-utilization 0.5`` sizes the KV pool so that the process
+  then holds at most half the device (and not less than that, less twice the room kept free), and a
+  long prompt runs in it.
 - ``step-graphs``: decode and verify steps replayed as captured CUDA graphs
   (``--cuda-graphs``, tandem/step_graphs.py) against the eager engine, float32: greedy
   target-only and self-drafted output token for token, and each graph replayed. On a CPU the
@@ -409,6 +412,33 @@ def attention(model_dir: Path, plan: Plan) -> dict[str, Any]:
     return {"backend": auto.backend.name, "max_relative_logit_error": error}
 
 
+def kv_sizing(model_dir: Path, plan: Plan) -> dict[str, Any]:
+    """CUDA: ``--gpu-memory-utilization 0.5`` (tandem/kv_sizing.py) sizes the pool so that, once allocated, the
+    process holds no more than half the device, within what it keeps free; and a prompt as long as the profile's
+    runs in it."""
+    from tandem.kv_sizing import HEADROOM_BYTES, PROFILE_TOKENS
+
+    free_memory(plan.device)
+    total = torch.cuda.mem_get_info()[1]
+    engine = load(model_dir, plan.device, plan.serving_dtype, gpu_memory_utilization=0.5)
+    free_memory(plan.device)
+    in_use = total - torch.cuda.mem_get_info()[0]
+    tokens, budget = engine.kv_cache.num_blocks * engine.kv_cache.block_size, engine.kv_budget
+    prompt = min(PROFILE_TOKENS, engine.config.max_position_embeddings, tokens)
+    engine.forward([ForwardItem("long", [3] * prompt, num_logits=1, prompt=True)])
+    synchronize(plan.device)
+    peak = torch.cuda.max_memory_allocated()
+    del engine
+    free_memory(plan.device)
+    assert budget is not None and tokens == budget.tokens > 0, f"no pool sized from memory: {budget}"
+    assert in_use <= 0.5 * total, f"{in_use / 2**30:.1f} GiB in use, more than half of {total / 2**30:.1f} GiB"
+    unused = 0.5 * total - in_use - budget.activation_peak - HEADROOM_BYTES  # the pool's rounding to whole blocks
+    assert unused <= 256 << 20, f"{unused / 2**20:.0f} MiB of the half left unused besides the measured peak and room"
+    return {"pool_tokens": tokens, "in_use_gib": round(in_use / 2**30, 2), "total_gib": round(total / 2**30, 2),
+            "activation_peak_gib": round(budget.activation_peak / 2**30, 2), "prompt_tokens": prompt,
+            "peak_allocated_gib": round(peak / 2**30, 2)}
+
+
 def graphed(model_dir: Path, plan: Plan, dtype: str) -> ModelEngine:
     """An engine whose decode and verify steps run as captured graphs (on a CPU, the eager stand-in for capture)."""
     if torch.device(plan.device).type == "cuda":
@@ -699,6 +729,8 @@ def run(plan: Plan, work: Path, skip: frozenset[str] = frozenset(),
         report.check("tensor-parallel", "tiny, 1 rank", lambda: tensor_parallel(model("tiny"), plan))
     if wanted("attention"):
         report.check("attention", plan.target, lambda: attention(model(plan.target), plan))
+    if wanted("kv-sizing") and torch.device(plan.device).type == "cuda":  # a CPU has no device memory to size by
+        report.check("kv-sizing", plan.target, lambda: kv_sizing(model(plan.target), plan))
     if wanted("step-graphs"):
         report.check("step-graphs", plan.draft, lambda: step_graphs(model(plan.draft), plan))
     measured = [s for s in plan.models if s.startswith("qwen")] or list(plan.models)

@@ -69,6 +69,9 @@ DEFAULT_DRAFT_VOCAB_LIMIT = 32768
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # gRPC's message length is a signed 32-bit int
 
 
+DEFAULT_KV_CACHE_TOKENS = 16384  # a worker's KV pool unless --kv-cache-tokens or --gpu-memory-utilization says
+
+
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
     """Architecture hyperparameters of a decoder-only transformer."""
@@ -229,8 +232,11 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_tokens: int = 16384
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     attention_backend: str = "auto"
+    # CUDA: size the KV pool to this fraction of the device's memory instead (tandem/kv_sizing.py; kv_cache_tokens
+    # is then not used).
+    gpu_memory_utilization: float | None = None
     num_threads: int | None = None
     # Draft models only (see tandem/models/quantize.py): a target's logits define the output.
     quantization: str = "none"  # none | int8 (weight-only, per output channel) | auto (int8 unless fp32)
@@ -288,7 +294,21 @@ class EngineConfig:
             raise InvalidRequestError("cuda graphs are not captured across tensor-parallel ranks yet: "
                                       "use --cuda-graphs with --tensor-parallel-size 1")
         one_rank_on_cuda = device.type == "cuda" and self.tensor_parallel_size == 1
+        self._check_memory_utilization(device)
         self.use_cuda_graphs = one_rank_on_cuda if self.cuda_graphs is None else self.cuda_graphs
+
+    def _check_memory_utilization(self, device: torch.device) -> None:
+        fraction = self.gpu_memory_utilization
+        if fraction is None:
+            return
+        if not 0 < fraction <= 1:  # NaN too
+            raise InvalidRequestError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {fraction}")
+        if device.type != "cuda":
+            raise InvalidRequestError(f"--gpu-memory-utilization sizes the KV pool from a GPU's memory, and this "
+                                      f"worker runs on {self.device}: give --kv-cache-tokens instead")
+        if self.tensor_parallel_size > 1:
+            raise InvalidRequestError("--gpu-memory-utilization is not yet measured per tensor-parallel rank: give "
+                                      "--kv-cache-tokens with --tensor-parallel-size > 1")
 
     @property
     def cache_salt(self) -> bytes:

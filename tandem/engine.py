@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from tandem.compute_thread import HomeThread
 from tandem.config import EngineConfig, ModelConfig
 from tandem.cost_fit import ForwardCostFit, PromptTokenCost
 from tandem.kv_cache import PagedKVCache, SeqId
+from tandem.kv_sizing import DeviceMemory, KvBudget, cuda_memory, kv_budget
 from tandem.models import CausalLM, load_model
 from tandem.models.layers import RowStableLinear
 from tandem.models.packed import pack_linear_weights
@@ -44,6 +46,8 @@ from tandem.models.transformer import HiddenStates
 from tandem.step_clock import StepClock
 from tandem.step_graphs import CudaGraphRecorder, GraphRecorder, StepGraphs
 from tandem.tree_rows import chain_parents, depths, is_chain, parents_problem
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -191,17 +195,26 @@ class ModelEngine:
         self.home_thread = HomeThread(f"the {model.config.model_type} engine") if self.device.type == "cpu" else None
         self.rows_fixed_by_position = _rows_fixed_by_position(model, backend)
         self.graphs: StepGraphs | None = None  # decode and verify steps as CUDA graphs (``use_step_graphs``)
+        self.kv_budget: KvBudget | None = None  # how ``load`` sized the pool from the device's memory, if it did
 
     @classmethod
-    def load(cls, cfg: EngineConfig) -> ModelEngine:
+    def load(cls, cfg: EngineConfig, memory: DeviceMemory | None = None) -> ModelEngine:
+        """The model of ``cfg`` on its device with a fresh KV pool; ``memory``: how the device's memory is read
+        when the pool is sized from it (``cfg.gpu_memory_utilization``; None: the CUDA device's own)."""
         model_cfg = ModelConfig.from_dir(cfg.model_dir)
         device = torch.device(cfg.device)
         model = load_model(cfg.model_dir, model_cfg, cfg.resolved_dtype, device)
         shrink_for_drafting(model, cfg.quantization, cfg.vocab_limit)  # a no-op unless the config asks for it
         if cfg.pack_weights:  # after shrinking: int8 layers are not packed, a cut head is packed as cut
             pack_linear_weights(model, PaddingTuner())  # small calls: the row count measured cheapest
-        engine = cls.with_new_cache(model, cfg.num_blocks, cfg.block_size, cfg.attention_backend,
+        num_blocks, budget = cfg.num_blocks, None
+        if cfg.gpu_memory_utilization is not None:  # after the weights: what they take is in use
+            budget = kv_budget(model, cfg, memory or cuda_memory(device))
+            log.info("%s", budget.describe())
+            num_blocks = budget.tokens // cfg.block_size
+        engine = cls.with_new_cache(model, num_blocks, cfg.block_size, cfg.attention_backend,
                                     prefix_caching=cfg.prefix_caching, salt=cfg.cache_salt)
+        engine.kv_budget = budget
         if cfg.use_cuda_graphs:
             engine.use_step_graphs(CudaGraphRecorder(device))
         return engine

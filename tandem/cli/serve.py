@@ -18,6 +18,7 @@ from tandem.cli.security_flags import add_coordinator_flags, add_server_tls_flag
 from tandem.config import (
     ATTENTION_BACKENDS,
     DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_KV_CACHE_TOKENS,
     DISCOVERY_MODES,
     DTYPES,
     PACKED_WEIGHTS,
@@ -29,6 +30,7 @@ from tandem.config import (
     ServerOptions,
     WorkerConfig,
 )
+from tandem.errors import InvalidRequestError
 from tandem.parent_watch import stop_with_launcher
 from tandem.rpc.leases import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_S
 from tandem.rpc.room_waits import HOLD_S, ROOM_HOLD_S
@@ -72,8 +74,12 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                         "context window, the common ones captured at warm-up; other batches run eagerly. Default: "
                         "on for a one-rank worker on CUDA (eager steps there are bound by kernel launches: 4.3-5.5x "
                         "the tokens/s on an H200), off elsewhere; --no-cuda-graphs runs every step eagerly")
-    p.add_argument("--kv-cache-tokens", type=int, default=16384,
-                   help="size of the paged KV pool in tokens (default: %(default)s)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help=f"size of the paged KV pool in tokens (default: {DEFAULT_KV_CACHE_TOKENS})")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="CUDA: size the KV pool to what this fraction of the GPU's memory leaves once the weights "
+                        "are loaded and a forward's activations are measured (as vLLM's flag; 0.9 for a GPU of its "
+                        "own, less where workers share one), instead of --kv-cache-tokens")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=2048,
                    help="most tokens in one batched forward pass (default: %(default)s)")
@@ -286,8 +292,12 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     root = model_store.cache_root_from(args.cache_dir, os.environ)
     role_options = draft_engine_options(args) if args.role == "draft" else {
         "tensor_parallel_size": args.tensor_parallel_size, "rank_timeout_s": args.rank_timeout}
+    if args.gpu_memory_utilization is not None and args.kv_cache_tokens is not None:
+        raise InvalidRequestError("--kv-cache-tokens and --gpu-memory-utilization both size the KV pool: give one")
+    kv_tokens = DEFAULT_KV_CACHE_TOKENS if args.kv_cache_tokens is None else args.kv_cache_tokens
     engine = EngineConfig(resolve_or_prepare(args.model, root), args.dtype, args.device, args.block_size,
-                          args.kv_cache_tokens, args.attention, num_threads=args.threads,
+                          kv_tokens, args.attention, num_threads=args.threads,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           packed_weights=args.packed_weights, prefix_caching=not args.no_prefix_caching,
                           cuda_graphs=args.cuda_graphs, **role_options)
     return WorkerConfig(engine, _server_options(args), model_name=args.model, token_budget=args.token_budget,

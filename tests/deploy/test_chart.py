@@ -555,5 +555,22 @@ def test_cuda_graphs_are_each_fleets_choice_and_need_a_cuda_device():
                                                                        "target.tensorParallelSize=2")
 
 
+def test_a_fleets_kv_pool_is_sized_by_tokens_or_by_a_fraction_of_its_gpus_memory():
+    for fleet in FLEETS:  # tokens by default
+        args = container(render(), fleet)["args"]
+        assert "--kv-cache-tokens" in args and "--gpu-memory-utilization" not in args
+    args = container(render(None, "target.gpuMemoryUtilization=0.9"), "target")["args"]
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.9" and "--kv-cache-tokens" not in args
+    assert "--kv-cache-tokens" in container(render(None, "target.gpuMemoryUtilization=0.9"), "draft")["args"]
+    args = container(render(None, "draft.gpuMemoryUtilization=0.5"), "draft")["args"]
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.5"
+    for bad in ("0", "1.5", "most"):
+        assert "gpuMemoryUtilization" in render_error(f"target.gpuMemoryUtilization={bad}")
+    assert "draft.gpuMemoryUtilization sizes the KV pool from a GPU's memory" in render_error(
+        "draft.gpuMemoryUtilization=0.9", "draft.device=cpu", "draft.gpus=0")
+    assert "target.gpuMemoryUtilization is not yet measured per tensor-parallel rank" in render_error(
+        "target.gpuMemoryUtilization=0.9", "target.tensorParallelSize=2")
+
+
 def test_a_draft_asks_for_at_most_the_one_gpu_it_runs_on():
     assert "/draft/gpus" in render_error("draft.gpus=2")
