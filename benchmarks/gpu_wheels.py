@@ -12,7 +12,8 @@ Then, on the GPU machine, from a copy of this checkout that carries .whl and tan
 Measured without a GPU (a Python 3.12 environment holding only what such a machine's image
 lists, transformers 5.17, grpcio 1.71, protobuf 5.29): without these wheels the coordinator
 could not start (no redis package) and the stubs need protobuf >= the version that made them;
-with them, `--device cpu --quick` passed every check.
+with them, `--device cpu --quick` passed every check. On an H200 (2026-12-04) these wheels, llguidance
+among them since that run, were all the full check needed beside the image's packages.
 """
 
 from __future__ import annotations
