@@ -88,21 +88,22 @@ class KvBudget:
     headroom: int
     bytes_per_token: int
     tokens: int
+    profile_tokens: int  # the prompt length whose forward gave ``activation_peak``
 
     def describe(self) -> str:
         return (f"KV pool of {self.tokens} tokens ({self.tokens * self.bytes_per_token / GIB:.1f} GiB) from "
                 f"{self.utilization:g} of the device's {self.total / GIB:.1f} GiB: {self.in_use / GIB:.1f} GiB in use "
                 f"(the weights, and other processes'), {self.activation_peak / GIB:.2f} GiB of activations at "
-                f"{PROFILE_TOKENS} prompt tokens, {self.headroom / GIB:.1f} GiB kept free")
+                f"{self.profile_tokens} prompt tokens, {self.headroom / GIB:.1f} GiB kept free")
 
 
 def size_pool(utilization: float, total: int, in_use: int, activation_peak: int, bytes_per_token: int,
-              block_size: int, headroom: int = HEADROOM_BYTES) -> KvBudget:
+              block_size: int, headroom: int = HEADROOM_BYTES, profile_tokens: int = PROFILE_TOKENS) -> KvBudget:
     """The pool's tokens (whole blocks) in what ``utilization`` of ``total`` leaves; an error naming the figures
     when not one block fits."""
     room = int(utilization * total) - in_use - activation_peak - headroom
     tokens = max(0, room) // bytes_per_token // block_size * block_size
-    budget = KvBudget(utilization, total, in_use, activation_peak, headroom, bytes_per_token, tokens)
+    budget = KvBudget(utilization, total, in_use, activation_peak, headroom, bytes_per_token, tokens, profile_tokens)
     if tokens < block_size:
         raise InvalidRequestError(
             f"--gpu-memory-utilization {utilization:g} leaves no room for a KV block: {utilization:g} of the "
@@ -116,19 +117,19 @@ def kv_budget(model: CausalLM, cfg: EngineConfig, memory: DeviceMemory) -> KvBud
     """The pool ``cfg.gpu_memory_utilization`` gives ``model`` (loaded on its device) on the device ``memory``
     reads: its activations profiled first, then what is in use read once their memory went back."""
     assert cfg.gpu_memory_utilization is not None
-    peak = profile_activations(model, cfg.block_size, cfg.attention_backend, memory)
+    tokens = min(PROFILE_TOKENS, model.config.max_position_embeddings)
+    peak = profile_activations(model, cfg.block_size, cfg.attention_backend, memory, tokens)
     total = memory.total()
     return size_pool(cfg.gpu_memory_utilization, total, total - memory.free(), peak, kv_bytes_per_token(model),
-                     cfg.block_size)
+                     cfg.block_size, profile_tokens=tokens)
 
 
 def profile_activations(model: CausalLM, block_size: int, attention_backend: str, memory: DeviceMemory,
                         tokens: int = PROFILE_TOKENS) -> int:
-    """The activation peak of one forward of ``tokens`` prompt tokens (fewer if the model's context is shorter),
-    on a scratch pool just large enough, freed before this returns."""
+    """The activation peak of one forward of ``tokens`` prompt tokens, on a scratch pool just large enough, freed
+    before this returns."""
     from tandem.engine import ForwardItem, ModelEngine
 
-    tokens = min(tokens, model.config.max_position_embeddings)
     scratch = ModelEngine.with_new_cache(model, -(-tokens // block_size), block_size, attention_backend)
     item = ForwardItem("__profile__", [1] * tokens, num_logits=1, prompt=True)
     return memory.profile(lambda: scratch.forward([item]))  # (the scratch pool goes with this frame)
