@@ -27,8 +27,8 @@ Checks (each passes or fails on its own; the exit status is 1 if any failed):
 - ``attention``: the backend ``auto`` picks (flash-attn when installed, SDPA otherwise)
   against SDPA.
 - ``kv-sizing`` (CUDA only): ``--gpu-memory-utilization 0.5`` sizes the KV pool so that the process
-  then holds at most half the device (and not less than that, less twice the room kept free), and a
-  long prompt runs in it.
+  then holds at most half the device, with no more than 256 MiB of that half unused besides the
+  measured activation peak and the room kept free, and a long prompt runs in it.
 - ``step-graphs``: decode and verify steps replayed as captured CUDA graphs
   (``--cuda-graphs``, tandem/step_graphs.py) against the eager engine, float32: greedy
   target-only and self-drafted output token for token, and each graph replayed. On a CPU the
@@ -414,8 +414,8 @@ def attention(model_dir: Path, plan: Plan) -> dict[str, Any]:
 
 def kv_sizing(model_dir: Path, plan: Plan) -> dict[str, Any]:
     """CUDA: ``--gpu-memory-utilization 0.5`` (tandem/kv_sizing.py) sizes the pool so that, once allocated, the
-    process holds no more than half the device, within what it keeps free; and a prompt as long as the profile's
-    runs in it."""
+    process holds no more than half the device and leaves little of it unused besides the measured activation peak
+    and the room kept free; and a prompt as long as the profile's runs in it."""
     from tandem.kv_sizing import HEADROOM_BYTES, PROFILE_TOKENS
 
     free_memory(plan.device)
