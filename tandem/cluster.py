@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.config import DEFAULT_KV_CACHE_TOKENS
 from tandem.errors import TandemError
 from tandem.parent_watch import LAUNCHER_ENV
 from tandem.rpc.tls import ClientTLS, ServerTLS, open_channel
@@ -88,7 +89,7 @@ class ClusterSpec:
     draft_replicas: int = 1
     dtype: str = "auto"
     worker_threads: int | None = None
-    kv_cache_tokens: int = 16384
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     tensor_parallel_size: int = 1  # ranks per target worker (`tandem serve target --tensor-parallel-size`)
     metrics: bool = True
     # Pipelined drafting overlaps draft and verify; on one shared CPU the two processes then

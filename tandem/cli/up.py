@@ -51,6 +51,7 @@ from tandem.cli.serve import chunk_tokens
 from tandem.cluster import ClusterSpec, LocalCluster, Service
 from tandem.config import (
     DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_KV_CACHE_TOKENS,
     DTYPES,
     PLACEMENT_MODES,
     SCHEDULING_POLICIES,
@@ -121,7 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="workers replay decode and verify steps as CUDA graphs (default: on with --device cuda and "
                         "one rank, off elsewhere; see `tandem serve target --help`)")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: all cores)")
-    p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker, in tokens")
+    p.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS,
+                   help="KV pool per worker, in tokens (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="workers compute every prompt from its first token (default: they reuse the KV of "
                         "prompts that start the same way)")
